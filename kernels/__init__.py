@@ -1,0 +1,3 @@
+"""Compute kernels: Triton kernels, each with a pure-torch twin in ``kernels.reference``.
+
+Imports nothing from the rest of the project."""

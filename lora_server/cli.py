@@ -1,0 +1,82 @@
+"""The ``lora-server`` command: one sub-command per job, each registered with its own arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from lora_server.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str, help_text: str, add_args: Callable[[argparse.ArgumentParser], None]):
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = (help_text, add_args, run)
+        return run
+    return register
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF dir, .gguf file, or dummy preset (default: embedded SmolLM2)")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES))
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
+                  device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+                  enable_chunked_prefill=not args.no_chunked_prefill)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("prompt")
+
+
+@command("generate", "print the completion of one prompt", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    from lora_server.engine import Engine
+    from lora_server.sampling_params import SamplingParams
+
+    engine = Engine(engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    prompt = args.prompt if args.raw else engine.chat_prompt([{"role": "user", "content": args.prompt}])
+    [completion] = engine.generate([prompt], params)
+    print(completion.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lora-server", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    from lora_server.errors import LoraServerError
+
+    try:
+        return COMMANDS[args.command][2](args)
+    except LoraServerError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The one configuration object of an engine, validated once and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine needs to be built.
+
+    model: an HF directory (config.json + safetensors), a .gguf file, or with load_format="dummy" a preset name
+    or a directory/file holding config.json; None means the embedded SmolLM2-135M-Instruct GGUF.
+    quantization "auto" keeps a GGUF's own blocks (Q4_1 -> int4, Q8_0 -> int8) and leaves HF weights unquantized.
+    """
+
+    model: str | None = None
+    load_format: str = "auto"
+    quantization: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0  # for dummy weights
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 1024
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
+        _choice("dtype", self.dtype, tuple(DTYPES))
+        _choice("device", self.device, DEVICES)
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """float32 on the CPU (bf16 matmuls are slow there), bfloat16 on CUDA, unless set."""
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -1,0 +1,48 @@
+"""Typed errors the engine raises; the HTTP layer maps each to an OpenAI-shaped error response."""
+
+from __future__ import annotations
+
+
+class LoraServerError(Exception):
+    """Base of every error this package raises on purpose."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(LoraServerError, ValueError):
+    """The request itself is wrong (HTTP 400); nothing was changed."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt plus max_tokens do not fit the model's context (HTTP 400, code context_length_exceeded)."""
+
+    def __init__(self, message: str, param: str | None = "messages") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class QueueFullError(LoraServerError):
+    """The waiting queue is at its bound (HTTP 429 with Retry-After)."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class EngineDeadError(LoraServerError):
+    """The engine loop stopped after an internal failure (HTTP 503)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+class ModelLoadError(LoraServerError, ValueError):
+    """A model file or directory cannot be loaded (wrong format, unsupported architecture, missing tensors)."""

@@ -1,0 +1,173 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2's q/k/v biases) over a paged KV cache.
+
+Linear layers are QuantLinear modules (dense, int8, int4); q|k|v and gate|up are fused along the output rows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from kernels import reference
+from lora_server.errors import ModelLoadError
+from lora_server.forward_batch import ForwardBatch
+from lora_server.loader import Checkpoint
+from lora_server.model_arch import ModelArch
+from lora_server.quant import QuantLinear, cat_linears, swap_for_cpu
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with llama3 / linear scaling or GGUF's rope_freqs factors."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling_dict
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old_len / low, inv / factor, inv)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv = torch.where(medium, smoothed, inv)
+    if rope_freqs is not None:
+        inv = inv / rope_freqs.float().to(inv.device)
+    return inv
+
+
+class Rotary(nn.Module):
+    """Neox-style rotary embedding (HF's rotate_half layout) from a cos/sin table over all positions."""
+
+    def __init__(self, arch: ModelArch, max_positions: int, device: torch.device,
+                 rope_freqs: torch.Tensor | None = None) -> None:
+        super().__init__()
+        inv = rope_inv_freq(arch, rope_freqs).to(device)
+        freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x: [T, heads, head_dim]
+        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, qkv: QuantLinear, o: QuantLinear) -> None:
+        super().__init__()
+        self.qkv_proj, self.o_proj = qkv, o
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), batch.positions)
+        k = rotary(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), batch.positions)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k_cache, v_cache = kv_cache
+        reference.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                      batch.query_start_loc, self.scale)  # [T, heads, head_dim]
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_up: QuantLinear, down: QuantLinear) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn_norm: RMSNorm, attn: Attention, mlp_norm: RMSNorm, mlp: MLP) -> None:
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), batch, rotary, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, embed: QuantLinear, layers: list[DecoderLayer], norm: RMSNorm,
+                 lm_head: QuantLinear | None, rotary: Rotary, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch, self.dtype = arch, dtype
+        self.embed, self.layers, self.norm, self.rotary = embed, nn.ModuleList(layers), norm, rotary
+        self.lm_head = lm_head  # None: tied to the embedding
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
+        x = self.embed.rows(batch.input_ids, self.dtype)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, batch, self.rotary, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        head = self.lm_head if self.lm_head is not None else self.embed
+        return head(hidden).float()
+
+
+def build_llama(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device: torch.device,
+                max_positions: int, show_progress: bool = True) -> LlamaModel:
+    """The offline transform: read each checkpoint tensor, quantize it to ``quantization`` ("auto" keeps a GGUF's
+    own blocks), fuse q|k|v and gate|up, and place everything on ``device``."""
+    arch, w = ckpt.arch, ckpt.weights
+    missing = [n for n in ("embed", "norm") if n not in w] + ([] if arch.tie_word_embeddings or "lm_head" in w
+                                                               else ["lm_head"])
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {', '.join(missing)}")
+
+    def linear(name: str, bias: str | None = None) -> QuantLinear:
+        if name not in w:
+            raise ModelLoadError(f"checkpoint lacks {name}")
+        module = w[name].linear(quantization, dtype, device)
+        if bias is not None and bias in w:
+            module.bias = nn.Parameter(w[bias].dense(dtype, device), requires_grad=False)
+        return module
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(w[name].dense(dtype, device), arch.rms_norm_eps)
+
+    layers = []
+    for i in tqdm(range(arch.num_layers), desc="loading layers", disable=not show_progress, unit="layer"):
+        p = f"layers.{i}."
+        qkv = cat_linears([linear(p + "q", p + "q_bias"), linear(p + "k", p + "k_bias"),
+                           linear(p + "v", p + "v_bias")], dtype)
+        attn = Attention(arch, qkv, linear(p + "o"))
+        mlp = MLP(cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
+        layers.append(DecoderLayer(norm(p + "attn_norm"), attn, norm(p + "mlp_norm"), mlp))
+    rope_freqs = w["rope_freqs"].dense(torch.float32, device) if "rope_freqs" in w else None
+    lm_head = None if arch.tie_word_embeddings or "lm_head" not in w else linear("lm_head")
+    model = LlamaModel(arch, linear("embed"), layers, norm("norm"), lm_head,
+                       Rotary(arch, max_positions, device, rope_freqs), dtype)
+    if device.type == "cpu":  # the embedding stays as is: it is read by rows, not multiplied
+        swap_for_cpu(model, keep=("embed",))
+    return model

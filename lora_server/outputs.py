@@ -1,0 +1,41 @@
+"""Typed messages from the engine to its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced since its previous output (a streaming delta)."""
+
+    request_id: str
+    text: str  # new text
+    token_ids: list[int]  # new token ids
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
+    num_prompt_tokens: int
+    num_output_tokens: int  # all output tokens so far
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request as a whole (what Engine.generate returns)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: str | int | None

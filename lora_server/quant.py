@@ -1,0 +1,224 @@
+"""Weight-only quantization: an offline transform (float weight -> quantized tensors) plus the linear modules
+that keep the weights quantized in memory and dequantize on the fly.
+
+Formats (rows = output features, columns = input features, groups run along the input):
+- dense: weight [out, in] in the model dtype.
+- int8: symmetric, qweight int8 [out, in], scales fp16 [out, in // group]; w = scale * q.
+  Per-channel is group == in; GGUF Q8_0 is group 32, copied as is.
+- int4: asymmetric, packed uint8 [out, in // 2], scales and mins fp16 [out, in // group]; w = scale * q + min,
+  q in 0..15. Within each group of g values, byte j holds q[j] in its low nibble and q[j + g/2] in its high
+  nibble: the GGUF Q4_1 block layout, so Q4_1 blocks are copied as is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP_SIZE = 32
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows weight[ids] -> [len(ids), in] (the embedding lookup)."""
+        return self.weight[ids].to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        assert qweight.dtype == torch.int8 and qweight.shape[1] % scales.shape[1] == 0
+        self.register_buffer("qweight", qweight)  # [out, in]
+        self.register_buffer("scales", scales)  # [out, in // group]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def _dequant(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        group = self.qweight.shape[1] // self.scales.shape[1]
+        w = q.to(dtype).unflatten(-1, (-1, group)) * scales.to(dtype).unsqueeze(-1)
+        return w.flatten(-2)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequant(self.qweight, self.scales, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequant(self.qweight[ids], self.scales[ids], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        assert packed.dtype == torch.uint8 and scales.shape == mins.shape
+        self.register_buffer("packed", packed)  # [out, in // 2]
+        self.register_buffer("scales", scales)  # [out, in // group]
+        self.register_buffer("mins", mins)  # [out, in // group]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    def _dequant(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_int4(packed, scales.shape[-1]).to(dtype)  # [..., groups, group]
+        return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequant(self.packed, self.scales, self.mins, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequant(self.packed[ids], self.scales[ids], self.mins[ids], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
+
+
+class Int4CpuLinear(nn.Module):
+    """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
+    module swap for Int4Linear, which would otherwise unpack every weight each step. Activations are rounded to
+    bfloat16 for the matmul (the kernel is fast only in bf16); the result is cast back to the input dtype."""
+
+    def __init__(self, source: Int4Linear) -> None:
+        super().__init__()
+        groups = source.scales.shape[1]
+        self.group_size = source.packed.shape[1] * 2 // groups
+        self.in_features = source.packed.shape[1] * 2
+        codes = unpack_int4(source.packed, groups).reshape(source.packed.shape[0], -1).to(torch.int32)
+        self.register_buffer("cpu_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale: [groups, out, 2]
+        scales, mins = source.scales.float(), source.mins.float()
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales.t(), (mins + 8 * scales).t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.bias = source.bias
+
+    @staticmethod
+    def available() -> bool:
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+    @property
+    def out_features(self) -> int:
+        return self.cpu_packed.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.cpu_packed, self.group_size,
+                                                       self.scales_and_zeros).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.cpu_packed, self.group_size,
+                                                          self.scales_and_zeros).t().to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantize(dtype)[ids]
+
+
+QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear
+
+
+def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
+    """The CPU module swap: every Int4Linear below ``module`` becomes an Int4CpuLinear (when torch has the op),
+    except children named in ``keep``."""
+    if not Int4CpuLinear.available():
+        return
+    for name, child in module.named_children():
+        if name in keep:
+            continue
+        if isinstance(child, Int4Linear):
+            setattr(module, name, Int4CpuLinear(child))
+        else:
+            swap_for_cpu(child, keep)
+
+
+def unpack_int4(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """[..., in // 2] uint8 -> [..., groups, group] uint8 codes in 0..15 (see the module docstring's layout)."""
+    p = packed.unflatten(-1, (groups, -1))
+    return torch.cat([p & 0x0F, p >> 4], dim=-1)
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8; group None = per output channel. Returns (qweight int8 [out, in], scales fp16)."""
+    out_f, in_f = w.shape
+    group = in_f if group is None else group
+    wg = w.float().reshape(out_f, in_f // group, group)
+    scales = (wg.abs().amax(-1) / 127.0).clamp(min=1e-10).half()
+    q = torch.round(wg / scales.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q.reshape(out_f, in_f), scales
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4. Returns (packed uint8 [out, in // 2], scales fp16, mins fp16)."""
+    out_f, in_f = w.shape
+    if in_f % group:
+        raise ValueError(f"int4 needs in_features ({in_f}) divisible by the group size {group}")
+    wg = w.float().reshape(out_f, in_f // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-10).half()
+    mins = lo.half()
+    q = torch.round((wg - mins.float().unsqueeze(-1)) / scales.float().unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    half = group // 2
+    packed = q[..., :half] | (q[..., half:] << 4)
+    return packed.reshape(out_f, in_f // 2), scales, mins
+
+
+def make_linear(w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> QuantLinear:
+    """The offline transform: a float weight [out, in] -> the linear module of the given mode."""
+    if mode == "none":
+        return DenseLinear(w, bias)
+    if mode == "int8":
+        return Int8Linear(*quantize_int8(w), bias=bias)
+    if mode == "int4":
+        return Int4Linear(*quantize_int4(w), bias=bias)
+    raise ValueError(f"unknown quantization mode {mode!r}")
+
+
+def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
+    """Fuse linears along the output dimension (q|k|v, gate|up). Parts of one format and group size stay in
+    that format; mixed formats fall back to per-channel int8 of the dequantized weights."""
+    biases = [p.bias for p in parts]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else torch.zeros(p.out_features, dtype=dtype, device=_dev(p))
+         for b, p in zip(biases, parts, strict=True)])
+    kinds = {type(p) for p in parts}
+    groups = {getattr(p, "scales", None).shape[1] for p in parts if hasattr(p, "scales")}  # type: ignore[union-attr]
+    if kinds == {DenseLinear}:
+        return DenseLinear(torch.cat([p.weight for p in parts]), bias)  # type: ignore[union-attr]
+    if kinds == {Int8Linear} and len(groups) == 1:
+        return Int8Linear(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
+    if kinds == {Int4Linear} and len(groups) == 1:
+        return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.mins for p in parts]), bias)
+    w = torch.cat([p.dequantize(torch.float32) for p in parts])
+    return Int8Linear(*quantize_int8(w), bias=bias)
+
+
+def _dev(m: nn.Module) -> torch.device:
+    return next(iter(m.buffers()), next(m.parameters())).device
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of a module (what stays in memory)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)

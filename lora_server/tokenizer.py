@@ -1,0 +1,288 @@
+"""Tokenizer of one model, built from a GGUF file's metadata or a Hugging Face model directory.
+
+The work is done by the `tokenizers` library; this module only assembles a `tokenizers.Tokenizer`
+from the description a model ships with, and adds what a server needs around it: the special token
+ids, whether BOS is prepended, and the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+from gguf import GGUFReader
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+# `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+_TOKEN_TYPE_UNKNOWN = 2
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns, as the reference tokenizers of these model families use them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# `tokenizer.ggml.pre` values whose split is GPT-2's regex alone, or GPT-2's regex after isolating
+# every digit (llama.cpp's `\p{N}` split), which is what HF's `Digits(individual_digits=True)` does.
+_GPT2_PRES = frozenset({"gpt2", "mpt", "olmo", "jais"})
+_DIGITS_GPT2_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
+_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral"})
+_QWEN2_PRES = frozenset({"qwen2", "deepseek-r1-qwen"})
+_PRE_SPLITS = {**dict.fromkeys(_LLAMA3_PRES, _LLAMA3_SPLIT), **dict.fromkeys(_QWEN2_PRES, _QWEN2_SPLIT)}
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and the chat template of one model.
+
+    Build one with `from_gguf` or `from_hf_dir`. Attributes:
+        vocab_size: size of the id space; every valid id is in `range(vocab_size)`.
+        bos_token_id: the beginning-of-sequence id, or None if the model has none.
+        eos_token_ids: every id that ends generation (may be empty).
+        add_bos: whether `encode(text, add_special_tokens=True)` prepends `bos_token_id`.
+        chat_template: the model's jinja chat template, or None.
+    """
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        vocab_size: int,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        """Wrap a ready `tokenizers.Tokenizer`; prefer the `from_*` constructors."""
+        self._backend = backend
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.add_bos = add_bos and bos_token_id is not None
+        self.chat_template = chat_template
+        self._special_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+        self._compiled_template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build the tokenizer described by a GGUF file's `tokenizer.*` metadata.
+
+        Supports byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizers
+        of the GPT-2, SmolLM/StarCoder, Llama 3 and Qwen2 families. Raises ValueError for anything else.
+        Control tokens become special tokens (matched whole in text, skipped by
+        `decode(skip_special_tokens=True)`); user-defined tokens become non-special added tokens.
+        """
+        fields = GGUFReader(os.fspath(path)).fields
+
+        def get(name: str, default: Any = None) -> Any:
+            field = fields.get(f"tokenizer.{name}")
+            return default if field is None else field.contents()
+
+        model = get("ggml.model")
+        if model != "gpt2":
+            raise ValueError(
+                f"{os.fspath(path)}: unsupported tokenizer.ggml.model {model!r}; "
+                "only 'gpt2' (byte-level BPE) is supported"
+            )
+        tokens: list[str] = get("ggml.tokens")
+        token_types: list[int] = get("ggml.token_type") or [1] * len(tokens)
+        merges = [_split_merge(merge) for merge in get("ggml.merges", [])]
+        backend = _Backend(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+        backend.normalizer, backend.pre_tokenizer = _gguf_pre_tokenization(get("ggml.pre"), path)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(
+            [
+                AddedToken(token, special=True, normalized=False)
+                for token, kind in zip(tokens, token_types, strict=True)
+                if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNKNOWN)
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(token, special=False, normalized=False)
+                for token, kind in zip(tokens, token_types, strict=True)
+                if kind == _TOKEN_TYPE_USER_DEFINED
+            ]
+        )
+        end_ids = [get(f"ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+        return cls(
+            backend,
+            vocab_size=len(tokens),
+            bos_token_id=get("ggml.bos_token_id"),
+            eos_token_ids=[token_id for token_id in end_ids if token_id is not None],
+            add_bos=bool(get("ggml.add_bos_token", False)),
+            chat_template=get("chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build the tokenizer of a Hugging Face model directory.
+
+        Reads `tokenizer.json` (required) and, where present, `tokenizer_config.json` (bos/eos tokens,
+        `add_bos_token`, `chat_template`), `chat_template.jinja` (preferred over the config's template),
+        and `eos_token_id` (int or list) from `generation_config.json` and `config.json`; the end ids are
+        the union of all of these. Without `add_bos_token` in the config, BOS is prepended iff the
+        tokenizer.json post-processor prepends it. Only BOS is ever added by `encode`; other additions a
+        post-processor might make (such as a trailing EOS) are not.
+        """
+        root = Path(path)
+        backend = _Backend.from_file(os.fspath(root / "tokenizer.json"))
+        config = _read_json(root / "tokenizer_config.json")
+
+        def token_id(value: str | dict[str, Any] | None) -> int | None:
+            content = value.get("content") if isinstance(value, dict) else value
+            return None if content is None else backend.token_to_id(content)
+
+        bos_token_id = token_id(config.get("bos_token"))
+        eos_ids = [token_id(config.get("eos_token"))]
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(root / name).get("eos_token_id")
+            eos_ids.extend(value if isinstance(value, list) else [value])
+
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            probe = backend.encode("", add_special_tokens=True).ids
+            add_bos = bool(probe) and probe[0] == bos_token_id
+
+        template_file = root / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):
+            named = {entry["name"]: entry["template"] for entry in template}
+            template = named.get("default")
+
+        vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        return cls(
+            backend,
+            vocab_size=vocab_size,
+            bos_token_id=bos_token_id,
+            eos_token_ids=[i for i in eos_ids if i is not None],
+            add_bos=add_bos,
+            chat_template=template,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special token strings in the text map to their ids.
+
+        With `add_special_tokens` and `add_bos`, `bos_token_id` is prepended.
+        """
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings of `ids` (byte-level spelling, e.g. 'Ġhello'); ValueError for unknown ids."""
+        tokens = []
+        for token_id in ids:
+            token = self._backend.id_to_token(token_id)
+            if token is None:
+                raise ValueError(f"token id {token_id} is not in the vocabulary")
+            tokens.append(token)
+        return tokens
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special (control) token, i.e. one `decode(skip_special_tokens=True)` drops."""
+        return token_id in self._special_ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as transformers' `apply_chat_template(tokenize=False)`.
+
+        Raises ValueError if the model has no chat template, or the template is invalid or rejects the
+        conversation (through `raise_exception`).
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        try:
+            if self._compiled_template is None:
+                self._compiled_template = _jinja_env().from_string(self.chat_template)
+            return self._compiled_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_token_id),
+                eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"chat template failed: {error}") from error
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._backend.id_to_token(token_id) or ""
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep or " " in right:
+        raise ValueError(f"malformed merge {merge!r}")
+    return left, right
+
+
+def _gguf_pre_tokenization(
+    pre: str | None, path: str | os.PathLike[str]
+) -> tuple[normalizers.Normalizer | None, pre_tokenizers.PreTokenizer]:
+    """(normalizer, pre-tokenizer) for a byte-level vocabulary with `tokenizer.ggml.pre == pre`."""
+    if pre in _GPT2_PRES:
+        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_GPT2_PRES:
+        return None, pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = _PRE_SPLITS.get(pre or "")
+    if split is None:
+        raise ValueError(f"{os.fspath(path)}: unsupported tokenizer.ggml.pre {pre!r}")
+    pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return (normalizers.NFC() if pre in _QWEN2_PRES else None), pre_tokenizer
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} if the file does not exist."""
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as file:
+        return json.load(file)
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in: blocks trimmed, loop controls on."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env

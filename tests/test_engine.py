@@ -1,0 +1,211 @@
+"""The engine end to end on the embedded model: batching never changes results, preemption and chunked prefill
+are exact, seeded sampling ignores batch company, bad input fails alone, async streams and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.errors import ContextLengthExceededError, InvalidRequestError
+from lora_server.quant import resident_bytes
+from lora_server.sampling_params import SamplingParams
+from tests.conftest import CHAT_PROMPTS
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _engine(**kw) -> Engine:
+    kw.setdefault("quantization", "none")
+    kw.setdefault("kv_cache_bytes", 64 << 20)
+    return Engine(EngineConfig(show_progress=False, **kw))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_fp32):
+    return [engine_fp32.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:5]]
+
+
+@pytest.fixture(scope="module")
+def alone(engine_fp32, prompts):
+    """Each prompt run by itself: the reference for every batching variant."""
+    return [engine_fp32.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def test_same_tokens_all_at_once(engine_fp32, prompts, alone):
+    assert [c.token_ids for c in engine_fp32.generate(prompts, GREEDY)] == alone
+    engine_fp32.core.check_integrity()
+    assert engine_fp32.core.pool.num_free == engine_fp32.core.pool.num_blocks
+
+
+def test_same_tokens_with_different_lengths_and_small_chunks(prompts, alone):
+    # a 7-token budget splits every prompt into chunks and mixes decodes with prefill chunks in one step
+    engine = _engine(max_num_batched_tokens=7)
+    lengths = [5, 24, 11, 17, 24]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
+    assert [c.token_ids for c in outs] == [ref[:n] for ref, n in zip(alone, lengths, strict=True)]
+
+
+def test_same_tokens_without_chunked_prefill(prompts, alone):
+    engine = _engine(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == alone
+
+
+def test_same_tokens_under_preemption(prompts, alone):
+    # 12 blocks of 16 tokens cannot hold five ~60-token sequences at once: requests get preempted and recomputed
+    engine = _engine(num_kv_blocks=12, block_size=16)
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.core.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in outs] == alone
+    engine.core.check_integrity()
+    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+
+
+def test_staggered_arrivals_async(prompts, alone):
+    engine = _engine()
+
+    async def run() -> list[list[int]]:
+        async def one(i: int, delay_tokens: int, started: list[asyncio.Event]) -> list[int]:
+            if i > 0:
+                await started[i - 1].wait()  # arrive while the previous request is mid-flight
+            tokens: list[int] = []
+            async for out in engine.add_request(prompts[i], GREEDY):
+                tokens.extend(out.token_ids)
+                if len(tokens) >= delay_tokens:
+                    started[i].set()
+            return tokens
+
+        started = [asyncio.Event() for _ in prompts]
+        return await asyncio.gather(*(one(i, 3 + i, started) for i in range(len(prompts))))
+
+    try:
+        assert asyncio.run(run()) == alone
+    finally:
+        engine.shutdown()
+    engine.core.check_integrity()
+
+
+def test_seeded_sampling_ignores_batch_company(engine_fp32, prompts):
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = engine_fp32.generate([prompts[1]], seeded)[0].text
+    company = [SamplingParams(max_tokens=n, temperature=1.0) for n in (5, 9, 13)]
+    mixed = engine_fp32.generate([prompts[0], prompts[2], prompts[1], prompts[3]],
+                                 [company[0], company[1], seeded, company[2]])
+    assert mixed[2].text == alone
+    other_seed = engine_fp32.generate([prompts[1]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95,
+                                                                   top_k=50, seed=99))[0].text
+    assert other_seed != alone  # the seed matters (16 sampled tokens colliding by chance is negligible)
+
+
+def test_stop_strings_and_stop_reasons(engine_fp32, prompts, alone):
+    full = engine_fp32.tokenizer.decode(alone[0])
+    stop = full[10:14]
+    [c] = engine_fp32.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
+    assert c.text == full[: full.index(stop)]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    [c] = engine_fp32.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0))
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+    [c] = engine_fp32.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0,
+                                                            stop_token_ids=[alone[0][4]]))
+    assert c.token_ids == alone[0][:5] and c.finish_reason == "stop" and c.stop_reason == alone[0][4]
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(prompt=""), InvalidRequestError),
+    (dict(prompt=[]), InvalidRequestError),
+    (dict(prompt=[1, 2, 10**7]), InvalidRequestError),
+    (dict(prompt=[1, -5]), InvalidRequestError),
+    (dict(prompt="word " * 9000), ContextLengthExceededError),
+    (dict(params=dict(max_tokens=10**6)), ContextLengthExceededError),
+    (dict(params=dict(stop_token_ids=[10**7])), InvalidRequestError),
+])
+def test_bad_requests_fail_alone(engine_fp32, prompts, alone, bad, error):
+    params = SamplingParams(**bad.get("params", {"max_tokens": 4}))
+    with pytest.raises(error) as info:
+        engine_fp32.generate([prompts[0], bad.get("prompt", prompts[1])], params)
+    assert info.value.http_status == 400
+    # nothing was admitted: the engine serves the next request normally and holds no blocks
+    assert engine_fp32.generate([prompts[0]], GREEDY)[0].token_ids == alone[0]
+    engine_fp32.core.check_integrity()
+    assert engine_fp32.core.pool.num_free == engine_fp32.core.pool.num_blocks
+
+
+@pytest.mark.parametrize("values", [
+    dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
+    dict(top_k=-2), dict(min_p=2.0), dict(repetition_penalty=0.0), dict(logprobs=99),
+    dict(temperature=float("nan")), dict(stop=[""]), dict(min_tokens=50, max_tokens=5),
+])
+def test_invalid_sampling_values_are_typed_errors(values):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**values)
+    assert info.value.param in values
+
+
+def test_bad_request_while_others_stream(prompts, alone):
+    engine = _engine()
+
+    async def run() -> list[int]:
+        good = engine.add_request(prompts[0], GREEDY)
+        tokens: list[int] = []
+        async for out in good:
+            tokens.extend(out.token_ids)
+            if len(tokens) == 2:
+                with pytest.raises(ContextLengthExceededError):
+                    engine.add_request(prompts[1], SamplingParams(max_tokens=10**6))
+                with pytest.raises(InvalidRequestError):
+                    engine.add_request([10**8], GREEDY)
+        return tokens
+
+    try:
+        assert asyncio.run(run()) == alone[0]
+    finally:
+        engine.shutdown()
+    engine.core.check_integrity()
+    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+
+
+def test_abort_frees_blocks(prompts):
+    engine = _engine()
+
+    async def run() -> tuple[str | None, int]:
+        stream = engine.add_request(prompts[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        n = 0
+        last = None
+        async for out in stream:
+            n += len(out.token_ids)
+            if n == 3:
+                engine.abort(stream.request_id)
+            last = out
+        return last.finish_reason, n
+
+    try:
+        reason, n = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert reason == "abort" and n < 200
+    engine.core.check_integrity()
+    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+
+
+def test_quantized_modes_agree_and_shrink(prompts, capsys):
+    """Greedy agreement of int8 / int4 / the GGUF's own blocks with fp32, and resident weight bytes."""
+    ref = _engine(quantization="none")
+    ref_out = [c.token_ids for c in ref.generate(prompts, GREEDY)]
+    sizes = {"none": resident_bytes(ref.core.runner.model)}
+    agree = {}
+    for mode in ("int8", "int4", "auto"):
+        engine = _engine(quantization=mode)
+        sizes[mode] = resident_bytes(engine.core.runner.model)
+        outs = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+        # agreement: the share of tokens before the first divergence, over all prompts
+        same = sum(next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(r))
+                   for o, r in zip(outs, ref_out, strict=True))
+        agree[mode] = same / sum(len(r) for r in ref_out)
+    with capsys.disabled():
+        print("\nresident weight bytes:", {k: f"{v / 1e6:.1f} MB" for k, v in sizes.items()},
+              "greedy agreement with fp32:", {k: f"{v:.0%}" for k, v in agree.items()})
+    assert sizes["int8"] < 0.3 * sizes["none"] and sizes["int4"] < 0.7 * sizes["int8"]
+    assert sizes["auto"] < sizes["int8"]
+    assert agree["auto"] >= 0.5 and agree["int8"] >= 0.5
