@@ -12,6 +12,8 @@ Formats (rows = output features, columns = input features, groups run along the 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -146,7 +148,7 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
     for name, child in module.named_children():
         if name in keep:
             continue
-        if isinstance(child, Int4Linear):
+        if isinstance(child, Int4Linear) and child.out_features % 16 == 0:  # the kernel's tiling needs it
             setattr(module, name, Int4CpuLinear(child))
         else:
             swap_for_cpu(child, keep)
@@ -215,7 +217,7 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
 
 
 def _dev(m: nn.Module) -> torch.device:
-    return next(iter(m.buffers()), next(m.parameters())).device
+    return next(itertools.chain(m.buffers(), m.parameters())).device
 
 
 def resident_bytes(module: nn.Module) -> int:
