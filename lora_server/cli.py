@@ -47,6 +47,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--adapter", default=None,
+                   help="a demo adapter's NAME, or NAME=PATH of any PEFT LoRA directory (default: the base model)")
     p.add_argument("prompt")
 
 
@@ -56,11 +58,64 @@ def _generate(args: argparse.Namespace) -> int:
     from lora_server.sampling_params import SamplingParams
 
     engine = Engine(engine_config(args))
+    adapter = _register_adapter(engine, args.adapter) if args.adapter else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompt = args.prompt if args.raw else engine.chat_prompt([{"role": "user", "content": args.prompt}])
-    [completion] = engine.generate([prompt], params)
+    [completion] = engine.generate([prompt], params, adapters=adapter)
     print(completion.text)
     return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _bench_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="dummy preset or config.json (default llama-3-8b), or with --load-format auto a model path "
+                        "(default: the embedded SmolLM2)")
+    p.add_argument("--load-format", default="dummy", choices=LOAD_FORMATS)
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES))
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--batch", type=_ints, default=[1, 16, 64, 128])
+    p.add_argument("--adapters", type=_ints, default=[0, 1, 16, 64], help="distinct adapters in the batch")
+    p.add_argument("--prompt-len", type=_ints, default=[128, 1024])
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-gb", type=float, default=16.0)
+    p.add_argument("--json", default=None, help="write the figures to this path")
+    p.add_argument("--quick", action="store_true", help="tiny shapes that run on the CPU in seconds")
+
+
+@command("bench-engine", "decode throughput against the memory-bandwidth floor", _bench_engine_args)
+def _bench_engine(args: argparse.Namespace) -> int:
+    from lora_server.bench_engine import bench
+
+    if args.quick:
+        args.model, args.load_format, args.batch, args.adapters = "tiny-llama", "dummy", [1, 4], [0, 2]
+        args.prompt_len, args.output_len, args.kv_cache_gb, args.rank = [16], 8, 0.05, 8
+    elif args.load_format == "dummy" and args.model is None:
+        args.model = "llama-3-8b"
+    bench(args)
+    return 0
+
+
+def _register_adapter(engine, spec: str) -> str:
+    """NAME (a demo adapter) or NAME=PATH -> the registered name."""
+    from adapters import demo_adapters
+    from lora_server.errors import InvalidRequestError
+
+    name, _, path = spec.partition("=")
+    if not path:
+        demos = demo_adapters()
+        if name not in demos:
+            raise InvalidRequestError(f"no demo adapter {name!r} (demo adapters: {', '.join(demos) or 'none'}); "
+                                      "use NAME=PATH for a PEFT directory", param="adapter")
+        path = str(demos[name])
+    engine.add_adapter(name, path)
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, (help_text, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
+    from adapters.peft_format import AdapterError
     from lora_server.errors import LoraServerError
 
     try:
         return COMMANDS[args.command][2](args)
-    except LoraServerError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+    except (LoraServerError, AdapterError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -35,6 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024
+    max_loras: int = 8  # device slots for adapters used by running requests
+    max_lora_rank: int = 16
+    adapter_roots: tuple[str, ...] | None = None  # directories adapters may be loaded from; None = anywhere
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -42,7 +45,8 @@ class EngineConfig:
         _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("dtype", self.dtype, tuple(DTYPES))
         _choice("device", self.device, DEVICES)
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                     "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

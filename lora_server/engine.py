@@ -17,6 +17,7 @@ from lora_server.config import EngineConfig
 from lora_server.detokenizer import IncrementalDetokenizer
 from lora_server.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, QueueFullError
 from lora_server.loader import open_checkpoint
+from lora_server.lora import AdapterHandle
 from lora_server.model_runner import ModelRunner
 from lora_server.outputs import Completion, RequestOutput, TokenLogprob
 from lora_server.request import FinishReason, Request
@@ -43,16 +44,20 @@ class EngineCore:
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
+        self.adapters = self.runner.lora
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.enable_chunked_prefill, config.max_waiting_requests),
-                                   self.pool)
+                                   self.pool, self.adapters)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     # ---- admission -----------------------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """Validate and tokenize; raises InvalidRequestError (or ContextLengthExceededError) and changes nothing."""
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     adapter: str | None = None) -> Request:
+        """Validate and tokenize; raises InvalidRequestError (ContextLengthExceededError, UnknownAdapterError)
+        and changes nothing. ``adapter`` names a registered adapter; None is the base model."""
+        handle = None if adapter is None else self.adapters.get(adapter)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -76,7 +81,7 @@ class EngineCore:
                 f"completion). Please reduce the prompt or max_tokens.")
         if any(t >= self.arch.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be inside the vocabulary", param="stop_token_ids")
-        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle)
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -177,6 +182,15 @@ class Engine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    def add_adapter(self, name: str, path: str | Path) -> AdapterHandle:
+        """Register a PEFT LoRA directory under ``name`` (a new version if the name exists); raises AdapterError
+        with the reason when it cannot be served. Safe while serving: running requests are not stalled."""
+        return self.core.adapters.register(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """New requests for ``name`` fail (UnknownAdapterError); in-flight ones finish, then its memory is freed."""
+        self.core.adapters.unregister(name)
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat conversation under the model's chat template, ready for add_request/generate."""
         if self.tokenizer is None:
@@ -186,14 +200,16 @@ class Engine:
 
     # ---- offline -------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
-        """Run all prompts to completion in continuous batches; results in prompt order."""
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+                 adapters: str | None | Sequence[str | None] = None) -> list[Completion]:
+        """Run all prompts to completion in continuous batches; results in prompt order. ``adapters`` names one
+        adapter for all prompts or one per prompt (None: the base model)."""
         if self._thread is not None:
             raise RuntimeError("generate() cannot run while the async loop is running; use add_request()")
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        requests = [self.core.make_request(f"gen-{next(self._ids)}", p, sp) for p, sp in zip(prompts, plist,
-                                                                                          strict=True)]
+        alist = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
+        requests = [self.core.make_request(f"gen-{next(self._ids)}", p, sp, a)
+                    for p, sp, a in zip(prompts, plist, alist, strict=True)]
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids, "", [], None, None, None)
                    for r in requests}
         pending = list(requests)
@@ -206,7 +222,8 @@ class Engine:
 
     # ---- async ---------------------------------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> _Stream:
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    adapter: str | None = None) -> _Stream:
         """Validate (raising InvalidRequestError / ContextLengthExceededError / QueueFullError at once) and queue
         a request; returns an async iterator of its RequestOutputs, the last one with finished=True. Call from a
         running event loop."""
@@ -214,7 +231,7 @@ class Engine:
             raise EngineDeadError("the engine has stopped after an internal error")
 
         request_id = request_id or f"req-{next(self._ids)}"
-        request = self.core.make_request(request_id, prompt, params)
+        request = self.core.make_request(request_id, prompt, params, adapter)
         if len(self.core.scheduler.waiting) + self._inbox.qsize() >= self.config.max_waiting_requests:
             raise QueueFullError("the waiting queue is full; retry later")
         if request_id in self._streams:

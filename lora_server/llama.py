@@ -15,6 +15,7 @@ from kernels import reference
 from lora_server.errors import ModelLoadError
 from lora_server.forward_batch import ForwardBatch
 from lora_server.loader import Checkpoint
+from lora_server.lora import LoraBatch, LoraLinear
 from lora_server.model_arch import ModelArch
 from lora_server.quant import QuantLinear, cat_linears, swap_for_cpu
 
@@ -75,14 +76,14 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, qkv: QuantLinear, o: QuantLinear) -> None:
         super().__init__()
-        self.qkv_proj, self.o_proj = qkv, o
+        self.qkv_proj, self.o_proj = LoraLinear(qkv), LoraLinear(o)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), batch.positions)
         k = rotary(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), batch.positions)
@@ -91,17 +92,17 @@ class Attention(nn.Module):
         reference.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
         o = reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                       batch.query_start_loc, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o.flatten(1), batch.lora)
 
 
 class MLP(nn.Module):
     def __init__(self, gate_up: QuantLinear, down: QuantLinear) -> None:
         super().__init__()
-        self.gate_up_proj, self.down_proj = gate_up, down
+        self.gate_up_proj, self.down_proj = LoraLinear(gate_up), LoraLinear(down)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)  # each [T, intermediate]
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -112,7 +113,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), batch, rotary, kv_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), batch.lora)
 
 
 class LlamaModel(nn.Module):
@@ -129,6 +130,11 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, batch, self.rotary, kv_cache)
         return self.norm(x)
+
+    def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
+        """[layer][group] -> the LoRA wrapper of each fused linear (groups as in lora.GROUPS)."""
+        return [dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj, gate_up=layer.mlp.gate_up_proj,
+                     down=layer.mlp.down_proj) for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         head = self.lm_head if self.lm_head is not None else self.embed

@@ -3,12 +3,16 @@ work into one ForwardBatch, runs the model and samples."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from kernels import lora_ops
 from lora_server.config import EngineConfig
 from lora_server.forward_batch import ForwardBatch
 from lora_server.llama import LlamaModel, build_llama
 from lora_server.loader import Checkpoint
+from lora_server.lora import LoraBatch, LoraManager
 from lora_server.request import Request
 from lora_server.sampler import Sampler, SampleResult
 
@@ -28,6 +32,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self.arch.num_layers, 2, self.num_blocks, self.block_size,
                                     self.arch.num_kv_heads, self.arch.head_dim, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(self.arch.vocab_size)
+        roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
+        self.lora = LoraManager(self.arch, config.max_loras, config.max_lora_rank, self.device, self.dtype, roots)
+        self.lora.attach(self.model.lora_wrappers())
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -67,6 +74,7 @@ class ModelRunner:
             return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
         batch = ForwardBatch(
+            lora=self._lora_batch(items),
             input_ids=dev(input_ids, torch.long),
             positions=dev(positions, torch.long),
             slot_mapping=dev(slots, torch.long),
@@ -76,6 +84,27 @@ class ModelRunner:
             logits_indices=dev(logits_rows, torch.long),
         )
         return batch, sampling
+
+    def _lora_batch(self, items: list[tuple[Request, int]]) -> LoraBatch | None:
+        """Segments of consecutive tokens that share an adapter slot (each request's tokens are contiguous);
+        decode-only steps on the GPU also get the per-token form for the BGMV kernels."""
+        if all(r.lora_slot < 0 for r, _ in items):
+            return None
+        seg_starts, seg_slots = [0], []
+        for request, n in items:
+            if seg_slots and seg_slots[-1] == request.lora_slot:
+                seg_starts[-1] += n
+            else:
+                seg_slots.append(request.lora_slot)
+                seg_starts.append(seg_starts[-1] + n)
+        triton = lora_ops.use_triton(self.device, interpret=False)  # Triton on CUDA, the torch twin on the CPU
+        decode_only = all(n == 1 for _, n in items)
+        slot_ids = [r.lora_slot for r, _ in items] if triton and decode_only else None
+
+        def dev(data: list[int]) -> torch.Tensor:
+            return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
+
+        return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids), triton)
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:

@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from lora_server.lora import AdapterHandle
 from lora_server.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    adapter: AdapterHandle | None = None  # None: the base model
+    lora_slot: int = -1  # the adapter's device slot while running, -1 = none
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kv_pool import BlockPool
 from lora_server.errors import QueueFullError
+from lora_server.lora import LoraManager
 from lora_server.request import FinishReason, Request, RequestStatus
 
 
@@ -38,9 +39,10 @@ class ScheduledWork:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, adapters: LoraManager | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -52,6 +54,10 @@ class Scheduler:
             raise QueueFullError(f"the queue holds {len(self.waiting)} waiting requests; retry later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.adapter is not None:
+            if self.adapters is None:
+                raise ValueError("this scheduler serves no adapters")
+            self.adapters.hold(request.adapter)  # an unloaded adapter's version lives until its requests end
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -82,6 +88,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
+            if request.adapter is not None and not self._place_adapter(request):
+                break
             if not self._reserve(request, n):
                 break
             self.waiting.popleft()
@@ -90,6 +98,16 @@ class Scheduler:
             work.items.append((request, n))
             budget -= n
         return work
+
+    def _place_adapter(self, request: Request) -> bool:
+        """Make the request's adapter resident in a device slot (False: every slot is busy with running work)."""
+        assert self.adapters is not None and request.adapter is not None
+        in_use = {r.lora_slot for r in self.running if r.lora_slot >= 0}
+        slot = self.adapters.acquire(request.adapter, in_use)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
 
     def _reserve(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request the blocks for num_new_tokens more tokens, if the pool has them."""
@@ -115,6 +133,7 @@ class Scheduler:
         self.pool.free(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
+        request.lora_slot = -1
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -159,6 +178,9 @@ class Scheduler:
             self.waiting.remove(request)
         self.pool.free(request.block_table)
         request.block_table = []
+        request.lora_slot = -1
+        if request.adapter is not None and self.adapters is not None:
+            self.adapters.drop(request.adapter)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

@@ -1,0 +1,120 @@
+"""int8 weight-only matmul: y = x @ dequant(W).T with W stored as int8 codes and fp16 group scales, dequantized in
+registers inside the K loop. Torch twin: ``kernels.quant_reference.int8_matmul``.
+
+Format (``lora_server.quant``): qweight int8 [N, K], scales fp16 [N, K // group], w[n, k] = scales[n, k // group] *
+qweight[n, k]; per-channel is group == K, GGUF Q8_0 is group 32."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    x_ptr, qweight_ptr, scales_ptr, y_ptr,
+    M, N, K, group, num_groups,
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (m_block, n_block, split): y[rows, cols] summed over the K blocks split, split + SPLIT_K, ... A K
+    block lies inside one group or covers GROUPS_PER_TILE whole groups (the wrapper checks), so its scales are a
+    [GROUPS_PER_TILE, BLOCK_N] tile broadcast over each group's columns."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N] output features n
+    row_mask = rows < M
+    col_mask = cols < N
+    x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
+    q_cols = qweight_ptr + cols[None, :] * stride_qn  # [1, BLOCK_N]
+    s_cols = scales_ptr + cols[None, :] * stride_sn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        q = tl.load(q_cols + ks[:, None] * stride_qk, mask=k_mask[:, None] & col_mask[None, :], other=0)
+        groups = k0 // group + tl.arange(0, GROUPS_PER_TILE)  # [GROUPS_PER_TILE]
+        s = tl.load(s_cols + groups[:, None] * stride_sg, mask=(groups < num_groups)[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)  # [GROUPS_PER_TILE, BLOCK_N]
+        if GROUPS_PER_TILE == 1:
+            w = q.to(tl.float32) * s  # [BLOCK_K, BLOCK_N] = dequant(W)[cols, ks].T
+        else:
+            w = tl.reshape(q.to(tl.float32), (GROUPS_PER_TILE, BLOCK_K // GROUPS_PER_TILE, BLOCK_N)) * s[:, None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        if DOT_IN_FP32:
+            x = x.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    y_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask)
+
+
+def groups_per_tile(k: int, group: int, block_k: int) -> int:
+    """How many weight groups one K block of block_k columns covers (1 when it lies inside one group); asserts
+    that blocks and groups line up: one group (per-channel), or one of group and block_k divides the other."""
+    if group == k or group % block_k == 0:
+        return 1
+    assert block_k % group == 0, f"block_k {block_k} and group {group}: one must divide the other"
+    return block_k // group
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, block_m: int = 16,
+                block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+    """y = x @ dequant(W).T for int8 weights, in one launch.
+
+    x: [M, K] fp32, fp16 or bf16, any strides; qweight: int8 [N, K]; scales: fp16 (or any float) [N, K // group].
+    Returns y [M, N] in x's dtype:
+
+        y = (x.float() @ (qweight.float() * scales.float().repeat_interleave(group, 1)).T).to(x.dtype)
+
+    with fp32 accumulation; for fp16/bf16 x the dequantized weight tile is rounded to x's dtype before the dot
+    (as the module's dequantize(x.dtype) does). split_k > 1 splits K over that many programs that add into an fp32
+    buffer atomically (not bit-reproducible; one more pass to cast). Block sizes are powers of two >= 16, and
+    block_k and group must line up (see groups_per_tile)."""
+    num_rows, k = x.shape
+    n, qk = qweight.shape
+    assert qk == k, f"qweight in-features {qk} != x's {k}"
+    assert qweight.dtype == torch.int8, qweight.dtype
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, \
+        f"scales {tuple(scales.shape)} do not group qweight {tuple(qweight.shape)}"
+    assert scales.is_floating_point(), scales.dtype
+    assert qweight.device == x.device and scales.device == x.device
+    assert all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, block_k)), "tl.dot needs powers of two >= 16"
+    assert split_k >= 1
+    num_groups = scales.shape[1]
+    group = k // num_groups
+    gpt = groups_per_tile(k, group, block_k)
+
+    if split_k == 1:
+        y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(num_rows, n, dtype=torch.float32, device=x.device)
+    if num_rows == 0 or n == 0:
+        return y.to(x.dtype)
+    # the interpreter (CPU tensors) multiplies bfloat16 bit patterns in tl.dot (triton issue #11584)
+    dot_in_fp32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n), split_k)
+    _int8_matmul_kernel[grid](
+        x, qweight, scales, y,
+        num_rows, n, k, group, num_groups,
+        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUPS_PER_TILE=gpt, SPLIT_K=split_k,
+        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    return y.to(x.dtype)

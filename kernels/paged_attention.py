@@ -1,0 +1,157 @@
+"""Paged attention: causal grouped-query attention of each sequence's new queries over its KV cache, read through
+a block table. One kernel for decode (one query per sequence) and for prefill chunks over a cached prefix (n queries
+per sequence, its last n positions). Torch twin: ``kernels.reference.paged_attention``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_tb, stride_ti,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (b, kv_head, m_tile): the outputs of rows m_tile * BLOCK_M ... of sequence b's (query, head) rows
+    of one KV head, row m = query (m // GROUP) with head kv_head * GROUP + m % GROUP, so the GROUP heads that share
+    a KV head read each key and value once. Keys stream in BLOCK_N blocks up to the last position a row of the tile
+    sees, with an online softmax in fp32 (base 2: qk_scale holds scale * log2(e)). Tiles past the sequence's
+    rows exit at once."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+
+    q_start = tl.load(query_start_loc_ptr + b)
+    num_queries = tl.load(query_start_loc_ptr + b + 1) - q_start
+    num_rows = num_queries * GROUP
+    if m0 >= num_rows:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+
+    m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_mask = m < num_rows
+    query = m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    token = (q_start + query).to(tl.int64)
+    # query i sits at position seq_len - n + i; rows past the last query see every key up to kv_end, so that no
+    # row of the tile is fully masked (their results are not stored)
+    position = seq_len - num_queries + query  # [BLOCK_M]
+    kv_end = seq_len - num_queries + (tl.minimum(m0 + BLOCK_M, num_rows) - 1) // GROUP + 1
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_mask = d < HEAD_DIM
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    table_row = block_tables_ptr + b.to(tl.int64) * stride_tb
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of the scaled scores
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for n0 in range(0, kv_end, BLOCK_N):
+        key = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        key_mask = key < kv_end
+        page = tl.load(table_row + (key // PAGE_SIZE) * stride_ti, mask=key_mask, other=0).to(tl.int64)
+        offset = key % PAGE_SIZE
+        k_slot = page * stride_kb + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+        v_slot = page * stride_vb + offset * stride_vs + kv_head * stride_vh
+        kv_mask = key_mask[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + k_slot[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_slot[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (key[None, :] <= position[:, None]) & key_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every row
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int, *,
+                    block_m: int | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """Causal grouped-query attention of each sequence's new queries over its paged KV, in one launch and without
+    a host sync: the same arguments and result as the twin ``kernels.reference.paged_attention``, plus
+
+    max_query_len: an upper bound on query_start_loc[b + 1] - query_start_loc[b] over the batch (1 for a pure
+    decode step); it sizes the grid, and queries past it would not be computed.
+
+    q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D], q's dtype, H a multiple of KVH (query head h
+    reads KV head h // (H // KVH)); block_tables: [B, max_blocks] int32; seq_lens: [B] and query_start_loc:
+    [B + 1], int32 or int64, with query_start_loc[b + 1] - query_start_loc[b] <= seq_lens[b]. Any strides.
+    Returns out [T, H, D] in q's dtype where, for sequence b with n = query_start_loc[b + 1] - query_start_loc[b],
+    L = seq_lens[b], the keys and values K_b, V_b [L, KVH, D] = k_cache[block_tables[b]].flatten(0, 1)[:L] and
+    rows t = query_start_loc[b] + i,
+
+        out[t, h] = softmax(scale * K_b[:L - n + i + 1, h // (H // KVH)].float() @ q[t, h].float())
+                    @ V_b[:L - n + i + 1, h // (H // KVH)].float()
+
+    (fp32 softmax and accumulation; the probabilities meet V in q's dtype on the GPU). Rows outside every
+    sequence's range are left as torch.empty left them.
+
+    block_m: (query, head) rows per program (None: 16 when max_query_len * H // KVH <= 16, else 64); block_n: keys
+    per loop step. Both powers of two >= 16."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, kv_dim = k_cache.shape
+    batch = seq_lens.shape[0]
+    assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
+    assert kv_dim == head_dim, f"cache head_dim {kv_dim} != q's {head_dim}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly"
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch, tuple(block_tables.shape)
+    assert block_tables.dtype == torch.int32, block_tables.dtype
+    assert query_start_loc.shape == (batch + 1,), f"query_start_loc {tuple(query_start_loc.shape)} != ({batch + 1},)"
+    for t in (seq_lens, query_start_loc):
+        assert t.dtype in (torch.int32, torch.int64), t.dtype
+    for t in (k_cache, v_cache, block_tables, seq_lens, query_start_loc):
+        assert t.device == q.device, (t.device, q.device)
+    assert isinstance(max_query_len, int) and max_query_len >= 0, max_query_len
+    group = num_heads // num_kv_heads
+    if block_m is None:
+        block_m = 16 if max_query_len * group <= 16 else 64
+    assert all(x >= 16 and x & (x - 1) == 0 for x in (block_m, block_n)), "tl.dot needs powers of two >= 16"
+
+    out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    # the interpreter (CPU tensors) multiplies bfloat16 bit patterns in tl.dot (triton issue #11584)
+    dot_in_fp32 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    grid = (batch, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    return out

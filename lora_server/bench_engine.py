@@ -1,0 +1,154 @@
+"""``lora-server bench-engine``: offline decode throughput of the real engine against the memory-bandwidth floor.
+
+For each (batch, distinct adapters, prompt length) it runs batch requests of random prompt tokens to
+``output_len`` tokens (EOS ignored) and times every pure-decode step. The floor of a decode step is the bytes it
+must read once (resident weights + the batch's distinct adapters + the KV of every sequence) over the device copy
+bandwidth measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.quant import resident_bytes
+from lora_server.sampling_params import SamplingParams
+
+PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class BenchPoint:
+    batch: int
+    adapters: int
+    prompt_len: int
+    decode_ms_per_step: float
+    output_tok_per_s: float
+    floor_ms_per_step: float
+    share_of_bandwidth: float  # floor / measured: 1.0 would read every byte once at copy speed
+    prefill_tok_per_s: float
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int) -> float:
+    """Device copy bandwidth counting reads and writes (the figure the floor divides by)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(2):
+        b.copy_(a)
+    _sync(device)
+    start = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        b.copy_(a)
+    _sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - start) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: int = 0) -> list[str]:
+    """n PEFT adapter directories with random weights on all 7 linear modules of every layer."""
+    arch = engine.core.arch
+    shapes = engine.core.adapters.shapes.features
+    gen = torch.Generator().manual_seed(seed)
+    names = []
+    for i in range(n):
+        tensors = {}
+        for layer in range(arch.num_layers):
+            for proj, module in zip(PEFT_TARGETS, ("q", "k", "v", "o", "gate", "up", "down"), strict=True):
+                in_f, out_f = shapes[module]
+                part = "self_attn" if module in ("q", "k", "v", "o") else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_f, generator=gen) * 0.01).half()
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank, generator=gen) * 0.01).half()
+        path = root / f"bench-{i}"
+        path.mkdir(parents=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(
+            dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(PEFT_TARGETS), bias="none")))
+        names.append(path.name)
+    return names
+
+
+def run_point(engine: Engine, batch: int, adapter_names: list[str], prompt_len: int, output_len: int,
+              bandwidth: float, adapter_bytes: int) -> BenchPoint:
+    core = engine.core
+    gen = torch.Generator().manual_seed(batch * 1000 + prompt_len)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(10, core.arch.vocab_size, (prompt_len,), generator=gen).tolist()
+        adapter = adapter_names[i % len(adapter_names)] if adapter_names else None
+        core.add(core.make_request(f"bench-{batch}-{i}", prompt, params, adapter))
+    decode_times: list[float] = []
+    contexts: list[float] = []
+    prefill_time = 0.0
+    while core.has_work():
+        work_decodes = all(r.num_uncomputed_tokens == 1 for r in core.scheduler.running) and not core.scheduler.waiting
+        context = sum(r.num_tokens for r in core.scheduler.running)
+        _sync(core.runner.device)
+        start = time.perf_counter()
+        core.step()
+        _sync(core.runner.device)
+        elapsed = time.perf_counter() - start
+        if work_decodes and core.scheduler.running:
+            decode_times.append(elapsed)
+            contexts.append(context)
+        else:
+            prefill_time += elapsed
+    core.check_integrity()
+    step = sum(decode_times) / max(1, len(decode_times))
+    kv_per_token = core.runner.kv_bytes_per_block / core.runner.block_size
+    mean_context = sum(contexts) / max(1, len(contexts))
+    floor_bytes = resident_bytes(core.runner.model) + adapter_bytes * len(adapter_names) + kv_per_token * mean_context
+    floor = floor_bytes / (bandwidth * 1e9)
+    return BenchPoint(batch, len(adapter_names), prompt_len, round(step * 1e3, 3), round(batch / step, 1),
+                      round(floor * 1e3, 3), round(floor / step, 3), round(batch * prompt_len / prefill_time, 1))
+
+
+def bench(args) -> dict:
+    config = EngineConfig(model=args.model, load_format=args.load_format, quantization=args.quantization,
+                          dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch),
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_loras=max(1, max(args.adapters)),
+                          max_lora_rank=args.rank, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+                          max_model_len=max(args.prompt_len) + args.output_len)
+    engine = Engine(config)
+    device = engine.core.runner.device
+    bandwidth = copy_bandwidth_gbps(device, 256 << 20 if device.type == "cpu" else 2 << 30)
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine)
+        for name in names:
+            engine.add_adapter(name, Path(tmp) / name)
+        # an adapter's bytes as held on the device (model dtype; the host copy is fp32)
+        adapter_bytes = engine.core.adapters.nbytes(names[0]) * engine.core.runner.dtype.itemsize // 4 if names else 0
+        for prompt_len in args.prompt_len:
+            for batch in args.batch:
+                for n in args.adapters:
+                    point = run_point(engine, batch, names[: min(n, batch)] if n else [], prompt_len,
+                                      args.output_len, bandwidth, adapter_bytes)
+                    points.append(point)
+                    print(_row(point), flush=True)
+    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  model=args.model, quantization=args.quantization, dtype=str(engine.core.runner.dtype),
+                  copy_bandwidth_GBps=round(bandwidth, 1), weight_bytes=resident_bytes(engine.core.runner.model),
+                  rank=args.rank, output_len=args.output_len, points=[asdict(p) for p in points])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _row(p: BenchPoint) -> str:
+    return (f"batch {p.batch:4d}  adapters {p.adapters:3d}  prompt {p.prompt_len:5d}  "
+            f"decode {p.decode_ms_per_step:9.3f} ms/step  {p.output_tok_per_s:9.1f} tok/s  "
+            f"floor {p.floor_ms_per_step:8.3f} ms  "
+            f"share {p.share_of_bandwidth:6.1%}  prefill {p.prefill_tok_per_s:9.1f} tok/s")

@@ -1,0 +1,127 @@
+"""Mixed-adapter batches against HF transformers + PEFT with the same fp32 weights: in one batch of adapters of
+different ranks and target sets plus base-only requests, every request gets the greedy tokens HF+PEFT gives with
+only its own adapter active, and log-probabilities within 2e-3."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.sampling_params import SamplingParams
+from tests.conftest import CHAT_PROMPTS
+
+LOGPROB_TOL = 2e-3
+NEW_TOKENS = 12
+
+ADAPTERS = {
+    "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=list(range(0, 30, 3))),
+    "all-r8-rslora": dict(r=8, lora_alpha=16, use_rslora=True,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "regex-o-down-r16": dict(r=16, lora_alpha=8,
+                             target_modules=r".*\.layers\.(\d*[02468])\.(self_attn\.o_proj|mlp\.down_proj)"),
+    "patterns": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"],
+                     rank_pattern={"q_proj": 6}, alpha_pattern={"gate_proj": 12}),
+}
+
+
+@pytest.fixture(scope="module")
+def peft_dirs(tmp_path_factory, hf_smollm2):
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    for i, (name, cfg) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(init_lora_weights=False, **cfg))
+        with torch.no_grad():  # PEFT's random init moves the model a lot; keep the effect clear but sane
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(0.3)
+        model.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def peft_model(hf_smollm2, peft_dirs):
+    from peft import PeftModel
+
+    names = list(ADAPTERS)
+    model = PeftModel.from_pretrained(copy.deepcopy(hf_smollm2), peft_dirs / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(peft_dirs / name, adapter_name=name)
+    return model.eval()
+
+
+def _peft_logprobs(model, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(input_ids=torch.tensor([ids])).logits[0]
+        else:
+            model.set_adapter(adapter)
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with HF+PEFT's forward and KV cache, only ``adapter`` active (None: adapters disabled)."""
+    import contextlib
+
+    if adapter is not None:
+        model.set_adapter(adapter)
+    ids = list(prompt)
+    with torch.no_grad(), model.disable_adapter() if adapter is None else contextlib.nullcontext():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            ids.append(int(out.logits[0, -1].argmax()))
+            out = model(input_ids=torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids[len(prompt):]
+
+
+def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
+    engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=4,
+                                 show_progress=False))
+    for name in ADAPTERS:
+        engine.add_adapter(name, peft_dirs / name)
+    plan = [None, *ADAPTERS, None, "qv-r4"]  # four adapters of different ranks and targets, base rows, one batch
+    prompts = [engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}])
+               for i in range(len(plan))]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    outs = engine.generate(prompts, params, adapters=plan)
+    base = engine.generate(prompts, params)  # the same prompts without adapters
+    for adapter, out, ref in zip(plan, outs, base, strict=True):
+        # each adapter moves the model (otherwise the comparison with PEFT would prove little)
+        moved = max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, ref.logprobs, strict=True))
+        assert (moved > 1e-2 or out.token_ids != ref.token_ids) == (adapter is not None), adapter
+    for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
+        assert out.token_ids == _peft_greedy(peft_model, adapter, prompt, NEW_TOKENS), adapter
+        ref = _peft_logprobs(peft_model, adapter, prompt + out.token_ids)
+        for step, lp in enumerate(out.logprobs):
+            assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL, adapter
+    # the adapters change the answers (otherwise the comparison above proves little)
+    engine.core.check_integrity()
+
+
+def test_more_adapters_than_slots_and_unload(peft_dirs, peft_model):
+    """Two device slots for four adapters: requests wait for a slot, adapters are swapped in and out, results
+    stay exact; unloading refuses new requests while the version in flight finishes."""
+    engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=2,
+                                 show_progress=False))
+    for name in ADAPTERS:
+        engine.add_adapter(name, peft_dirs / name)
+    names = list(ADAPTERS)
+    prompt = engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[3]}])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = engine.generate([prompt] * 4, params, adapters=names)
+    for name, out in zip(names, outs, strict=True):
+        assert out.token_ids == _peft_greedy(peft_model, name, prompt, 6)
+    from lora_server.lora import UnknownAdapterError
+
+    engine.remove_adapter(names[0])
+    with pytest.raises(UnknownAdapterError) as info:
+        engine.generate([prompt], params, adapters=names[0])
+    assert info.value.http_status == 404 and info.value.param == "model"
+    assert engine.core.adapters.names() == sorted(names[1:])
