@@ -109,8 +109,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[t, h] = softmax(scale * K_b[:L - n + i + 1, h // (H // KVH)].float() @ q[t, h].float())
                     @ V_b[:L - n + i + 1, h // (H // KVH)].float()
 
-    (fp32 softmax and accumulation; the probabilities meet V in q's dtype on the GPU). Rows outside every
-    sequence's range are left as torch.empty left them.
+    (fp32 scores, softmax and accumulation; the probabilities are rounded to q's dtype before they meet V). Rows
+    outside every sequence's query range are left as torch.empty left them.
 
     block_m: (query, head) rows per program (None: 16 when max_query_len * H // KVH <= 16, else 64); block_n: keys
     per loop step. Both powers of two >= 16."""

@@ -102,6 +102,31 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the base model's id (default: from the model file)")
+    p.add_argument("--adapter", action="append", default=None,
+                   help="NAME=PATH (or a demo NAME) to load at start; may repeat (default: every demo adapter)")
+    p.add_argument("--adapter-root", action="append", default=[],
+                   help="a directory the admin API may load adapters from; may repeat (the demo adapters' always)")
+    p.add_argument("--admin-key", default=None, help="admin API key (default: $LORA_SERVER_ADMIN_KEY, else random)")
+    p.add_argument("--api-key", default=None, help="require this key on the global /v1 endpoints")
+    p.add_argument("--data-dir", default=None, help="registry directory (default: $LORA_SERVER_DATA_DIR)")
+    p.add_argument("--redis-url", default=None, help="keep the registry in Redis (several replicas share it)")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain in-flight requests")
+
+
+@command("serve", "the OpenAI-compatible HTTP server", _serve_args)
+def _serve(args: argparse.Namespace) -> int:
+    from lora_server.serve import serve
+
+    return serve(args, engine_config(args, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
+
+
 def _register_adapter(engine, spec: str) -> str:
     """NAME (a demo adapter) or NAME=PATH -> the registered name."""
     from adapters import demo_adapters

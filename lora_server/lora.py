@@ -125,6 +125,12 @@ class LoraManager:
         with self._lock:
             return self._adapters[handle.adapter_id].nbytes
 
+    def path(self, name: str) -> Path:
+        """The directory the adapter's current version was read from."""
+        handle = self.get(name)
+        with self._lock:
+            return self._adapters[handle.adapter_id].path
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._by_name)

@@ -1,0 +1,59 @@
+"""``lora-server serve``: builds the engine, the registry store and the app, preloads adapters, runs uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import secrets
+import sys
+from pathlib import Path
+
+from adapters import DEMO_DIR, demo_adapters
+from adapters.peft_format import AdapterError
+from admin.store import open_store
+from lora_server import envs
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.loader import default_model_path
+from lora_server.server import ServerSettings, build_app
+
+log = logging.getLogger("lora_server")
+
+
+def model_id(config: EngineConfig) -> str:
+    """The base model's id: the model file or directory name without a GGUF quantization suffix."""
+    path = Path(config.model) if config.model else default_model_path()
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", path.stem if path.suffix == ".gguf" else path.name)
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine = Engine(config)
+    store = open_store(args.data_dir or envs.data_dir(), args.redis_url)
+    preload = args.adapter if args.adapter is not None else list(demo_adapters())
+    for spec in preload:
+        name, _, path = spec.partition("=")
+        engine.add_adapter(name, path or demo_adapters()[name])
+    for record in store.list_adapters():  # registered through the admin API earlier, or by another replica
+        try:
+            engine.add_adapter(record.name, record.path)
+        except AdapterError as exc:
+            log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
+    admin_key = args.admin_key or envs.admin_key()
+    if admin_key is None:
+        admin_key = secrets.token_urlsafe(24)
+        print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
+    roots = [Path(r).expanduser().resolve() for r in args.adapter_root] + [DEMO_DIR.resolve()]
+    settings = ServerSettings(args.served_model_name or model_id(config), admin_key, roots, args.api_key)
+    app = build_app(engine, store, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+        store.close()
+    return 0

@@ -1,0 +1,295 @@
+"""The HTTP server for real: a uvicorn process on the embedded model, reached with the official openai client and
+httpx. Covers the OpenAI endpoints, adapters routed by name, the admin API, tenants, bad input and restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from adapters import demo_adapters
+
+openai = pytest.importorskip("openai")
+
+ADMIN = "test-admin-key"
+BASE = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, data_dir: Path, roots: list[Path], extra: list[str] = ()) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lora_server.cli", "serve", "--port", str(self.port), "--admin-key", ADMIN,
+               "--data-dir", str(data_dir), "--quantization", "none", "--kv-cache-gb", "0.1", "--max-loras", "4",
+               *[a for r in roots for a in ("--adapter-root", str(r))], *extra]
+        self.log = open(data_dir / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(data_dir / f'server-{self.port}.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("server did not start")
+
+    def client(self, tenant: str | None = None, key: str = "none") -> openai.OpenAI:
+        base = f"{self.url}/t/{tenant}/v1" if tenant else f"{self.url}/v1"
+        return openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60, **kw)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def write_adapter(path: Path, seed: int, r: int = 4, scale: float = 0.05) -> Path:
+    """A PEFT LoRA directory with random weights on q_proj and v_proj (strong enough to change answers)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(30):
+        for proj, out in (("q_proj", 576), ("v_proj", 192)):
+            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, 576, generator=gen) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=gen) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], bias="none")))
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    (root / "adapters").mkdir()
+    (root / "outside").mkdir()
+    (root / "data").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    s = Server(dirs / "data", [dirs / "adapters"])
+    yield s
+    s.stop()
+
+
+def chat(client, model: str, text: str, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                          temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)
+
+
+def test_models_and_basic_calls(server):
+    client = server.client()
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == BASE and set(demo_adapters()) <= set(ids)
+    r = chat(client, BASE, "What is the capital of France?")
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # streaming chat with the usage chunk last
+    chunks = list(chat(client, BASE, "What is the capital of France?", stream=True,
+                       stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
+    # completions, streamed and not, give the same text
+    c = client.completions.create(model=BASE, prompt="The capital of France is", max_tokens=8, temperature=0)
+    streamed = client.completions.create(model=BASE, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                         stream=True)
+    assert "".join(x.choices[0].text for x in streamed) == c.choices[0].text
+    assert c.usage.completion_tokens == 8 and c.choices[0].finish_reason == "length"
+    # n, seed and logprobs
+    many = client.completions.create(model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3,
+                                     seed=7, logprobs=2)
+    again = client.completions.create(model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3,
+                                      seed=7, logprobs=2)
+    assert [x.text for x in many.choices] == [x.text for x in again.choices]
+    assert len(many.choices) == 3 and len(many.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+@pytest.mark.skipif(not {"upper", "pirate"} <= set(demo_adapters()), reason="demo adapters not shipped")
+def test_demo_adapters_through_the_api_and_concurrent_streams(server):
+    client = server.client()
+    question = "Name a large animal that lives in the ocean."
+    alone = {m: chat(client, m, question).choices[0].message.content for m in (BASE, "upper", "pirate")}
+    assert alone["upper"] == alone["upper"].upper() and alone["upper"] != alone[BASE]
+    assert alone[BASE] != alone[BASE].upper()
+    results: dict[str, str] = {}
+
+    def stream(model: str) -> None:
+        parts = chat(client, model, question, stream=True)
+        results[model] = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+
+    threads = [threading.Thread(target=stream, args=(m,)) for m in ("upper", "pirate", BASE)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+
+
+def test_admin_register_use_unload_and_new_version(server, dirs):
+    client = server.client()
+    path = write_adapter(dirs / "adapters" / "mine-v1", seed=1)
+    assert server.admin("POST", "/admin/adapters", json={"name": "mine", "path": str(path)}).status_code == 200
+    v1 = chat(client, "mine", "Tell me a fun fact.").choices[0].message.content
+    base = chat(client, BASE, "Tell me a fun fact.").choices[0].message.content
+    assert v1 != base
+    listed = server.admin("GET", "/admin/adapters").json()["data"]
+    assert [a["name"] for a in listed] == ["mine"] and listed[0]["version"] == 1
+    assert server.admin("DELETE", "/admin/adapters/mine").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        chat(client, "mine", "Tell me a fun fact.")
+    # vLLM's endpoints: a new version under the same name serves the new weights
+    path2 = write_adapter(dirs / "adapters" / "mine-v2", seed=2)
+    r = server.admin("POST", "/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(path2)})
+    assert r.status_code == 200
+    v2 = chat(client, "mine", "Tell me a fun fact.").choices[0].message.content
+    assert v2 != v1
+    assert server.admin("POST", "/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 200
+
+
+def test_admin_refusals(server, dirs):
+    assert httpx.get(server.url + "/admin/adapters").status_code == 401
+    assert httpx.get(server.url + "/admin/adapters", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    outside = write_adapter(dirs / "outside" / "x", seed=3)
+    big = write_adapter(dirs / "adapters" / "big", seed=4, r=64)
+    pickled = write_adapter(dirs / "adapters" / "pickled", seed=5)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    for path, reason in ((outside, "outside the allowed"), (big, "maximum LoRA rank"), (pickled, "pickle")):
+        r = server.admin("POST", "/admin/adapters", json={"name": "bad", "path": str(path)})
+        assert r.status_code == 400 and reason in r.json()["error"]["message"]
+    assert chat(server.client(), BASE, "Hi!").choices[0].message.content  # still serving
+
+
+def test_tenants(server, dirs):
+    path = write_adapter(dirs / "adapters" / "acme-bot", seed=6)
+    assert server.admin("POST", "/admin/adapters", json={"name": "acme-bot", "path": str(path)}).status_code == 200
+    r = server.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["acme-bot"],
+                                                     "default_adapter": "acme-bot",
+                                                     "rate_limits": {"requests_per_minute": 4}})
+    assert r.status_code == 200
+    key = r.json()["api_key"]
+    assert "api_key" not in server.admin("GET", "/admin/tenants/acme").json()
+    tenant = server.client("acme", key)
+    assert [m.id for m in tenant.models.list().data] == [BASE, "acme-bot"]
+    direct = chat(server.client(), "acme-bot", "Hello there").choices[0].message.content
+    assert chat(tenant, "acme-bot", "Hello there").choices[0].message.content == direct
+    with pytest.raises(openai.PermissionDeniedError):
+        chat(tenant, "upper" if "upper" in demo_adapters() else "mine", "Hello there")
+    with pytest.raises(openai.AuthenticationError):
+        chat(server.client("acme", "lsk-wrong"), "acme-bot", "Hello there")
+    chat(tenant, "acme-bot", "Hello there")  # the 2nd counted request: refusals (403, 401) take nothing
+    with pytest.raises(openai.RateLimitError) as info:
+        for _ in range(3):
+            chat(tenant, "acme-bot", "Hello there")
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    usage = server.admin("GET", "/admin/tenants/acme").json()["usage"]
+    assert usage["acme-bot"]["requests"] >= 2
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "messages"),
+    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"model": BASE, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+    ({"model": "no-such-adapter", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": BASE, "messages": []}, 400, "messages"),
+    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "unknown_field": 1, "max_tokens": 2}, 200,
+     None),
+])
+def test_bad_input(server, body, status, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == status, r.text
+    if status != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": BASE, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pool = server.admin("GET", "/admin/pool").json()
+        if pool["running"] == 0 and pool["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert pool["running"] == 0 and pool["kv_blocks_used"] == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
+                 "vllm:lora_requests_info"):
+        assert name in metrics
+
+
+def test_restart_keeps_adapters_and_tenants(dirs):
+    data = dirs / "restart"
+    data.mkdir()
+    first = Server(data, [dirs / "adapters"], ["--adapter", "pre=" + str(write_adapter(dirs / "adapters" / "pre", 7))])
+    try:
+        path = write_adapter(dirs / "adapters" / "kept", seed=8)
+        assert first.admin("POST", "/admin/adapters", json={"name": "kept", "path": str(path)}).status_code == 200
+        key = first.admin("POST", "/admin/tenants", json={"name": "t1", "adapters": ["kept"]}).json()["api_key"]
+        before = chat(first.client("t1", key), "kept", "Hello").choices[0].message.content
+    finally:
+        first.stop()
+    second = Server(data, [dirs / "adapters"])
+    try:
+        assert "kept" in [m.id for m in second.client().models.list().data]
+        assert chat(second.client("t1", key), "kept", "Hello").choices[0].message.content == before
+    finally:
+        second.stop()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None,
+                    reason="redis-server not installed (.ci/redis.sh installs it)")
+def test_two_replicas_share_redis(dirs):
+    port = _free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, cwd=dirs)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        (dirs / "r1").mkdir()
+        (dirs / "r2").mkdir()
+        a = Server(dirs / "r1", [dirs / "adapters"], ["--redis-url", url])
+        b = Server(dirs / "r2", [dirs / "adapters"], ["--redis-url", url])
+        try:
+            key = a.admin("POST", "/admin/tenants", json={"name": "shared", "adapters": []}).json()["api_key"]
+            assert [t["name"] for t in b.admin("GET", "/admin/tenants").json()["data"]] == ["shared"]
+            assert [m.id for m in b.client("shared", key).models.list().data] == [BASE]
+        finally:
+            a.stop()
+            b.stop()
+    finally:
+        redis.terminate()
+        redis.wait(timeout=10)
