@@ -1,0 +1,322 @@
+"""UnifiedPool: one GPU budget of blocks for adapter weights and KV, a host tier, the tree, and a policy.
+
+Ownership: the pool owns both BlockPools, the tree and the policy. Callers (the scheduler) hold Admissions and
+block ids, never nodes. Per request:
+
+    admit(key, tokens, now) -> Admission | None   adapter resident, cached prefix matched and locked; the request's
+                                                   block table starts with admission.blocks, one reference each
+    allocate(n, now) -> list[int]                  n more GPU blocks for it (evicts by the policy first if needed)
+    release(admission, tokens, block_table, now)   at its end or preemption: its full computed blocks are offered
+                                                   to the tree, then its lock and references are dropped
+
+Per engine step: tick(now, batch_size) (its work is O(tree): about every 100 ms is enough), then take_copy_ops(),
+executed in order before the forward pass (a GPU block freed by a swap-out may be handed out again in the same step;
+its copy-out comes first in the list). `now` is the engine's monotonic clock in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kv_pool.block_pool import BlockPool, OutOfBlocksError
+from kv_pool.policies import POLICIES, PolicyParams, make_policy
+from kv_pool.tree import (
+    BASE_ADAPTER_ID,
+    AdapterKey,
+    AdapterNode,
+    CopyOp,
+    Handle,
+    Node,
+    PrefixKey,
+    PrefixTree,
+    Tier,
+)
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    num_gpu_blocks: int
+    num_host_blocks: int  # 0: no host tier
+    block_size: int  # tokens per KV block
+    block_bytes: int  # bytes of one block (the KV of block_size tokens, all layers); adapters take ceil(bytes / this)
+    policy: str = "tree-cost"
+    params: PolicyParams = field(default_factory=PolicyParams)
+    adapter_slots: int = 4  # slot policies (lru-separate): adapter slots reserved up front
+    adapter_slot_blocks: int = 8  # slot policies: blocks per slot, the largest adapter they accept
+    free_watermark_blocks: int = 0  # proactive policies: tick() swaps out below it and swaps in down to it
+
+    def __post_init__(self) -> None:
+        if self.num_gpu_blocks < 1 or self.num_host_blocks < 0 or self.block_size < 1 or self.block_bytes < 1:
+            raise ValueError("block counts and sizes must be positive (host blocks may be 0)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown pool policy {self.policy!r}; known: {sorted(POLICIES)}")
+        if POLICIES[self.policy].adapter_slots and self.adapter_slots * self.adapter_slot_blocks >= self.num_gpu_blocks:
+            raise ValueError("the adapter slots take the whole GPU budget")
+        if not 0 <= self.free_watermark_blocks < self.num_gpu_blocks:
+            raise ValueError("free_watermark_blocks must be in [0, num_gpu_blocks)")
+
+    def adapter_blocks(self, num_bytes: int) -> int:
+        return -(-num_bytes // self.block_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request's hold on the pool, from admit() to release()."""
+
+    handle: Handle  # locked: its path stays on the GPU, unmoved
+    blocks: tuple[int, ...]  # GPU blocks of the cached prefix; the request holds one reference on each
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    adapter_hit_rate: float  # admissions whose adapter was already on the GPU
+    kv_token_hit_rate: float  # prompt tokens served from cached KV (on the GPU or swapped in) at admission
+    invalid_kv_ratio: float  # GPU KV blocks whose adapter is not on the GPU, over all cached GPU KV blocks
+    bytes_to_gpu: int  # KV swap-ins and adapter loads
+    bytes_to_host: int  # KV swap-outs
+    evicted_blocks: dict[str, int]  # kv_swap_out, kv_drop, kv_drop_host, adapter_unload, adapter_drop
+    gpu_free: int
+    gpu_cached: int  # held by the tree (KV and adapter weights), shared with requests or not
+    gpu_in_use: int  # held by requests only
+    host_free: int
+    host_cached: int
+
+
+class UnifiedPool:
+    """The KV pool of the design: only the engine thread calls it. Adapter ids and versions come from the registry;
+    the pool keeps no adapter weights, only their GPU blocks and residency."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.policy = make_policy(config.policy, config.params, config.block_bytes)
+        self.gpu = BlockPool(config.num_gpu_blocks, config.block_size)
+        self.host = BlockPool(config.num_host_blocks, config.block_size) if config.num_host_blocks else None
+        self.tree = PrefixTree(config.block_size, self.gpu, self.host)
+        self._held: Counter[int] = Counter()  # the requests' references per GPU block
+        self._num_admitted = 0
+        self._admissions = self._adapter_hits = self._prompt_tokens = self._cached_tokens = 0
+
+    # ---- adapters -------------------------------------------------------------------------------------------
+
+    def register_adapter(self, adapter_id: int, version: int, num_bytes: int) -> AdapterKey:
+        """Make an adapter version known (its weights stay in the registry's host copy until a request needs
+        them). Earlier versions of the same id are dropped with their KV: a new version replaces them."""
+        if adapter_id == BASE_ADAPTER_ID or num_bytes < 1:
+            raise ValueError("an adapter needs an id other than the base model's and a positive size")
+        num_blocks = self.config.adapter_blocks(num_bytes)
+        if self.policy.adapter_slots and num_blocks > self.config.adapter_slot_blocks:
+            raise ValueError(f"the adapter takes {num_blocks} blocks; a slot holds {self.config.adapter_slot_blocks}")
+        key = AdapterKey(adapter_id, version)
+        if self.tree.adapter(key) is not None:
+            raise ValueError(f"adapter {adapter_id} version {version} is already registered")
+        self.tree.drop_adapter(adapter_id)
+        self.tree.add_adapter(key, num_bytes, num_blocks)
+        return key
+
+    def drop_adapter(self, adapter_id: int, version: int | None = None) -> list[AdapterKey]:
+        """Unload an adapter (all versions, or one): it and its KV go at once; running requests keep what they
+        locked until they release it."""
+        return self.tree.drop_adapter(adapter_id, version)
+
+    def _resident_adapters(self) -> int:
+        return sum(1 for a in self.tree.adapters() if a.tier is Tier.GPU and a.num_blocks > 0)
+
+    def _make_resident(self, adapter: AdapterNode, now: float) -> bool:
+        if adapter.tier is Tier.GPU:
+            return True
+        if not self.policy.adapter_slots:
+            if not self._room(adapter.num_blocks, now):
+                return False
+            self.tree.load_adapter(adapter)
+            return True
+        if self._resident_adapters() >= self.config.adapter_slots:
+            victims = [a for a in self.tree.adapters() if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0]
+            if not victims:
+                return False
+            self.tree.unload_adapter(min(victims, key=lambda a: (a.last_access, a.id)))
+        self.tree.load_adapter(adapter, self.config.adapter_slot_blocks)  # the slot reserve guarantees the room
+        return True
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def admit(self, key: PrefixKey, tokens: Sequence[int], now: float) -> Admission | None:
+        """Make key's adapter resident, match the longest cached prefix of `tokens` (leaving at least one token to
+        compute), swap in the host part the policy restores, lock the path and give the caller a reference on
+        each of its GPU blocks. None: the adapter cannot be made resident now (all candidates are locked);
+        nothing is held then. Raises KeyError for an adapter version that is not registered."""
+        adapter = self.tree.adapter(key.adapter)
+        if adapter is None:
+            raise KeyError(f"adapter {key.adapter_id} version {key.version} is not registered")
+        was_resident = adapter.tier is Tier.GPU
+        if not self._make_resident(adapter, now):
+            return None
+        adapter.last_access = now
+        self.policy.observe(key.adapter, now)
+        handle = Handle(key, adapter)
+        if self.policy.reuses_history_kv:
+            usable = max(0, len(tokens) - 1) // self.config.block_size * self.config.block_size
+            _, _, handle = self.tree.match_prefix(key, tokens[:usable], now)
+        handle = self._lock_and_restore(handle, now)
+        blocks = self.tree.path_blocks(handle)
+        self.gpu.share(blocks)
+        self._held.update(blocks)
+        self._num_admitted += 1
+        self._admissions += 1
+        self._adapter_hits += was_resident
+        self._prompt_tokens += len(tokens)
+        self._cached_tokens += len(blocks) * self.config.block_size
+        return Admission(handle, tuple(blocks), len(blocks) * self.config.block_size)
+
+    def _lock_and_restore(self, handle: Handle, now: float) -> Handle:
+        """Lock the GPU part of a matched path, then swap in its host part, top first, while the policy prefers
+        that to recomputing and the GPU has room. Returns the locked handle."""
+        host = [n for n in self.tree.path(handle) if n.tier is Tier.HOST]
+        locked = Handle(handle.key, host[0].parent) if host else handle
+        self.tree.lock(locked)
+        for node in host:
+            if node.parent is not locked.node or not self.policy.should_swap_in(node):
+                break
+            if not self._room(len(node.blocks), now) or node.tier is not Tier.HOST:
+                break  # no room, or making room dropped it from the host
+            self.tree.swap_in(node)
+            deeper = Handle(handle.key, node)
+            self.tree.lock(deeper)
+            self.tree.unlock(locked)
+            locked = deeper
+        return locked
+
+    def allocate(self, num_blocks: int, now: float) -> list[int]:
+        """num_blocks GPU blocks, one reference each for the caller; evicts by the policy first when short.
+        Raises OutOfBlocksError (nothing allocated) when even that does not make room."""
+        if not self._room(num_blocks, now):
+            raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._available()} available after eviction")
+        blocks = self.gpu.allocate(num_blocks)
+        self._held.update(blocks)
+        return blocks
+
+    def release(self, admission: Admission, tokens: Sequence[int], block_table: Sequence[int], now: float) -> None:
+        """End a request's hold: `tokens` are the tokens whose KV is computed, from the start (prompt and output),
+        `block_table` its GPU blocks (starting with admission.blocks). Full blocks go into the tree (policies that
+        reuse KV), then the lock and the request's references are dropped; its block ids are invalid afterwards."""
+        handle, bs = admission.handle, self.config.block_size
+        assert tuple(block_table[:len(admission.blocks)]) == admission.blocks, "the block table lost its prefix"
+        if self.policy.reuses_history_kv:
+            start, end = handle.num_blocks, min(len(tokens) // bs, len(block_table))
+            if end > start:
+                self.tree.insert(handle, tokens[start * bs:end * bs], block_table[start:end], now)
+        self.tree.unlock(handle)
+        self._num_admitted -= 1
+        self.gpu.free(list(block_table))
+        self._held.subtract(block_table)
+        self._held = +self._held
+
+    # ---- eviction and swapping ------------------------------------------------------------------------------
+
+    def _available(self) -> int:
+        """Free GPU blocks that KV and unified adapters may take: slot policies keep the empty slots' blocks."""
+        if not self.policy.adapter_slots:
+            return self.gpu.num_free
+        empty_slots = self.config.adapter_slots - self._resident_adapters()
+        return self.gpu.num_free - empty_slots * self.config.adapter_slot_blocks
+
+    def _key(self, now: float) -> Callable[[Node], float]:
+        resident = self._resident_adapters()
+        return lambda node: self.policy.score(node, now, resident)
+
+    def _room(self, num_blocks: int, now: float) -> bool:
+        short = num_blocks - self._available()
+        if short > 0:
+            self.tree.evict(short, self._key(now), adapters=not self.policy.adapter_slots,
+                            to_host=self.policy.swaps_to_host)
+        return self._available() >= num_blocks
+
+    def tick(self, now: float, batch_size: int = 0) -> None:
+        """Once per engine step (at least every ~100 ms): feed the policy its window and, for proactive
+        policies, swap out down to the free watermark when below it, otherwise swap in host roots and adapters in
+        descending value while the free blocks stay at or above it."""
+        self.policy.observe_step(now, batch_size)
+        if not self.policy.proactive:
+            return
+        target = self.config.free_watermark_blocks
+        if self._available() < target:
+            self._room(target, now)
+            return
+        key = self._key(now)
+        heap = [(-key(n), n.id, n) for n in self.tree.swap_in_candidates()]
+        heapq.heapify(heap)
+        while heap:
+            neg_value, _, node = heapq.heappop(heap)
+            if neg_value >= 0:
+                break  # nothing left that the policy expects to be reused
+            size = node.num_blocks if isinstance(node, AdapterNode) else len(node.blocks)
+            if node.tier is not Tier.HOST or self._available() - size < target:
+                continue
+            if isinstance(node, AdapterNode):
+                self.tree.load_adapter(node)
+            else:
+                self.tree.swap_in(node)
+            for child in node.children.values():
+                heapq.heappush(heap, (-key(child), child.id, child))
+
+    def take_copy_ops(self) -> list[CopyOp]:
+        """The block moves and adapter loads decided since the last call, to execute in order."""
+        return self.tree.take_ops()
+
+    # ---- figures and checks ---------------------------------------------------------------------------------
+
+    def _tree_gpu_blocks(self) -> set[int]:
+        kv = {b for n in self.tree.kv_nodes() if n.tier is Tier.GPU for b in n.blocks}
+        return kv | {b for a in self.tree.adapters() for b in a.blocks}
+
+    def stats(self) -> PoolStats:
+        kv_gpu = invalid = 0
+        for node in self.tree.kv_nodes():
+            if node.tier is Tier.GPU:
+                kv_gpu += len(node.blocks)
+                invalid += len(node.blocks) * (node.adapter.tier is not Tier.GPU)
+        tree_gpu = self._tree_gpu_blocks()
+        c, bb = self.tree.counters, self.config.block_bytes
+        return PoolStats(
+            adapter_hit_rate=self._adapter_hits / max(1, self._admissions),
+            kv_token_hit_rate=self._cached_tokens / max(1, self._prompt_tokens),
+            invalid_kv_ratio=invalid / max(1, kv_gpu),
+            bytes_to_gpu=c["kv_swap_in"] * bb + c["adapter_bytes_h2d"],
+            bytes_to_host=c["kv_swap_out"] * bb,
+            evicted_blocks={k: c[k] for k in ("kv_swap_out", "kv_drop", "kv_drop_host", "adapter_unload",
+                                              "adapter_drop")},
+            gpu_free=self.gpu.num_free,
+            gpu_cached=len(tree_gpu),
+            gpu_in_use=len(set(self._held) - tree_gpu),
+            host_free=self.host.num_free if self.host else 0,
+            host_cached=self.host.num_used if self.host else 0,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert, on each tier, free + cached + in use = total and every block's reference count = the tree's
+        references + the requests'; each block in at most one node; the tree's structure, tiers and locks (a
+        locked node is on the GPU; a GPU KV node's parent is on the GPU, and so is its adapter where the policy
+        says so); one adapter lock per admission; the slot reserve; and what each policy must never hold."""
+        gpu_refs, host_refs = self.tree.check_integrity(self.policy.kv_needs_adapter)
+        assert all(n == 1 for n in gpu_refs.values()) and all(n == 1 for n in host_refs.values()), \
+            "a block is in two nodes"
+        self.gpu.check_integrity()
+        for b in range(self.gpu.num_blocks):
+            assert self.gpu.ref_count(b) == gpu_refs[b] + self._held[b], f"GPU block {b}: reference count is off"
+        in_use = set(self._held) - set(gpu_refs)
+        assert self.gpu.num_free + len(gpu_refs) + len(in_use) == self.gpu.num_blocks, "GPU: free+cached+used"
+        if self.host is not None:
+            self.host.check_integrity()
+            for b in range(self.host.num_blocks):
+                assert self.host.ref_count(b) == host_refs[b], f"host block {b}: reference count is off"
+            assert self.host.num_free + len(host_refs) == self.host.num_blocks, "host: free + cached != total"
+        assert sum(a.lock for a in self.tree.adapters()) == self._num_admitted, "adapter locks != admissions"
+        if self.policy.adapter_slots:
+            assert self._resident_adapters() <= self.config.adapter_slots and self._available() >= 0
+        if not self.policy.swaps_to_host:
+            assert not host_refs, "a policy without a host tier holds host KV"
+        if not self.policy.reuses_history_kv:
+            assert next(self.tree.kv_nodes(), None) is None, "a policy without KV reuse holds cached KV"
