@@ -22,6 +22,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
     query_start_loc: torch.Tensor  # [B + 1] int32, sequence b's tokens are rows [qsl[b], qsl[b+1])
     logits_indices: torch.Tensor  # [S] int64, rows whose hidden state becomes logits (one per sampled sequence)
+    max_query_len: int = 1  # the most tokens any one sequence has in this step (bounds the attention grid)
     lora: LoraBatch | None = None  # each token's adapter slot; None when no token has an adapter
 
     @property

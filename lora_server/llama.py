@@ -89,9 +89,17 @@ class Attention(nn.Module):
         k = rotary(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), batch.positions)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         k_cache, v_cache = kv_cache
-        reference.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                      batch.query_start_loc, self.scale)  # [T, heads, head_dim]
+        if q.is_cuda:  # the Triton kernels; their torch twins (kernels.reference) elsewhere
+            from kernels.paged_attention import paged_attention
+            from kernels.write_kv import write_kv_cache
+
+            write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                self.scale, batch.max_query_len)  # [T, heads, head_dim]
+        else:
+            reference.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                          batch.query_start_loc, self.scale)
         return self.o_proj(o.flatten(1), batch.lora)
 
 

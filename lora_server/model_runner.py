@@ -75,6 +75,7 @@ class ModelRunner:
 
         batch = ForwardBatch(
             lora=self._lora_batch(items),
+            max_query_len=max(n for _, n in items),
             input_ids=dev(input_ids, torch.long),
             positions=dev(positions, torch.long),
             slot_mapping=dev(slots, torch.long),
