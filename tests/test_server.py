@@ -130,7 +130,6 @@ def test_models_and_basic_calls(server):
     assert len(many.choices) == 3 and len(many.choices[0].logprobs.top_logprobs[0]) == 2
 
 
-@pytest.mark.skipif(not {"upper", "pirate"} <= set(demo_adapters()), reason="demo adapters not shipped")
 def test_demo_adapters_through_the_api_and_concurrent_streams(server):
     client = server.client()
     question = "Name a large animal that lives in the ocean."
