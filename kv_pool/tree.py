@@ -225,14 +225,15 @@ class PrefixTree:
         bs = self.block_size
         return [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
 
-    def match_prefix(self, key: PrefixKey, tokens: Sequence[int], now: float) -> tuple[list[int], int, Handle]:
+    def match_prefix(self, key: PrefixKey, tokens: Sequence[int], now: float,
+                     touch: bool = True) -> tuple[list[int], int, Handle]:
         """Longest cached prefix of `tokens` under `key`, by full blocks, GPU and host nodes alike.
 
         Returns (the GPU blocks of the path's leading GPU nodes, the tokens they hold, a handle to the whole path).
-        A match that ends inside a node splits it, so the handle ends exactly at the match. Records a hit and the
-        access time on each node of the path. Raises KeyError for an adapter version the tree does not know."""
+        A match that ends inside a node splits it, so the handle ends exactly at the match. With `touch`, records a
+        hit and the access time on each node of the path (otherwise the caller calls touch() once the match is
+        used). Raises KeyError for an adapter version the tree does not know."""
         node: Node = self._adapters[key.adapter]
-        node.last_access = now
         keys, ns = self._block_keys(tokens), (key.domain, key.salt)
         gpu_blocks: list[int] = []
         on_gpu, i = True, 0
@@ -240,13 +241,23 @@ class PrefixTree:
             n = _common(child.keys, keys[i:])
             if n < len(child.keys):
                 child = self._split(child, n)
-            child.last_access = now
-            child.hit_times.append(now)
             on_gpu = on_gpu and child.tier is Tier.GPU
             if on_gpu:
                 gpu_blocks += child.blocks
             node, i = child, i + n
-        return gpu_blocks, len(gpu_blocks) * self.block_size, Handle(key, node)
+        handle = Handle(key, node)
+        if touch:
+            self.touch(handle, now)
+        return gpu_blocks, len(gpu_blocks) * self.block_size, handle
+
+    def touch(self, handle: Handle, now: float) -> None:
+        """Record a use at `now` on the path: access times, and a hit on each KV node."""
+        node: Node | None = handle.node
+        while node is not None:
+            node.last_access = now
+            if isinstance(node, KVNode):
+                node.hit_times.append(now)
+            node = node.parent
 
     def insert(self, parent: Handle, tokens: Sequence[int], blocks: Sequence[int], now: float) -> Handle:
         """Offer the KV of `tokens` (the tokens that follow parent's path; full blocks only) held in the caller's
@@ -427,6 +438,24 @@ class PrefixTree:
             if self.evictable(parent, adapters):
                 heapq.heappush(heap, (key(parent), parent.last_access, parent.id, parent))
         return freed
+
+    def evict_adapter(self, adapter: AdapterNode, to_host: bool) -> None:
+        """Take an unlocked adapter off the GPU together with its GPU KV: each GPU node, deepest first, goes to the
+        host when `to_host` and the host has room, otherwise it is dropped with what is below it; then the
+        weights are unloaded."""
+        assert adapter.tier is Tier.GPU and adapter.lock == 0 and adapter.key != BASE
+        order: list[KVNode] = []
+        stack = [c for c in adapter.children.values() if c.tier is Tier.GPU]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(c for c in node.children.values() if c.tier is Tier.GPU)
+        for node in reversed(order):  # children before their parents
+            if to_host and self.host is not None and self.host.num_free >= len(node.blocks):
+                self.swap_out(node)
+            else:
+                self.drop(node)
+        self.unload_adapter(adapter)
 
     def _make_host_room(self, need: int, score: float, key: Callable[[Node], float],
                         leaves: list[tuple[float, float, int, KVNode]]) -> bool:

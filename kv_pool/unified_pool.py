@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kv_pool.block_pool import BlockPool, OutOfBlocksError
 from kv_pool.policies import POLICIES, PolicyParams, make_policy
@@ -47,6 +47,8 @@ class PoolConfig:
     adapter_slots: int = 4  # slot policies (lru-separate): adapter slots reserved up front
     adapter_slot_blocks: int = 8  # slot policies: blocks per slot, the largest adapter they accept
     free_watermark_blocks: int = 0  # proactive policies: tick() swaps out below it and swaps in down to it
+    max_resident_adapters: int | None = None  # unified policies: at most this many adapters on the GPU (the device
+    # slots the LoRA kernels read); None: only the block budget limits them. Slot policies use adapter_slots.
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.num_host_blocks < 0 or self.block_size < 1 or self.block_bytes < 1:
@@ -57,6 +59,8 @@ class PoolConfig:
             raise ValueError("the adapter slots take the whole GPU budget")
         if not 0 <= self.free_watermark_blocks < self.num_gpu_blocks:
             raise ValueError("free_watermark_blocks must be in [0, num_gpu_blocks)")
+        if self.max_resident_adapters is not None and self.max_resident_adapters < 1:
+            raise ValueError("max_resident_adapters must be >= 1 or None")
 
     def adapter_blocks(self, num_bytes: int) -> int:
         return -(-num_bytes // self.block_bytes)
@@ -69,6 +73,9 @@ class Admission:
     handle: Handle  # locked: its path stays on the GPU, unmoved
     blocks: tuple[int, ...]  # GPU blocks of the cached prefix; the request holds one reference on each
     num_cached_tokens: int
+    new_blocks: tuple[int, ...] = ()  # blocks allocated at admission for its first chunk (admit's token_budget)
+    num_new_tokens: int = 0  # the first chunk: tokens after the cached prefix the new blocks are for
+    adapter_loaded: bool = False  # its adapter was not on the GPU and admission loaded it
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +86,8 @@ class PoolStats:
     bytes_to_gpu: int  # KV swap-ins and adapter loads
     bytes_to_host: int  # KV swap-outs
     evicted_blocks: dict[str, int]  # kv_swap_out, kv_drop, kv_drop_host, adapter_unload, adapter_drop
+    resident_adapters: int  # adapters (not the base model) with weights on the GPU
+    kv_tokens_by_salt: dict[str, tuple[int, int]]  # cache salt -> (prompt tokens admitted, of them served cached)
     gpu_free: int
     gpu_cached: int  # held by the tree (KV and adapter weights), shared with requests or not
     gpu_in_use: int  # held by requests only
@@ -99,6 +108,7 @@ class UnifiedPool:
         self._held: Counter[int] = Counter()  # the requests' references per GPU block
         self._num_admitted = 0
         self._admissions = self._adapter_hits = self._prompt_tokens = self._cached_tokens = 0
+        self._by_salt: dict[str, list[int]] = {}  # salt -> [prompt tokens, cached tokens]
 
     # ---- adapters -------------------------------------------------------------------------------------------
 
@@ -129,6 +139,9 @@ class UnifiedPool:
         if adapter.tier is Tier.GPU:
             return True
         if not self.policy.adapter_slots:
+            cap = self.config.max_resident_adapters
+            if cap is not None and self._resident_adapters() >= cap and not self._unload_one(now):
+                return False
             if not self._room(adapter.num_blocks, now):
                 return False
             self.tree.load_adapter(adapter)
@@ -141,35 +154,69 @@ class UnifiedPool:
         self.tree.load_adapter(adapter, self.config.adapter_slot_blocks)  # the slot reserve guarantees the room
         return True
 
+    def _unload_one(self, now: float) -> bool:
+        """Free an adapter place (the max_resident_adapters cap): the unlocked resident adapter of lowest value
+        leaves with its GPU KV (to the host where the policy swaps). False when every resident one is locked."""
+        victims = [a for a in self.tree.adapters()
+                   if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.dropped]
+        if not victims:
+            return False
+        key = self._key(now)
+        self.tree.evict_adapter(min(victims, key=lambda a: (key(a), a.id)), self.policy.swaps_to_host)
+        return True
+
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def admit(self, key: PrefixKey, tokens: Sequence[int], now: float) -> Admission | None:
+    def admit(self, key: PrefixKey, tokens: Sequence[int], now: float, token_budget: int | None = None,
+              partial: bool = True) -> Admission | None:
         """Make key's adapter resident, match the longest cached prefix of `tokens` (leaving at least one token to
         compute), swap in the host part the policy restores, lock the path and give the caller a reference on
-        each of its GPU blocks. None: the adapter cannot be made resident now (all candidates are locked);
-        nothing is held then. Raises KeyError for an adapter version that is not registered."""
+        each of its GPU blocks.
+
+        With `token_budget`, also allocate the blocks of the first chunk: the uncached tokens, at most
+        token_budget of them (all of them or nothing when not `partial`). None: the adapter cannot be made
+        resident now (all candidates are locked) or the chunk does not fit; nothing is held or counted then
+        (an adapter loaded or KV swapped in on the way stays, unlocked). Raises KeyError for an adapter version
+        that is not registered."""
         adapter = self.tree.adapter(key.adapter)
         if adapter is None:
             raise KeyError(f"adapter {key.adapter_id} version {key.version} is not registered")
         was_resident = adapter.tier is Tier.GPU
         if not self._make_resident(adapter, now):
             return None
-        adapter.last_access = now
-        self.policy.observe(key.adapter, now)
-        handle = Handle(key, adapter)
+        handle, bs = Handle(key, adapter), self.config.block_size
         if self.policy.reuses_history_kv:
-            usable = max(0, len(tokens) - 1) // self.config.block_size * self.config.block_size
-            _, _, handle = self.tree.match_prefix(key, tokens[:usable], now)
+            usable = max(0, len(tokens) - 1) // bs * bs
+            _, _, handle = self.tree.match_prefix(key, tokens[:usable], now, touch=False)
         handle = self._lock_and_restore(handle, now)
         blocks = self.tree.path_blocks(handle)
+        cached = len(blocks) * bs
+        new_blocks: list[int] = []
+        num_new = len(tokens) - cached
+        if token_budget is not None:
+            if num_new > token_budget and not partial:
+                self.tree.unlock(handle)
+                return None
+            num_new = min(num_new, token_budget)
+            need = -(-(cached + num_new) // bs) - len(blocks)
+            if not self._room(need, now):  # evicts unlocked nodes only: the path just locked stays
+                self.tree.unlock(handle)
+                return None
+            new_blocks = self.gpu.allocate(need)
+            self._held.update(new_blocks)
+        self.tree.touch(handle, now)
+        self.policy.observe(key.adapter, now)
         self.gpu.share(blocks)
         self._held.update(blocks)
         self._num_admitted += 1
         self._admissions += 1
         self._adapter_hits += was_resident
         self._prompt_tokens += len(tokens)
-        self._cached_tokens += len(blocks) * self.config.block_size
-        return Admission(handle, tuple(blocks), len(blocks) * self.config.block_size)
+        self._cached_tokens += cached
+        salt = self._by_salt.setdefault(key.salt, [0, 0])
+        salt[0] += len(tokens)
+        salt[1] += cached
+        return Admission(handle, tuple(blocks), cached, tuple(new_blocks), num_new, not was_resident)
 
     def _lock_and_restore(self, handle: Handle, now: float) -> Handle:
         """Lock the GPU part of a matched path, then swap in its host part, top first, while the policy prefers
@@ -214,6 +261,17 @@ class UnifiedPool:
         self._held.subtract(block_table)
         self._held = +self._held
 
+    def observe_recompute(self, num_tokens: int, seconds: float) -> None:
+        """A forward pass computed num_tokens in `seconds`: the policy's recompute cost per token follows a moving
+        average of it."""
+        per_token = seconds / num_tokens
+        old = self.policy.params.recompute_s_per_token
+        self.policy.params = replace(self.policy.params, recompute_s_per_token=old + 0.2 * (per_token - old))
+
+    def held_blocks(self) -> Counter[int]:
+        """The requests' references per GPU block (a copy)."""
+        return Counter(self._held)
+
     # ---- eviction and swapping ------------------------------------------------------------------------------
 
     def _available(self) -> int:
@@ -256,6 +314,9 @@ class UnifiedPool:
             if node.tier is not Tier.HOST or self._available() - size < target:
                 continue
             if isinstance(node, AdapterNode):
+                cap = self.config.max_resident_adapters
+                if cap is not None and self._resident_adapters() >= cap:
+                    continue
                 self.tree.load_adapter(node)
             else:
                 self.tree.swap_in(node)
@@ -288,6 +349,8 @@ class UnifiedPool:
             bytes_to_host=c["kv_swap_out"] * bb,
             evicted_blocks={k: c[k] for k in ("kv_swap_out", "kv_drop", "kv_drop_host", "adapter_unload",
                                               "adapter_drop")},
+            resident_adapters=self._resident_adapters(),
+            kv_tokens_by_salt={salt: (p, h) for salt, (p, h) in self._by_salt.items()},
             gpu_free=self.gpu.num_free,
             gpu_cached=len(tree_gpu),
             gpu_in_use=len(set(self._held) - tree_gpu),
@@ -316,6 +379,8 @@ class UnifiedPool:
         assert sum(a.lock for a in self.tree.adapters()) == self._num_admitted, "adapter locks != admissions"
         if self.policy.adapter_slots:
             assert self._resident_adapters() <= self.config.adapter_slots and self._available() >= 0
+        cap = self.config.max_resident_adapters
+        assert cap is None or self.policy.adapter_slots or self._resident_adapters() <= cap, "too many adapters"
         if not self.policy.swaps_to_host:
             assert not host_refs, "a policy without a host tier holds host KV"
         if not self.policy.reuses_history_kv:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_pool.policies import POLICIES
+
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +31,9 @@ class EngineConfig:
     seed: int = 0  # for dummy weights
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 1 << 30  # the device budget of the pool: KV blocks and the adapters it keeps resident
+    host_kv_bytes: int = 1 << 30  # the host tier for KV swapped out of the device (pinned on CUDA); 0: none
+    pool_policy: str = "tree-cost"  # tree-cost | lru-separate | lru-unified (kv_pool.policies)
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -49,6 +53,9 @@ class EngineConfig:
                      "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_kv_bytes < 0:
+            raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
+        _choice("pool_policy", self.pool_policy, tuple(POLICIES))
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -8,16 +8,19 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kv_pool import BlockPool
+from kv_pool.policies import PolicyParams
+from kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.config import EngineConfig
 from lora_server.detokenizer import IncrementalDetokenizer
 from lora_server.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, QueueFullError
 from lora_server.loader import open_checkpoint
-from lora_server.lora import AdapterHandle
+from lora_server.lora import AdapterHandle, UnknownAdapterError
 from lora_server.model_runner import ModelRunner
 from lora_server.outputs import Completion, RequestOutput, TokenLogprob
 from lora_server.request import FinishReason, Request
@@ -39,24 +42,49 @@ class EngineCore:
         self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path)
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, checkpoint, wanted_len)
-        self.pool = BlockPool(self.runner.num_blocks, config.block_size)
-        self.max_model_len = min(wanted_len, self.pool.num_blocks * config.block_size)
+        self.adapters = self.runner.lora
+        self.pool = UnifiedPool(self._pool_config())
+        # one request must fit the blocks left beside the fixed slots' reserve; make_request checks that an adapter
+        # request also fits beside its adapter
+        pc = self.pool.config
+        self._request_blocks = pc.num_gpu_blocks - (pc.adapter_slots * pc.adapter_slot_blocks
+                                                    if self.pool.policy.adapter_slots else 0)
+        self.max_model_len = min(wanted_len, self._request_blocks * config.block_size)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
-        self.adapters = self.runner.lora
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.enable_chunked_prefill, config.max_waiting_requests),
                                    self.pool, self.adapters)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.ttft = TtftSplit()
+
+    def _pool_config(self) -> PoolConfig:
+        """The pool's budget in blocks of the KV cache: adapters are charged ceil(bytes / block bytes) blocks of
+        it while resident (their weights sit in the LoRA slot buffers the kernels read, at most max_loras of them).
+        Restore costs: the host-to-device bandwidth measured now; recompute time per token from observed steps."""
+        runner, config = self.runner, self.config
+        block_bytes = runner.kv_bytes_per_block
+        slot_blocks = -(-self.adapters.slot_nbytes // block_bytes)
+        if config.pool_policy == "lru-separate" and config.max_loras * slot_blocks >= runner.num_blocks:
+            raise ValueError(f"lru-separate reserves {config.max_loras} adapter slots of {slot_blocks} KV blocks "
+                             f"each, more than the {runner.num_blocks} blocks of the KV budget: raise "
+                             "kv_cache_bytes or lower max_loras / max_lora_rank")
+        return PoolConfig(
+            num_gpu_blocks=runner.num_blocks, num_host_blocks=runner.num_host_blocks, block_size=config.block_size,
+            block_bytes=block_bytes, policy=config.pool_policy,
+            params=PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()),
+            adapter_slots=config.max_loras, adapter_slot_blocks=slot_blocks,
+            free_watermark_blocks=runner.num_blocks // 32, max_resident_adapters=config.max_loras)
 
     # ---- admission -----------------------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                     adapter: str | None = None) -> Request:
+                     adapter: str | None = None, cache_salt: str = "") -> Request:
         """Validate and tokenize; raises InvalidRequestError (ContextLengthExceededError, UnknownAdapterError)
-        and changes nothing. ``adapter`` names a registered adapter; None is the base model."""
+        and changes nothing. ``adapter`` names a registered adapter; None is the base model. Requests share
+        cached KV only when their adapter version and ``cache_salt`` are equal."""
         handle = None if adapter is None else self.adapters.get(adapter)
         if isinstance(prompt, str):
             if not prompt:
@@ -79,9 +107,22 @@ class EngineCore:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
                 f"completion). Please reduce the prompt or max_tokens.")
+        if handle is not None and not self.pool.policy.adapter_slots:
+            bs = self.config.block_size
+            try:
+                adapter_bytes = self.adapters.device_nbytes(handle.adapter_id)
+            except KeyError:  # unloaded meanwhile
+                raise UnknownAdapterError(handle.name) from None
+            need = -(-(len(ids) + params.max_tokens) // bs) + self.pool.config.adapter_blocks(adapter_bytes)
+            if need > self._request_blocks:
+                raise ContextLengthExceededError(
+                    f"{len(ids)} prompt tokens and max_tokens {params.max_tokens} with adapter `{adapter}` need "
+                    f"{need} KV blocks (the adapter's weights included); the pool has {self._request_blocks}. "
+                    "Please reduce the prompt or max_tokens.")
         if any(t >= self.arch.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be inside the vocabulary", param="stop_token_ids")
-        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle)
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle,
+                       cache_salt=cache_salt)
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -104,11 +145,22 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         work = self.scheduler.schedule()
+        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops())
         if not work.items:
             return []
+        for request, _ in work.items:
+            if request.adapter_loaded and request.first_token_time is None:
+                request.adapter_load_s += adapter_s
+        start = time.perf_counter()
         sampling, result = self.runner.execute(work.items)
         sampled = {} if result is None else dict(zip([r.request_id for r in sampling], result.token_ids, strict=True))
+        num_tokens = work.num_tokens
+        if num_tokens >= 16:  # prefill-sized steps: what recomputing a token costs, for the pool's policy
+            self.pool.observe_recompute(num_tokens, time.perf_counter() - start)
         advanced = self.scheduler.update(work, sampled)
+        for request in advanced:
+            if request.num_output_tokens == 1:
+                self.ttft.add(request)
         logprobs = _logprobs_by_request(sampling, result)
         outputs = []
         for request in advanced:
@@ -133,6 +185,42 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def pool_figures(self) -> dict[str, Any]:
+        """The pool's figures and the TTFT split, as plain data (engine thread)."""
+        stats = self.pool.stats()
+        figures: dict[str, Any] = {name: getattr(stats, name) for name in stats.__slots__}
+        figures["kv_tokens_by_salt"] = {salt: {"prompt_tokens": p, "cached_tokens": c}
+                                        for salt, (p, c) in stats.kv_tokens_by_salt.items()}
+        return {"policy": self.pool.config.policy, "block_size": self.config.block_size,
+                "gpu_blocks": self.pool.config.num_gpu_blocks, "host_blocks": self.pool.config.num_host_blocks,
+                "block_bytes": self.pool.config.block_bytes, "request_blocks": len(self.pool.held_blocks()),
+                **figures, "ttft": self.ttft.figures()}
+
+
+@dataclass(slots=True)
+class TtftSplit:
+    """Time to first token split into queueing (arrival to first admission), adapter loading (copy operations
+    of steps that loaded its adapter) and prefill (the rest); sums over requests that got a first token."""
+
+    count: int = 0
+    queueing_s: float = 0.0
+    adapter_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def add(self, request: Request) -> None:
+        assert request.first_token_time is not None and request.scheduled_time is not None
+        queueing = request.scheduled_time - request.arrival_time
+        self.count += 1
+        self.queueing_s += queueing
+        self.adapter_s += request.adapter_load_s
+        self.prefill_s += request.first_token_time - request.scheduled_time - request.adapter_load_s
+
+    def figures(self) -> dict[str, float]:
+        n = max(1, self.count)
+        return {"requests": self.count, "mean_s": (self.queueing_s + self.adapter_s + self.prefill_s) / n,
+                "queueing_mean_s": self.queueing_s / n, "adapter_loading_mean_s": self.adapter_s / n,
+                "prefill_mean_s": self.prefill_s / n}
+
 
 def _output(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
     return RequestOutput(
@@ -140,7 +228,7 @@ def _output(request: Request, text: str, token_ids: list[int], logprobs: list[To
         finished=request.finished,
         finish_reason=None if request.finish_reason is None else request.finish_reason.value,
         stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens)
+        num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
 
 
 def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:
@@ -173,6 +261,19 @@ class Engine:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self.dead_error: BaseException | None = None
+        self._figures = self.core.pool_figures()  # republished by the engine thread, read by any thread
+        self._figures_time = 0.0
+
+    def pool_figures(self) -> dict[str, Any]:
+        """The pool's latest figures (at most ~0.1 s old while the engine thread runs)."""
+        if self._thread is None:
+            self._figures = self.core.pool_figures()
+        return self._figures
+
+    def _publish_figures(self) -> None:
+        now = time.monotonic()
+        if now - self._figures_time >= 0.1:
+            self._figures, self._figures_time = self.core.pool_figures(), now
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -223,15 +324,15 @@ class Engine:
     # ---- async ---------------------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    adapter: str | None = None) -> _Stream:
+                    adapter: str | None = None, cache_salt: str = "") -> _Stream:
         """Validate (raising InvalidRequestError / ContextLengthExceededError / QueueFullError at once) and queue
         a request; returns an async iterator of its RequestOutputs, the last one with finished=True. Call from a
-        running event loop."""
+        running event loop. ``cache_salt``: only requests with the same salt share cached KV (per tenant)."""
         if self.dead_error is not None:
             raise EngineDeadError("the engine has stopped after an internal error")
 
         request_id = request_id or f"req-{next(self._ids)}"
-        request = self.core.make_request(request_id, prompt, params, adapter)
+        request = self.core.make_request(request_id, prompt, params, adapter, cache_salt)
         if len(self.core.scheduler.waiting) + self._inbox.qsize() >= self.config.max_waiting_requests:
             raise QueueFullError("the waiting queue is full; retry later")
         if request_id in self._streams:
@@ -264,6 +365,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 self._drain_inbox()
+                self._publish_figures()
                 if not self.core.has_work():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()

@@ -1,13 +1,13 @@
 """Multi-LoRA on the engine side: the adapters the engine knows, which of them sit in the device slots, and the
 linear wrapper that adds each token's adapter to a base layer's output.
 
-Residency lives behind acquire()/release() so that the tree pool can take it over."""
+Which adapters sit in the device slots is the unified pool's decision (kv_pool): the engine executes its
+ADAPTER_LOAD / ADAPTER_UNLOAD operations here with load() and unload()."""
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from adapters.peft_format import BaseShapes, LoraAdapter, load_peft_adapter
 from kernels import lora_ops
-from lora_server.errors import InvalidRequestError, LoraServerError
+from lora_server.errors import InvalidRequestError
 from lora_server.model_arch import ModelArch
 
 # fused linear groups of a Llama layer and the canonical modules (output slices) of each, in order
@@ -28,10 +28,6 @@ class UnknownAdapterError(InvalidRequestError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-
-class NoAdapterSlotError(LoraServerError):
-    """Every device slot holds an adapter that running requests use."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +50,8 @@ class LoraBatch:
 
 class LoraManager:
     """Owns the registered adapters (host copies, any number) and the device slots (max_loras) holding their
-    stacked weights. The engine thread alone calls acquire/release; register/unregister may come from any thread."""
+    stacked weights. The engine thread alone calls load/unload/slot_of/take_retired; register/unregister may come
+    from any thread."""
 
     def __init__(self, arch: ModelArch, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
                  allowed_roots: list[Path] | None = None) -> None:
@@ -67,7 +64,8 @@ class LoraManager:
         self._by_name: dict[str, AdapterHandle] = {}
         self._adapters: dict[int, LoraAdapter] = {}  # adapter_id -> weights, while registered or in use
         self._refs: dict[int, int] = {}  # adapter_id -> requests holding it
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapter_id -> slot, least recent first
+        self._slot_of: dict[int, int] = {}  # resident adapter_id -> slot (engine thread)
+        self._retired: list[int] = []  # versions forgotten since the last take_retired()
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots]
         self.buffers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # [layer][group] -> (A, B)
         for _ in range(arch.num_layers):
@@ -104,13 +102,18 @@ class LoraManager:
             self._retire(handle.adapter_id)
 
     def _retire(self, adapter_id: int) -> None:
-        """Forget an adapter version once no request holds it (called with the lock held)."""
+        """Forget an adapter version once no request holds it (called with the lock held). Its slot, if it has
+        one, is freed when the pool unloads it (take_retired tells the engine)."""
         if self._refs.get(adapter_id, 0) == 0 and adapter_id not in {h.adapter_id for h in self._by_name.values()}:
-            self._adapters.pop(adapter_id, None)
+            if self._adapters.pop(adapter_id, None) is not None:
+                self._retired.append(adapter_id)
             self._refs.pop(adapter_id, None)
-            slot = self._slot_of.pop(adapter_id, None)
-            if slot is not None:
-                self.ranks[slot] = 0
+
+    def take_retired(self) -> list[int]:
+        """Adapter ids (versions) that were unloaded or replaced and are no longer used, since the last call."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        return retired
 
     def get(self, name: str) -> AdapterHandle:
         with self._lock:
@@ -124,6 +127,16 @@ class LoraManager:
         handle = self.get(name)
         with self._lock:
             return self._adapters[handle.adapter_id].nbytes
+
+    def device_nbytes(self, adapter_id: int) -> int:
+        """Bytes an adapter version's A and B take in the engine's dtype (its share of the device budget)."""
+        with self._lock:
+            return self._adapters[adapter_id].nbytes * self.dtype.itemsize // 4
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one device slot (max rank, every module): what a fixed slot reserves."""
+        return sum(a[:, 0].nbytes + b[0].nbytes for layer in self.buffers for a, b in layer.values())
 
     def path(self, name: str) -> Path:
         """The directory the adapter's current version was read from."""
@@ -147,29 +160,27 @@ class LoraManager:
             self._refs[handle.adapter_id] -= 1
             self._retire(handle.adapter_id)
 
-    # ---- residency (engine thread) -------------------------------------------------------------------------
+    # ---- residency (engine thread, driven by the pool) ------------------------------------------------------
 
-    def acquire(self, handle: AdapterHandle, in_use: set[int]) -> int | None:
-        """The device slot of the adapter, loading it (evicting the least recently used adapter whose slot no
-        running request uses, ``in_use`` being the slots of running requests) if needed; None when every slot is
-        busy."""
-        slot = self._slot_of.get(handle.adapter_id)
-        if slot is not None:
-            self._slot_of.move_to_end(handle.adapter_id)
-            return slot
+    def load(self, adapter_id: int) -> int:
+        """Write an adapter version's weights into a free device slot; returns the slot. The pool never keeps
+        more adapters resident than there are slots, so a free one exists."""
+        assert adapter_id not in self._slot_of, f"adapter {adapter_id} is already in a slot"
         used = set(self._slot_of.values())
-        free = [s for s in range(self.max_loras) if s not in used]
-        if not free:
-            victim = next((a for a, s in self._slot_of.items() if s not in in_use), None)
-            if victim is None:
-                return None
-            free = [self._slot_of.pop(victim)]
-        slot = free[0]
+        slot = next(s for s in range(self.max_loras) if s not in used)
         with self._lock:
-            adapter = self._adapters[handle.adapter_id]
+            adapter = self._adapters[adapter_id]
         self._write_slot(slot, adapter)
-        self._slot_of[handle.adapter_id] = slot
+        self._slot_of[adapter_id] = slot
         return slot
+
+    def unload(self, adapter_id: int) -> None:
+        """Free the adapter's slot (its rank becomes 0, so a stale slot id adds nothing)."""
+        slot = self._slot_of.pop(adapter_id)
+        self.ranks[slot] = 0
+
+    def slot_of(self, adapter_id: int) -> int:
+        return self._slot_of[adapter_id]
 
     def _write_slot(self, slot: int, adapter: LoraAdapter) -> None:
         for layer, groups in enumerate(self.buffers):

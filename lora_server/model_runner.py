@@ -1,13 +1,17 @@
-"""Owns the device state of an engine: the model's weights and the KV cache tensors. Turns a step's scheduled
-work into one ForwardBatch, runs the model and samples."""
+"""Owns the device state of an engine: the model's weights, the KV cache tensors (device blocks and the host
+tier) and the adapter slots. Executes the pool's copy operations, turns a step's scheduled work into one
+ForwardBatch, runs the model and samples."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 
 import torch
 
 from kernels import lora_ops
+from kv_pool.tree import CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.forward_batch import ForwardBatch
 from lora_server.llama import LlamaModel, build_llama
@@ -31,6 +35,12 @@ class ModelRunner:
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(self.arch.num_layers, 2, self.num_blocks, self.block_size,
                                     self.arch.num_kv_heads, self.arch.head_dim, dtype=self.dtype, device=self.device)
+        # The host tier, one contiguous block per index so that a block moves in one copy:
+        # [host blocks, layers, 2, block_size, kv_heads, head_dim], pinned on CUDA
+        self.num_host_blocks = config.host_kv_bytes // self.kv_bytes_per_block
+        self.host_kv = torch.zeros(self.num_host_blocks, *self.kv_cache[:, :, 0].shape, dtype=self.dtype,
+                                   pin_memory=self.device.type == "cuda")
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler(self.arch.vocab_size)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
         self.lora = LoraManager(self.arch, config.max_loras, config.max_lora_rank, self.device, self.dtype, roots)
@@ -43,6 +53,55 @@ class ModelRunner:
 
     def _kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @torch.inference_mode()
+    def measure_h2d_bandwidth(self) -> float:
+        """Bytes per second of host-tier-to-device block copies, timed on up to 8 blocks (the pool's restore cost
+        for swapped-out KV); 25 GB/s, the policy's default, when there is no host tier."""
+        n = min(8, self.num_host_blocks, self.num_blocks)
+        if n == 0:
+            return 25e9
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for b in range(n):
+                self.kv_cache[:, :, b].copy_(self.host_kv[b], non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - start)
+        return n * self.kv_bytes_per_block / max(best, 1e-9)
+
+    @torch.inference_mode()
+    def apply_copy_ops(self, ops: list[CopyOp]) -> float:
+        """Execute the pool's moves in order, before this step's forward pass: KV blocks between the device and
+        the host tier, adapters into and out of the device slots. On CUDA the copies run on a side stream that
+        waits for the previous step's writes, and the next forward waits for them on the GPU: the host never
+        blocks on a swap. Returns the seconds spent loading adapters (host clock)."""
+        if not ops:
+            return 0.0
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        adapter_s = 0.0
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for op in ops:
+                if op.kind is OpKind.KV_SWAP_OUT:
+                    for src, dst in zip(op.src, op.dst, strict=True):
+                        self.host_kv[dst].copy_(self.kv_cache[:, :, src], non_blocking=True)
+                elif op.kind is OpKind.KV_SWAP_IN:
+                    for src, dst in zip(op.src, op.dst, strict=True):
+                        self.kv_cache[:, :, dst].copy_(self.host_kv[src], non_blocking=True)
+                elif op.kind is OpKind.ADAPTER_LOAD:
+                    assert op.adapter is not None
+                    start = time.perf_counter()
+                    self.lora.load(op.adapter.adapter_id)
+                    adapter_s += time.perf_counter() - start
+                else:
+                    assert op.adapter is not None
+                    self.lora.unload(op.adapter.adapter_id)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        return adapter_s
 
     def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
@@ -110,6 +169,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:
         """Run one step; returns the requests that sampled and their tokens (None when nobody sampled)."""
+        for request, _ in items:
+            request.lora_slot = -1 if request.adapter is None else self.lora.slot_of(request.adapter.adapter_id)
         batch, sampling = self.prepare(items)
         hidden = self.model(batch, self._kv_caches())
         if not sampling:

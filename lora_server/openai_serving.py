@@ -25,6 +25,7 @@ UsageHook = Callable[[int, int], None]  # (prompt tokens, completion tokens) onc
 class _Choice:
     index: int
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from cached KV
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -39,35 +40,39 @@ class OpenAIServing:
     # ---- entry points --------------------------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, adapter: str | None, model: str,
-                   on_usage: UsageHook | None = None) -> dict[str, Any] | AsyncIterator[str]:
+                   on_usage: UsageHook | None = None, cache_salt: str = "") -> dict[str, Any] | AsyncIterator[str]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt = self.engine.chat_prompt(messages)
         params = req.to_params(self.engine.max_model_len - len(prompt))
         return await self._run("chat", [prompt], params, req.n, req.stream,
-                               bool(req.stream_options and req.stream_options.include_usage), adapter, model, on_usage)
+                               bool(req.stream_options and req.stream_options.include_usage), adapter, model, on_usage,
+                               cache_salt)
 
     async def completion(self, req: CompletionRequest, adapter: str | None, model: str,
-                         on_usage: UsageHook | None = None) -> dict[str, Any] | AsyncIterator[str]:
+                         on_usage: UsageHook | None = None,
+                         cache_salt: str = "") -> dict[str, Any] | AsyncIterator[str]:
         prompts = req.prompts()
         longest = max(len(p) if not isinstance(p, str) else 0 for p in prompts)
         if any(isinstance(p, str) for p in prompts) and self.engine.tokenizer is not None:
             longest = max(longest, *(len(self.engine.tokenizer.encode(p)) for p in prompts if isinstance(p, str)))
         params = req.to_params(self.engine.max_model_len - longest)
         return await self._run("completion", prompts, params, req.n, req.stream,
-                               bool(req.stream_options and req.stream_options.include_usage), adapter, model, on_usage)
+                               bool(req.stream_options and req.stream_options.include_usage), adapter, model, on_usage,
+                               cache_salt)
 
     # ---- the common path -----------------------------------------------------------------------------------
 
     async def _run(self, kind: str, prompts: list[Prompt], params: SamplingParams, n: int, stream: bool,
-                   include_usage: bool, adapter: str | None, model: str,
-                   on_usage: UsageHook | None) -> dict[str, Any] | AsyncIterator[str]:
+                   include_usage: bool, adapter: str | None, model: str, on_usage: UsageHook | None,
+                   cache_salt: str) -> dict[str, Any] | AsyncIterator[str]:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         streams = []
         try:  # every request is validated (and queued) before anything is sent back
             for p_index, prompt in enumerate(prompts):
                 for i in range(n):
                     sub = params if params.seed is None or n == 1 else _with_seed(params, params.seed + i)
-                    streams.append(self.engine.add_request(prompt, sub, f"{request_id}-{p_index}-{i}", adapter))
+                    streams.append(self.engine.add_request(prompt, sub, f"{request_id}-{p_index}-{i}", adapter,
+                                                           cache_salt))
         except LoraServerError:
             for s in streams:
                 await s.aclose()
@@ -127,7 +132,7 @@ class OpenAIServing:
     async def _collect(self, streams: list) -> list[_Choice]:
         choices: dict[int, _Choice] = {}
         async for index, out in self._merged(streams):
-            c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens))
+            c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
             _add(c, out)
         return [choices[i] for i in sorted(choices)]
 
@@ -142,7 +147,7 @@ class OpenAIServing:
                     yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
             async for index, out in self._merged(streams):
-                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens))
+                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
                 _add(c, out)
                 if not out.text and not out.finished and not out.logprobs:
                     continue
@@ -212,10 +217,12 @@ def _prompt_tokens(choices: list[_Choice], n: int) -> int:
     return sum(c.prompt_tokens for c in choices[::n])
 
 
-def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
+def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
     prompt = _prompt_tokens(choices, max(1, n))
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.cached_tokens for c in choices[::max(1, n)])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kv_pool.unified_pool import Admission
 from lora_server.lora import AdapterHandle
 from lora_server.sampling_params import SamplingParams
 
@@ -30,7 +31,9 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     adapter: AdapterHandle | None = None  # None: the base model
+    cache_salt: str = ""  # KV is shared only between requests with the same salt (the server's per-tenant salt)
     lora_slot: int = -1  # the adapter's device slot while running, -1 = none
+    admission: Admission | None = None  # its hold on the pool while running
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -39,6 +42,10 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from cached KV at its first admission
+    scheduled_time: float | None = None  # first admission (monotonic clock): queueing ends
+    adapter_loaded: bool = False  # an admission of it loaded its adapter onto the device
+    adapter_load_s: float = 0.0  # time spent loading adapters in its steps before its first token
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

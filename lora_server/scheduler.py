@@ -4,14 +4,23 @@ Every request has two counters, tokens in total and tokens computed; a step sche
 up to (total - computed) tokens. A decode is the case of one token, a prefill (or a chunk of one) the case of
 many: there is one code path. Decodes go first, then running prefills, then waiting requests in arrival order.
 When KV blocks run out the most recently arrived running request is preempted: its blocks are freed and it is
-recomputed from its tokens later."""
+recomputed from its tokens later.
+
+Blocks come from the unified pool (kv_pool.UnifiedPool): admission matches the longest cached prefix of the
+request's tokens under its cache salt and adapter version and makes the adapter resident; the request then starts
+with those tokens computed. Ending or preempting a request releases it to the pool, which keeps its full blocks
+as cached KV where the policy reuses KV (a preempted request usually finds its own KV again)."""
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kv_pool import BlockPool
+from kv_pool import OutOfBlocksError
+from kv_pool.tree import BASE_ADAPTER_ID, PrefixKey
+from kv_pool.unified_pool import UnifiedPool
 from lora_server.errors import QueueFullError
 from lora_server.lora import LoraManager
 from lora_server.request import FinishReason, Request, RequestStatus
@@ -24,6 +33,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024
+    pool_tick_s: float = 0.1  # the pool's policy runs at least this often (and on every allocation failure)
 
 
 @dataclass(slots=True)
@@ -38,11 +48,18 @@ class ScheduledWork:
         return sum(n for _, n in self.items)
 
 
+KV_DOMAIN = "text"  # the domain tag of prefix keys: token KV of this model
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, adapters: LoraManager | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, pool: UnifiedPool, adapters: LoraManager | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.pool = pool
         self.adapters = adapters
+        self.clock = clock
+        self._in_pool: set[int] = set()  # adapter versions registered with the pool
+        self._last_tick = float("-inf")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -65,6 +82,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledWork:
+        now = self.clock()
+        self._sync_adapters()
+        if now - self._last_tick >= self.config.pool_tick_s:
+            self.pool.tick(now, len(self.running))
+            self._last_tick = now
         work = ScheduledWork()
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
@@ -75,7 +97,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(request.num_uncomputed_tokens, budget)
-            if not self._reserve_or_preempt(request, n, work):
+            if not self._reserve_or_preempt(request, n, work, now):
                 continue
             work.items.append((request, n))
             budget -= n
@@ -83,44 +105,74 @@ class Scheduler:
             return work  # blocks are short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = request.num_uncomputed_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
-            if request.adapter is not None and not self._place_adapter(request):
-                break
-            if not self._reserve(request, n):
+            chunk = self._admit(request, budget, now)
+            if chunk is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            work.items.append((request, n))
-            budget -= n
+            work.items.append((request, chunk))
+            budget -= chunk
         return work
 
-    def _place_adapter(self, request: Request) -> bool:
-        """Make the request's adapter resident in a device slot (False: every slot is busy with running work)."""
-        assert self.adapters is not None and request.adapter is not None
-        in_use = {r.lora_slot for r in self.running if r.lora_slot >= 0}
-        slot = self.adapters.acquire(request.adapter, in_use)
-        if slot is None:
-            return False
-        request.lora_slot = slot
-        return True
+    def _sync_adapters(self) -> None:
+        """Drop unloaded or replaced adapter versions from the pool, with their KV."""
+        if self.adapters is None:
+            return
+        for adapter_id in self.adapters.take_retired():
+            if adapter_id in self._in_pool:
+                self._in_pool.discard(adapter_id)
+                self.pool.drop_adapter(adapter_id)
 
-    def _reserve(self, request: Request, num_new_tokens: int) -> bool:
-        """Give the request the blocks for num_new_tokens more tokens, if the pool has them."""
-        need = self.pool.blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+    def prefix_key(self, request: Request) -> PrefixKey:
+        adapter_id = BASE_ADAPTER_ID if request.adapter is None else request.adapter.adapter_id
+        return PrefixKey(KV_DOMAIN, request.cache_salt, adapter_id)
+
+    def _admit(self, request: Request, budget: int, now: float) -> int | None:
+        """Take the request into the pool: its cached prefix counts as computed, and the blocks of its first
+        chunk (at most `budget` tokens; the whole rest without chunked prefill) are allocated. Returns the chunk's
+        size, or None when the pool cannot take it now (it stays first in line)."""
+        if request.adapter is not None and request.adapter.adapter_id not in self._in_pool:
+            assert self.adapters is not None
+            adapter_id = request.adapter.adapter_id
+            self.pool.register_adapter(adapter_id, 0, self.adapters.device_nbytes(adapter_id))
+            self._in_pool.add(adapter_id)
+        admission = self.pool.admit(self.prefix_key(request), request.token_ids, now, token_budget=budget,
+                                    partial=self.config.enable_chunked_prefill)
+        if admission is None:
+            return None
+        request.admission = admission
+        request.block_table = [*admission.blocks, *admission.new_blocks]
+        request.num_computed_tokens = admission.num_cached_tokens
+        if request.scheduled_time is None:
+            request.scheduled_time = now
+            request.num_cached_tokens = admission.num_cached_tokens
+        request.adapter_loaded = request.adapter_loaded or admission.adapter_loaded
+        return admission.num_new_tokens
+
+    def _release(self, request: Request) -> None:
+        """Give the request's blocks back to the pool, offering its computed full blocks as cached KV."""
+        if request.admission is not None:
+            self.pool.release(request.admission, request.token_ids[:request.num_computed_tokens],
+                              request.block_table, self.clock())
+            request.admission = None
+        request.block_table = []
+
+    def _reserve(self, request: Request, num_new_tokens: int, now: float) -> bool:
+        """Give the request the blocks for num_new_tokens more tokens, if the pool has them (or can evict
+        cached KV for them)."""
+        bs = self.pool.config.block_size
+        need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(request.block_table)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need):
+        try:
+            request.block_table.extend(self.pool.allocate(need, now))
+        except OutOfBlocksError:
             return False
-        request.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _reserve_or_preempt(self, request: Request, num_new_tokens: int, work: ScheduledWork) -> bool:
-        while not self._reserve(request, num_new_tokens):
+    def _reserve_or_preempt(self, request: Request, num_new_tokens: int, work: ScheduledWork, now: float) -> bool:
+        while not self._reserve(request, num_new_tokens, now):
             victim = self.running[-1]
             self._preempt(victim, work)
             if victim is request:
@@ -130,8 +182,7 @@ class Scheduler:
     def _preempt(self, request: Request, work: ScheduledWork) -> None:
         self.running.remove(request)
         work.items = [(r, n) for r, n in work.items if r is not request]
-        self.pool.free(request.block_table)
-        request.block_table = []
+        self._release(request)
         request.num_computed_tokens = 0
         request.lora_slot = -1
         request.status = RequestStatus.WAITING
@@ -145,12 +196,15 @@ class Scheduler:
         requests that reached their last token to the new token) and finish requests whose stop conditions hold.
         Returns the requests that got a new token."""
         advanced = []
+        now = self.clock()
         for request, n in work.items:
             request.num_computed_tokens += n
             token = sampled.get(request.request_id)
             if token is None:
                 continue
             request.token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
             advanced.append(request)
             reason = self._stop_by_token(request, token)
             if reason is not None:
@@ -176,8 +230,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free(request.block_table)
-        request.block_table = []
+        self._release(request)
         request.lora_slot = -1
         if request.adapter is not None and self.adapters is not None:
             self.adapters.drop(request.adapter)
@@ -193,5 +246,9 @@ class Scheduler:
         return request
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity([r.block_table for r in self.running])
-        assert all(not r.block_table for r in self.waiting), "a waiting request holds blocks"
+        """The pool's own invariants, and the requests' block tables are exactly the pool's request references."""
+        self.pool.check_integrity()
+        assert all(not r.block_table and r.admission is None for r in self.waiting), "a waiting request holds blocks"
+        assert all(r.admission is not None for r in self.running), "a running request is not admitted"
+        held = Counter(b for r in self.running for b in r.block_table)
+        assert held == self.pool.held_blocks(), "block tables differ from the pool's request references"

@@ -63,14 +63,16 @@ class EngineAdapters:
                 "bytes": lora.nbytes(name)}
 
     def pool_figures(self) -> dict[str, Any]:
+        """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
+        scheduler's queues."""
         core = self.engine.core
-        pool = core.pool
-        return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free, "kv_blocks_used": pool.num_used,
-                "block_size": pool.block_size, "kv_cache_usage": pool.num_used / pool.num_blocks,
-                "num_preemptions": core.scheduler.num_preemptions, "running": len(core.scheduler.running),
-                "waiting": len(core.scheduler.waiting), "adapter_slots": core.adapters.max_loras,
-                "resident_adapters": len(core.adapters.resident_slots()),
-                "registered_adapters": core.adapters.names()}
+        return {**self.engine.pool_figures(), "num_preemptions": core.scheduler.num_preemptions,
+                "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
+                "adapter_slots": core.adapters.max_loras, "registered_adapters": core.adapters.names()}
+
+
+POOL_GAUGES = ("adapter_hit_rate", "kv_token_hit_rate", "invalid_kv_ratio", "bytes_to_gpu", "bytes_to_host",
+               "gpu_free", "gpu_cached", "gpu_in_use", "host_free", "host_cached")
 
 
 def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) -> FastAPI:
@@ -109,13 +111,20 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        core = engine.core
+        core, pool = engine.core, engine.pool_figures()
+        salts = pool["kv_tokens_by_salt"].values()
         gauges = {"vllm:num_requests_running": len(core.scheduler.running),
                   "vllm:num_requests_waiting": len(core.scheduler.waiting),
-                  "vllm:kv_cache_usage_perc": core.pool.num_used / core.pool.num_blocks,
+                  "vllm:kv_cache_usage_perc": pool["request_blocks"] / pool["gpu_blocks"],
                   "vllm:num_preemptions_total": core.scheduler.num_preemptions,
-                  "lora_server:adapters_resident": len(core.adapters.resident_slots()),
-                  "lora_server:adapters_registered": len(core.adapters.names())}
+                  "vllm:prefix_cache_queries_total": sum(s["prompt_tokens"] for s in salts),
+                  "vllm:prefix_cache_hits_total": sum(s["cached_tokens"] for s in salts),
+                  "lora_server:adapters_resident": pool["resident_adapters"],
+                  "lora_server:adapters_registered": len(core.adapters.names()),
+                  **{f"lora_server:pool_{name}": pool[name] for name in POOL_GAUGES},
+                  **{f"lora_server:pool_evicted_blocks_{kind}": n for kind, n in pool["evicted_blocks"].items()},
+                  **{f"lora_server:ttft_{part}_mean_seconds": pool["ttft"][f"{part}_mean_s"]
+                     for part in ("queueing", "adapter_loading", "prefill")}}
         running = {r.adapter.name for r in core.scheduler.running if r.adapter is not None}
         waiting = {r.adapter.name for r in core.scheduler.waiting if r.adapter is not None}
         info = {"running_lora_adapters": ",".join(sorted(running)), "waiting_lora_adapters": ",".join(sorted(waiting)),
@@ -181,12 +190,14 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
     async def chat(req: ChatCompletionRequest, tenant: TenantRecord | None) -> Response:
         adapter = resolve(req.model, tenant)
         hook = admit(tenant, adapter, req.max_completion_tokens or req.max_tokens)
-        return await answer(await serving.chat(req, adapter, req.model or adapter or settings.model_id, hook))
+        return await answer(await serving.chat(req, adapter, req.model or adapter or settings.model_id, hook,
+                                               cache_salt(tenant)))
 
     async def completion(req: CompletionRequest, tenant: TenantRecord | None) -> Response:
         adapter = resolve(req.model, tenant)
         hook = admit(tenant, adapter, req.max_tokens)
-        return await answer(await serving.completion(req, adapter, req.model or adapter or settings.model_id, hook))
+        return await answer(await serving.completion(req, adapter, req.model or adapter or settings.model_id, hook,
+                                                     cache_salt(tenant)))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
@@ -217,6 +228,12 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
 
     app.include_router(admin_router(store, control, settings.admin_key, settings.adapter_roots))
     return app
+
+
+def cache_salt(tenant: TenantRecord | None) -> str:
+    """The prefix-cache salt of a request: each tenant's cached KV is its own; /v1 requests share "". Derived
+    here, never taken from the client."""
+    return "" if tenant is None else f"tenant:{tenant.name}"
 
 
 def _bearer(request: Request) -> str:

@@ -37,7 +37,7 @@ def alone(engine_fp32, prompts):
 def test_same_tokens_all_at_once(engine_fp32, prompts, alone):
     assert [c.token_ids for c in engine_fp32.generate(prompts, GREEDY)] == alone
     engine_fp32.core.check_integrity()
-    assert engine_fp32.core.pool.num_free == engine_fp32.core.pool.num_blocks
+    assert not engine_fp32.core.pool.held_blocks()  # no request holds a block
 
 
 def test_same_tokens_with_different_lengths_and_small_chunks(prompts, alone):
@@ -60,7 +60,7 @@ def test_same_tokens_under_preemption(prompts, alone):
     assert engine.core.scheduler.num_preemptions > 0
     assert [c.token_ids for c in outs] == alone
     engine.core.check_integrity()
-    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+    assert not engine.core.pool.held_blocks()  # no request holds a block
 
 
 def test_staggered_arrivals_async(prompts, alone):
@@ -129,7 +129,7 @@ def test_bad_requests_fail_alone(engine_fp32, prompts, alone, bad, error):
     # nothing was admitted: the engine serves the next request normally and holds no blocks
     assert engine_fp32.generate([prompts[0]], GREEDY)[0].token_ids == alone[0]
     engine_fp32.core.check_integrity()
-    assert engine_fp32.core.pool.num_free == engine_fp32.core.pool.num_blocks
+    assert not engine_fp32.core.pool.held_blocks()  # no request holds a block
 
 
 @pytest.mark.parametrize("values", [
@@ -163,7 +163,7 @@ def test_bad_request_while_others_stream(prompts, alone):
     finally:
         engine.shutdown()
     engine.core.check_integrity()
-    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+    assert not engine.core.pool.held_blocks()  # no request holds a block
 
 
 def test_abort_frees_blocks(prompts):
@@ -186,7 +186,7 @@ def test_abort_frees_blocks(prompts):
         engine.shutdown()
     assert reason == "abort" and n < 200
     engine.core.check_integrity()
-    assert engine.core.pool.num_free == engine.core.pool.num_blocks
+    assert not engine.core.pool.held_blocks()  # no request holds a block
 
 
 def test_quantized_modes_agree_and_shrink(prompts, capsys):

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kv_pool import BlockPool
+from kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.errors import QueueFullError
 from lora_server.request import FinishReason, Request, RequestStatus
 from lora_server.sampling_params import SamplingParams
@@ -19,11 +20,13 @@ TOKEN = 7  # an ordinary sampled token
 
 
 def make(budget=100, max_num_seqs=8, max_model_len=256, chunked=True, max_waiting=1024, num_blocks=64,
-         block_size=4) -> tuple[Scheduler, BlockPool]:
-    pool = BlockPool(num_blocks, block_size)
+         block_size=4, policy="lru-unified") -> tuple[Scheduler, BlockPool]:
+    """A scheduler on a unified pool; lru-unified keeps no KV after a request ends, so the device BlockPool
+    returned holds exactly the running requests' blocks."""
+    pool = UnifiedPool(PoolConfig(num_blocks, 0, block_size, block_bytes=1, policy=policy))
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                              enable_chunked_prefill=chunked, max_waiting_requests=max_waiting)
-    return Scheduler(config, pool), pool
+    return Scheduler(config, pool), pool.gpu
 
 
 def new(rid: str, prompt_len: int, **params) -> Request:

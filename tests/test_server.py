@@ -243,10 +243,10 @@ def test_disconnect_mid_stream_frees_blocks(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         pool = server.admin("GET", "/admin/pool").json()
-        if pool["running"] == 0 and pool["kv_blocks_used"] == 0:
+        if pool["running"] == 0 and pool["request_blocks"] == 0:
             break
         time.sleep(0.2)
-    assert pool["running"] == 0 and pool["kv_blocks_used"] == 0
+    assert pool["running"] == 0 and pool["request_blocks"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
                  "vllm:lora_requests_info"):
