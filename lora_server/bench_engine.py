@@ -56,8 +56,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: int = 0) -> list[str]:
-    """n PEFT adapter directories with random weights on all 7 linear modules of every layer."""
+def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: int = 0,
+                          targets: tuple[str, ...] = PEFT_TARGETS) -> list[str]:
+    """n PEFT adapter directories with random weights on `targets` (PEFT module names) of every layer."""
     arch = engine.core.arch
     shapes = engine.core.adapters.shapes.features
     gen = torch.Generator().manual_seed(seed)
@@ -66,6 +67,8 @@ def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: i
         tensors = {}
         for layer in range(arch.num_layers):
             for proj, module in zip(PEFT_TARGETS, ("q", "k", "v", "o", "gate", "up", "down"), strict=True):
+                if proj not in targets:
+                    continue
                 in_f, out_f = shapes[module]
                 part = "self_attn" if module in ("q", "k", "v", "o") else "mlp"
                 key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
@@ -75,7 +78,7 @@ def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: i
         path.mkdir(parents=True)
         save_file(tensors, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(json.dumps(
-            dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(PEFT_TARGETS), bias="none")))
+            dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(targets), bias="none")))
         names.append(path.name)
     return names
 

@@ -6,7 +6,10 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from kv_pool.policies import POLICIES
 from lora_server.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
+
+POOL_POLICIES = tuple(POLICIES)
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -29,13 +32,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--pool-policy", default="tree-cost", choices=POOL_POLICIES,
+                   help="what the unified pool keeps on the device (default: tree-cost, FastLibra's cost model)")
+    p.add_argument("--host-kv-gb", type=float, default=1.0, help="host tier for KV swapped out of the device")
+    p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
+    p.add_argument("--max-lora-rank", type=int, default=16)
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     values = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
                   device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                  enable_chunked_prefill=not args.no_chunked_prefill)
+                  enable_chunked_prefill=not args.no_chunked_prefill, pool_policy=args.pool_policy,
+                  host_kv_bytes=int(args.host_kv_gb * 2**30), max_loras=args.max_loras,
+                  max_lora_rank=args.max_lora_rank)
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -102,6 +112,51 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def _bench_pool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model path, or a dummy preset with --load-format dummy "
+                   "(default: the embedded SmolLM2)")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="none (default): fp32 on the CPU, so every policy must give the same tokens (the CPU int4 "
+                        "kernel rounds activations to bf16, which makes greedy tokens depend on the batch)")
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES))
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--policies", type=lambda t: t.split(","), default=["tree-cost", "lru-separate", "lru-unified"])
+    p.add_argument("--adapters", type=_ints, default=[20, 100], help="adapters in the trace (N)")
+    p.add_argument("--alpha", type=_floats, default=[0.5, 1.0, 1.5], help="Zipf exponents of adapter popularity")
+    p.add_argument("--rate", type=_floats, default=[0.3, 0.6], help="session arrivals per second (Poisson)")
+    p.add_argument("--sessions", type=int, default=24)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=32)
+    p.add_argument("--user-tokens", type=int, default=48)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--think-s", type=float, default=2.0)
+    p.add_argument("--kv-blocks", type=int, default=112, help="the device budget in KV blocks (adapters included)")
+    p.add_argument("--host-blocks", type=int, default=640, help="host-tier KV blocks")
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this path")
+    p.add_argument("--plot", default="bench-pool.png", help="PNG of TTFT and hit rates ('' for none)")
+    p.add_argument("--quick", action="store_true", help="one small setting: under two minutes on the CPU")
+
+
+@command("bench-pool", "pool policies side by side on a multi-turn Zipf trace (TTFT, hit rates)", _bench_pool_args)
+def _bench_pool(args: argparse.Namespace) -> int:
+    from lora_server.bench_pool import bench
+
+    if args.quick:
+        args.adapters, args.alpha, args.rate, args.sessions, args.turns = [20], [1.0], [0.5], 8, 3
+    bench(args)
+    return 0
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -115,8 +170,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this key on the global /v1 endpoints")
     p.add_argument("--data-dir", default=None, help="registry directory (default: $LORA_SERVER_DATA_DIR)")
     p.add_argument("--redis-url", default=None, help="keep the registry in Redis (several replicas share it)")
-    p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain in-flight requests")
 
 
@@ -124,7 +177,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from lora_server.serve import serve
 
-    return serve(args, engine_config(args, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank))
+    return serve(args, engine_config(args))
 
 
 def _register_adapter(engine, spec: str) -> str:

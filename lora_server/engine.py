@@ -264,6 +264,10 @@ class Engine:
         self._figures = self.core.pool_figures()  # republished by the engine thread, read by any thread
         self._figures_time = 0.0
 
+    def num_unfinished(self) -> int:
+        """Requests accepted and not yet finished (any thread)."""
+        return len(self._streams)
+
     def pool_figures(self) -> dict[str, Any]:
         """The pool's latest figures (at most ~0.1 s old while the engine thread runs)."""
         if self._thread is None:
@@ -302,14 +306,14 @@ class Engine:
     # ---- offline -------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
-                 adapters: str | None | Sequence[str | None] = None) -> list[Completion]:
+                 adapters: str | None | Sequence[str | None] = None, cache_salt: str = "") -> list[Completion]:
         """Run all prompts to completion in continuous batches; results in prompt order. ``adapters`` names one
-        adapter for all prompts or one per prompt (None: the base model)."""
+        adapter for all prompts or one per prompt (None: the base model); ``cache_salt`` as in add_request."""
         if self._thread is not None:
             raise RuntimeError("generate() cannot run while the async loop is running; use add_request()")
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         alist = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
-        requests = [self.core.make_request(f"gen-{next(self._ids)}", p, sp, a)
+        requests = [self.core.make_request(f"gen-{next(self._ids)}", p, sp, a, cache_salt)
                     for p, sp, a in zip(prompts, plist, alist, strict=True)]
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids, "", [], None, None, None)
                    for r in requests}
@@ -445,3 +449,4 @@ def _accumulate(c: Completion, out: RequestOutput) -> None:
     if out.logprobs is not None:
         c.logprobs = (c.logprobs or []) + out.logprobs
     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+    c.num_cached_tokens = out.num_cached_tokens

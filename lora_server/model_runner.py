@@ -17,8 +17,14 @@ from lora_server.forward_batch import ForwardBatch
 from lora_server.llama import LlamaModel, build_llama
 from lora_server.loader import Checkpoint
 from lora_server.lora import LoraBatch, LoraManager
+from lora_server.model_arch import ModelArch
 from lora_server.request import Request
 from lora_server.sampler import Sampler, SampleResult
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: K and V of block_size tokens in every layer."""
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -48,8 +54,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        return a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return kv_bytes_per_block(self.arch, self.block_size, self.dtype)
 
     def _kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer[0], layer[1]) for layer in self.kv_cache]

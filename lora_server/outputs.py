@@ -39,3 +39,4 @@ class Completion:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    num_cached_tokens: int = 0  # prompt tokens served from cached KV

@@ -7,6 +7,8 @@ import logging
 import re
 import secrets
 import sys
+import threading
+import time
 from pathlib import Path
 
 from adapters import DEMO_DIR, demo_adapters
@@ -49,11 +51,35 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     roots = [Path(r).expanduser().resolve() for r in args.adapter_root] + [DEMO_DIR.resolve()]
     settings = ServerSettings(args.served_model_name or model_id(config), admin_key, roots, args.api_key)
     app = build_app(engine, store, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server = _draining_server(uvicorn, app, engine, args.host, args.port, args.shutdown_timeout)
     try:
         server.run()
     finally:
         engine.shutdown()
         store.close()
     return 0
+
+
+def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout: float):
+    """A uvicorn server whose first SIGINT/SIGTERM starts a drain: new requests get 503 with Retry-After (the app's
+    ``draining`` flag) while the engine finishes what it has, for at most ``timeout`` seconds; then uvicorn shuts
+    down as usual. A second signal stops at once."""
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if app.state.draining:
+                super().handle_exit(sig, frame)
+                return
+            app.state.draining = True
+            log.info("draining: new requests get 503; waiting up to %.0f s for %d in flight", timeout,
+                     engine.num_unfinished())
+            threading.Thread(target=self._drain, args=(sig, frame), name="drain", daemon=True).start()
+
+        def _drain(self, sig: int, frame) -> None:
+            deadline = time.monotonic() + timeout
+            while engine.num_unfinished() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                         timeout_graceful_shutdown=timeout))

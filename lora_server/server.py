@@ -81,6 +81,15 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
     serving = OpenAIServing(engine, settings.model_id, metrics)
     control = EngineAdapters(engine)
     app.state.engine, app.state.store, app.state.control = engine, store, control
+    app.state.draining = False  # set when shutdown starts: new requests get 503, in-flight ones finish
+
+    @app.middleware("http")
+    async def _refuse_while_draining(request: Request, call_next):
+        if app.state.draining and request.url.path != "/metrics":
+            err = ApiError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                           headers={"Retry-After": "5"})
+            return JSONResponse(err.body(), status_code=503, headers=err.headers)
+        return await call_next(request)
 
     # ---- errors in OpenAI's shape ----------------------------------------------------------------------------
 

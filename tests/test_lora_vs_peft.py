@@ -125,3 +125,33 @@ def test_more_adapters_than_slots_and_unload(peft_dirs, peft_model):
         engine.generate([prompt], params, adapters=names[0])
     assert info.value.http_status == 404 and info.value.param == "model"
     assert engine.core.adapters.names() == sorted(names[1:])
+
+
+def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
+    """Three conversations (base, two adapters) of three turns each, one batch per turn; between turns a long
+    filler request takes most of the device budget, so the tree-cost pool swaps the conversations' KV to the host
+    and back. Every turn after the first reuses cached KV, and still every token equals HF+PEFT's greedy choice on
+    the whole conversation, log-probabilities within 2e-3."""
+    engine = Engine(EngineConfig(quantization="none", num_kv_blocks=48, max_lora_rank=16, max_loras=2,
+                                 show_progress=False))
+    plan = [None, "qv-r4", "all-r8-rslora"]
+    for name in plan[1:]:
+        engine.add_adapter(name, peft_dirs / name)
+    chats: list[list[dict[str, str]]] = [[] for _ in plan]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    for turn in range(3):
+        for i, chat in enumerate(chats):
+            chat.append({"role": "user", "content": CHAT_PROMPTS[(turn * 3 + i) % len(CHAT_PROMPTS)]})
+        prompts = [engine.chat_prompt(chat) for chat in chats]
+        outs = engine.generate(prompts, params, adapters=plan)
+        for prompt, adapter, out, chat in zip(prompts, plan, outs, chats, strict=True):
+            assert (out.num_cached_tokens > 0) == (turn > 0), (turn, adapter)
+            assert out.token_ids == _peft_greedy(peft_model, adapter, prompt, NEW_TOKENS), (turn, adapter)
+            ref = _peft_logprobs(peft_model, adapter, prompt + out.token_ids)
+            for step, lp in enumerate(out.logprobs):
+                assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL
+            chat.append({"role": "assistant", "content": out.text})
+        engine.generate([list(range(100, 100 + 30 * 16))], SamplingParams(max_tokens=1))  # the filler: 31 blocks
+        engine.core.check_integrity()
+    counters = engine.core.pool.tree.counters
+    assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)

@@ -212,6 +212,58 @@ def test_tenants(server, dirs):
     assert usage["acme-bot"]["requests"] >= 2
 
 
+def test_tenants_share_no_cached_prefix(server):
+    """The same prompt from two tenants: each tenant's repeat hits its own cache, the other tenant's first request
+    hits nothing; /admin/pool shows it per salt."""
+    keys = {}
+    for name in ("t-red", "t-blue"):
+        r = server.admin("POST", "/admin/tenants", json={"name": name, "adapters": []})
+        keys[name] = r.json()["api_key"]
+    text = "Please list the planets of the solar system in order from the sun."
+
+    def cached(name: str) -> int:
+        usage = chat(server.client(name, keys[name]), BASE, text, max_tokens=4).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached("t-red") == 0
+    assert cached("t-red") > 0
+    assert cached("t-blue") == 0
+    assert cached("t-blue") > 0
+    by_salt = server.admin("GET", "/admin/pool").json()["kv_tokens_by_salt"]
+    red, blue = by_salt["tenant:t-red"], by_salt["tenant:t-blue"]
+    assert red == blue and red["cached_tokens"] > 0 and red["prompt_tokens"] > red["cached_tokens"]
+
+
+def test_shutdown_drains_in_flight_and_refuses_new(dirs):
+    data = dirs / "drain"
+    data.mkdir()
+    s = Server(data, [dirs / "adapters"], ["--shutdown-timeout", "60"])
+    body = {"model": BASE, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks: list[str] = []
+    try:
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            chunks.append(next(lines))
+            s.proc.send_signal(15)  # SIGTERM: the drain starts
+            deadline = time.monotonic() + 10
+            while True:  # the signal arrives asynchronously
+                refused = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+                if refused.status_code == 503 or time.monotonic() > deadline:
+                    break
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["type"] == "service_unavailable"
+            chunks += [line for line in lines if line]
+        events = [json.loads(c.removeprefix("data: ")) for c in chunks if c.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the stream in flight finished
+        assert s.proc.wait(timeout=60) in (0, -15)  # uvicorn re-raises the signal once it has shut down
+        assert "draining" in (data / f"server-{s.port}.log").read_text()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.log.close()
+
+
 @pytest.mark.parametrize("body, status, param", [
     ("{not json", 400, None),
     ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),

@@ -1,0 +1,250 @@
+"""``lora-server bench-pool``: the unified pool's policies side by side on one multi-turn trace, on the real engine.
+
+The trace. Sessions arrive as a Poisson process (`rate` per second); each picks an adapter by Zipf popularity
+(p_i proportional to 1 / i^alpha over N adapters) and runs `turns` turns. Every adapter has its own system prompt;
+turn k's prompt is the conversation so far (the previous prompt and the model's answer) plus `user_tokens` new
+tokens, and it arrives `think_s` after the previous answer. Answers are greedy, `output_tokens` long (EOS ignored),
+so every policy must produce the same tokens (checked: cached KV is exact) and the runs differ only in what the pool
+kept. The device budget is tight on purpose: adapters and KV compete for it.
+
+Per policy: mean and p99 TTFT (arrival to first token) with its split into queueing, adapter loading and prefill,
+the adapter hit rate (requests whose adapter was resident at admission), the KV-token hit rate (prompt tokens served
+from cache), the invalid-KV ratio (GPU KV blocks whose adapter is not resident, sampled every 0.25 s and averaged),
+bytes moved each way and evictions by kind."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lora_server.bench_engine import write_random_adapters
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.loader import open_checkpoint
+from lora_server.model_runner import kv_bytes_per_block
+from lora_server.request import Request
+from lora_server.sampling_params import SamplingParams
+
+POLICIES = ("tree-cost", "lru-separate", "lru-unified")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    num_adapters: int
+    alpha: float  # Zipf exponent of adapter popularity
+    rate: float  # sessions per second
+    sessions: int
+    turns: int = 3
+    system_tokens: int = 32  # per adapter, at the start of each of its sessions
+    user_tokens: int = 48  # new tokens per turn
+    output_tokens: int = 16
+    think_s: float = 0.5  # between an answer and the next turn
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Session:
+    adapter: int
+    start: float  # arrival of its first turn, seconds after the trace starts
+    user: tuple[tuple[int, ...], ...]  # [turns] the new tokens of each turn
+
+
+def make_trace(spec: TraceSpec, vocab: int) -> tuple[list[tuple[int, ...]], list[Session]]:
+    """The adapters' system prompts and the sessions, all from spec.seed."""
+    rng = random.Random(spec.seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(10, vocab) for _ in range(n))
+
+    systems = [tokens(spec.system_tokens) for _ in range(spec.num_adapters)]
+    weights = [1 / (i + 1) ** spec.alpha for i in range(spec.num_adapters)]
+    sessions, t = [], 0.0
+    for _ in range(spec.sessions):
+        t += rng.expovariate(spec.rate)
+        adapter = rng.choices(range(spec.num_adapters), weights)[0]
+        sessions.append(Session(adapter, t, tuple(tokens(spec.user_tokens) for _ in range(spec.turns))))
+    return systems, sessions
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    requests: int
+    ttft_mean_s: float
+    ttft_p99_s: float
+    queueing_mean_s: float
+    adapter_loading_mean_s: float
+    prefill_mean_s: float
+    adapter_hit_rate: float
+    kv_token_hit_rate: float
+    invalid_kv_ratio: float  # time average
+    bytes_to_gpu: int
+    bytes_to_host: int
+    evicted_blocks: dict[str, int]
+    duration_s: float
+    outputs: dict[str, list[int]] = field(repr=False)  # "session/turn" -> answer tokens
+
+
+def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceSpec,
+               systems: list[tuple[int, ...]], sessions: list[Session]) -> PolicyResult:
+    """Run the trace on a fresh engine (its policy is the engine's) and shut the engine down."""
+    config = engine.config
+    for name in names:
+        engine.add_adapter(name, adapter_dir / name)
+    core = engine.core
+    params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
+    engine.generate([list(systems[0]) + [11] * 8], SamplingParams(max_tokens=2), adapters=None)  # warm-up
+    history = {i: list(systems[s.adapter]) for i, s in enumerate(sessions)}
+    arrivals = [(s.start, i, 0) for i, s in enumerate(sessions)]  # (time, session, turn)
+    heapq.heapify(arrivals)
+    requests: dict[str, Request] = {}
+    done: list[Request] = []
+    outputs: dict[str, list[int]] = {}
+    invalid: list[float] = []
+    t0 = time.monotonic()
+    next_sample = 0.0
+    idle_steps = 0
+    while arrivals or core.has_work():
+        now = time.monotonic() - t0
+        while arrivals and arrivals[0][0] <= now:
+            at, i, turn = heapq.heappop(arrivals)
+            history[i] += sessions[i].user[turn]
+            request = core.make_request(f"{i}/{turn}", list(history[i]), params, names[sessions[i].adapter])
+            request.arrival_time = t0 + at
+            requests[request.request_id] = request
+            core.add(request)
+        if now >= next_sample:
+            invalid.append(core.pool.stats().invalid_kv_ratio)
+            next_sample = now + 0.25
+        if not core.has_work():
+            time.sleep(max(0.0, min(0.05, arrivals[0][0] - now)))
+            continue
+        outs = core.step()
+        idle_steps = 0 if outs or core.scheduler.running else idle_steps + 1
+        if idle_steps > 1000:
+            raise RuntimeError("the engine admits nothing: the trace does not fit the pool")
+        for out in outs:
+            if not out.finished:
+                continue
+            request = requests.pop(out.request_id)
+            done.append(request)
+            i, turn = map(int, out.request_id.split("/"))
+            answer = request.output_token_ids
+            outputs[out.request_id] = answer
+            history[i] += answer
+            if turn + 1 < spec.turns:
+                heapq.heappush(arrivals, (time.monotonic() - t0 + spec.think_s, i, turn + 1))
+    duration = time.monotonic() - t0
+    core.check_integrity()
+    stats = core.pool.stats()
+    engine.shutdown()
+    ttfts = sorted(r.first_token_time - r.arrival_time for r in done)  # type: ignore[operator]
+    n = len(done)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / max(1, len(values))
+
+    queueing = [r.scheduled_time - r.arrival_time for r in done]  # type: ignore[operator]
+    adapter = [r.adapter_load_s for r in done]
+    prefill = [t - q - a for t, q, a in zip((r.first_token_time - r.arrival_time for r in done),  # type: ignore
+                                            queueing, adapter, strict=True)]
+    return PolicyResult(
+        policy=config.pool_policy, requests=n, ttft_mean_s=mean(ttfts),
+        ttft_p99_s=ttfts[min(n - 1, int(0.99 * n))] if n else 0.0,
+        queueing_mean_s=mean(queueing), adapter_loading_mean_s=mean(adapter), prefill_mean_s=mean(prefill),
+        adapter_hit_rate=sum(not r.adapter_loaded for r in done) / max(1, n),
+        kv_token_hit_rate=sum(r.num_cached_tokens for r in done) / max(1, sum(r.num_prompt_tokens for r in done)),
+        invalid_kv_ratio=mean(invalid), bytes_to_gpu=stats.bytes_to_gpu, bytes_to_host=stats.bytes_to_host,
+        evicted_blocks=stats.evicted_blocks, duration_s=duration, outputs=outputs)
+
+
+def bench(args) -> dict:
+    """Every (adapters, alpha, rate) setting, each policy on the same trace; prints a table, writes --json and
+    --plot."""
+    settings = [(n, a, r) for n in args.adapters for a in args.alpha for r in args.rate]
+    base = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
+                device=args.device, max_loras=args.max_loras, max_lora_rank=args.rank,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                show_progress=False)
+    probe = EngineConfig(**base)
+    arch = open_checkpoint(probe).arch  # reads the file's metadata; weights load lazily
+    block_bytes, device = kv_bytes_per_block(arch, probe.block_size, probe.torch_dtype), str(probe.torch_device)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        names: list[str] = []
+        for n, alpha, rate in settings:
+            spec = TraceSpec(n, alpha, rate, args.sessions, args.turns, args.system_tokens, args.user_tokens,
+                             args.output_tokens, args.think_s, args.seed)
+            systems, sessions = make_trace(spec, arch.vocab_size)
+            row = {"adapters": n, "alpha": alpha, "rate": rate, "policies": {}}
+            for policy in args.policies:
+                engine = Engine(EngineConfig(**base, pool_policy=policy, num_kv_blocks=args.kv_blocks,
+                                             host_kv_bytes=args.host_blocks * block_bytes))
+                if not names:
+                    names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
+                res = run_policy(engine, Path(tmp), names[:n], spec, systems, sessions)
+                row["policies"][policy] = res
+                print(_line(n, alpha, rate, res), flush=True)
+            outs = [r.outputs for r in row["policies"].values()]
+            row["same_tokens"] = all(o == outs[0] for o in outs)  # exact KV reuse (fp32; bf16 rounding may differ)
+            if "tree-cost" in row["policies"] and "lru-separate" in row["policies"]:
+                row["ttft_ratio_tree_cost_vs_lru_separate"] = (row["policies"]["tree-cost"].ttft_mean_s
+                                                               / row["policies"]["lru-separate"].ttft_mean_s)
+                print(f"  tree-cost mean TTFT / lru-separate: {row['ttft_ratio_tree_cost_vs_lru_separate']:.3f}; "
+                      f"same tokens under every policy: {row['same_tokens']}", flush=True)
+            results.append(row)
+    report = {"device": device, "model": args.model or "SmolLM2-135M-Instruct (embedded)", "kv_blocks": args.kv_blocks,
+              "host_blocks": args.host_blocks, "block_bytes": block_bytes, "max_loras": args.max_loras,
+              "rank": args.rank, "targets": list(TARGETS), "sessions": args.sessions, "turns": args.turns,
+              "settings": [{**row, "policies": {p: {k: v for k, v in asdict(r).items() if k != "outputs"}
+                                                for p, r in row["policies"].items()}} for row in results]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, Path(args.plot))
+    return report
+
+
+def _line(n: int, alpha: float, rate: float, r: PolicyResult) -> str:
+    return (f"N={n:<5d} alpha={alpha:<4} rate={rate:<5} {r.policy:<13} TTFT mean {r.ttft_mean_s * 1e3:8.1f} ms  "
+            f"p99 {r.ttft_p99_s * 1e3:8.1f} ms  (queue {r.queueing_mean_s * 1e3:7.1f}, adapter "
+            f"{r.adapter_loading_mean_s * 1e3:6.1f}, prefill {r.prefill_mean_s * 1e3:7.1f})  adapter hit "
+            f"{r.adapter_hit_rate:5.1%}  KV hit {r.kv_token_hit_rate:5.1%}  invalid KV {r.invalid_kv_ratio:5.1%}  "
+            f"to GPU {r.bytes_to_gpu / 2**20:7.1f} MiB  to host {r.bytes_to_host / 2**20:7.1f} MiB  "
+            f"{r.requests} requests in {r.duration_s:.1f} s")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Mean and p99 TTFT, and the hit rates, per setting and policy (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    settings = report["settings"]
+    labels = [f"N={s['adapters']} a={s['alpha']} r={s['rate']}" for s in settings]
+    policies = list(settings[0]["policies"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / len(policies)
+    panels = [("ttft_mean_s", "mean TTFT (s)"), ("ttft_p99_s", "p99 TTFT (s)"), ("kv_token_hit_rate", "KV-token hit")]
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for k, policy in enumerate(policies):
+            values = [s["policies"][policy][key] for s in settings]
+            ax.bar([i + k * width for i in range(len(settings))], values, width, label=policy)
+        ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(settings))], labels, rotation=20,
+                      fontsize=8)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle(f"bench-pool on {report['device']}: {report['model']}, {report['kv_blocks']} device KV blocks, "
+                 f"{report['host_blocks']} host blocks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot written to {path}")

@@ -1,0 +1,97 @@
+"""Prefix caching through the unified pool, on the real engine: which requests hit (hand-computed token counts), no
+hit across adapters, adapter versions or cache salts (tenants), and the invalid-KV ratio of each policy after
+adapter churn. That the cached KV is exactly right is checked against HF+PEFT in test_lora_vs_peft.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters import demo_adapters
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.sampling_params import SamplingParams
+
+BLOCK = 16
+MAX_TOKENS = 6
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def _engine(**kw) -> Engine:
+    return Engine(EngineConfig(**{"quantization": "none", "kv_cache_bytes": 96 << 20, "max_lora_rank": 16,
+                                  "show_progress": False, **kw}))
+
+
+def _hit(prompt: list[int]) -> int:
+    """Cached tokens of a request whose identical predecessor (same key) ran to MAX_TOKENS: its full computed
+    blocks, capped by the longest prefix that leaves a token of the prompt to compute."""
+    inserted = (len(prompt) + MAX_TOKENS - 1) // BLOCK
+    usable = (len(prompt) - 1) // BLOCK
+    return BLOCK * min(inserted, usable)
+
+
+def _cached(engine: Engine, prompt: list[int], adapter: str | None = None, salt: str = "") -> int:
+    [out] = engine.generate([prompt], PARAMS, adapters=adapter, cache_salt=salt)
+    return out.num_cached_tokens
+
+
+def test_hits_only_under_the_same_adapter_version_and_salt():
+    demos = demo_adapters()
+    engine = _engine()
+    for name in ("upper", "pirate"):
+        engine.add_adapter(name, demos[name])
+    prompt = engine.chat_prompt([{"role": "user", "content": "Describe the water cycle in a few sentences."}])
+    assert len(prompt) > 2 * BLOCK
+    assert _cached(engine, prompt) == 0
+    assert _cached(engine, prompt) == _hit(prompt) > 0  # base model, salt "": a hit
+    assert _cached(engine, prompt, salt="tenant:a") == 0  # another tenant: its own cache
+    assert _cached(engine, prompt, salt="tenant:b") == 0
+    assert _cached(engine, prompt, salt="tenant:a") == _hit(prompt)
+    assert _cached(engine, prompt, "upper") == 0  # an adapter never reuses the base model's KV
+    assert _cached(engine, prompt, "pirate") == 0  # nor another adapter's
+    assert _cached(engine, prompt, "upper") == _hit(prompt)
+    assert _cached(engine, prompt, "upper", salt="tenant:a") == 0
+    engine.add_adapter("upper", demos["upper"])  # a new version under the same name
+    assert _cached(engine, prompt, "upper") == 0
+    assert _cached(engine, prompt, "upper") == _hit(prompt)
+    engine.core.check_integrity()
+    figures = engine.pool_figures()
+    p = len(prompt)
+    assert figures["kv_tokens_by_salt"] == {
+        "": {"prompt_tokens": 7 * p, "cached_tokens": 3 * _hit(prompt)},
+        "tenant:a": {"prompt_tokens": 3 * p, "cached_tokens": _hit(prompt)},
+        "tenant:b": {"prompt_tokens": p, "cached_tokens": 0},
+    }
+    assert figures["request_blocks"] == 0 and figures["gpu_in_use"] == 0
+
+
+@pytest.mark.parametrize("policy, invalid", [("tree-cost", 0.0), ("lru-unified", 0.0), ("lru-separate", 1 / 3)])
+def test_invalid_kv_after_adapter_churn(policy, invalid):
+    """Two adapter places, three adapters used in turn with prompts of the same length: the third evicts the
+    first. lru-separate keeps the first adapter's KV on the device without it (1 of 3 adapters' equal KV is
+    invalid); tree-cost moves it with its adapter; lru-unified keeps no KV."""
+    demos = demo_adapters()
+    engine = _engine(max_loras=2, pool_policy=policy, kv_cache_bytes=256 << 20)
+    for name in ("upper", "pirate", "emoji"):
+        engine.add_adapter(name, demos[name])
+    prompt = engine.chat_prompt([{"role": "user", "content": "Name three colours of the rainbow."}])
+    for name in ("upper", "pirate", "emoji"):
+        _cached(engine, prompt, name)
+    engine.core.check_integrity()
+    stats = engine.core.pool.stats()
+    assert stats.invalid_kv_ratio == pytest.approx(invalid)
+    assert stats.resident_adapters == 2
+    if policy == "tree-cost":  # the evicted adapter's KV went to the host tier, and comes back as a hit
+        assert stats.bytes_to_host > 0
+        assert _cached(engine, prompt, "upper") == _hit(prompt)
+
+
+def test_an_adapter_request_too_big_for_the_pool_is_refused():
+    from lora_server.errors import ContextLengthExceededError
+
+    engine = _engine(num_kv_blocks=20)
+    engine.add_adapter("upper", demo_adapters()["upper"])  # 4.9 MB fp16 -> 14 blocks of 737 kB in fp32
+    prompt = engine.chat_prompt([{"role": "user", "content": "Hello there, how are you today?"}])
+    with pytest.raises(ContextLengthExceededError, match="adapter"):
+        engine.generate([prompt], SamplingParams(max_tokens=8 * BLOCK), adapters="upper")
+    assert engine.generate([prompt], SamplingParams(max_tokens=8 * BLOCK, ignore_eos=True))[0].token_ids
+    engine.core.check_integrity()
