@@ -30,6 +30,7 @@ from lora_server.scheduler import Scheduler, SchedulerConfig
 from lora_server.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+IDLE_CHECK_S = 5.0  # how often an idle engine thread asserts the pool's integrity
 
 
 class EngineCore:
@@ -366,11 +367,15 @@ class Engine:
             self._thread = None
 
     def _loop(self) -> None:
+        checked = 0.0
         try:
             while not self._stopping.is_set():
                 self._drain_inbox()
                 self._publish_figures()
                 if not self.core.has_work():
+                    if time.monotonic() - checked >= IDLE_CHECK_S:  # the pool's invariants, while nothing runs
+                        self.core.check_integrity()
+                        checked = time.monotonic()
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue

@@ -48,6 +48,11 @@ class Metrics:
         with self.lock:
             self.counters[name] = self.counters.get(name, 0) + value
 
+    def set_counter(self, name: str, value: float) -> None:
+        """A counter whose total is kept elsewhere (the pool's), copied in before rendering."""
+        with self.lock:
+            self.counters[name] = value
+
     def observe(self, histogram: Histogram, value: float) -> None:
         with self.lock:
             histogram.observe(value)

@@ -126,14 +126,14 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
                   "vllm:num_requests_waiting": len(core.scheduler.waiting),
                   "vllm:kv_cache_usage_perc": pool["request_blocks"] / pool["gpu_blocks"],
                   "vllm:num_preemptions_total": core.scheduler.num_preemptions,
-                  "vllm:prefix_cache_queries_total": sum(s["prompt_tokens"] for s in salts),
-                  "vllm:prefix_cache_hits_total": sum(s["cached_tokens"] for s in salts),
                   "lora_server:adapters_resident": pool["resident_adapters"],
                   "lora_server:adapters_registered": len(core.adapters.names()),
                   **{f"lora_server:pool_{name}": pool[name] for name in POOL_GAUGES},
                   **{f"lora_server:pool_evicted_blocks_{kind}": n for kind, n in pool["evicted_blocks"].items()},
                   **{f"lora_server:ttft_{part}_mean_seconds": pool["ttft"][f"{part}_mean_s"]
                      for part in ("queueing", "adapter_loading", "prefill")}}
+        metrics.set_counter("vllm:prefix_cache_queries_total", sum(s["prompt_tokens"] for s in salts))
+        metrics.set_counter("vllm:prefix_cache_hits_total", sum(s["cached_tokens"] for s in salts))
         running = {r.adapter.name for r in core.scheduler.running if r.adapter is not None}
         waiting = {r.adapter.name for r in core.scheduler.waiting if r.adapter is not None}
         info = {"running_lora_adapters": ",".join(sorted(running)), "waiting_lora_adapters": ",".join(sorted(waiting)),

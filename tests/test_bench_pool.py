@@ -38,7 +38,7 @@ def test_bench_pool_runs_every_policy_on_the_same_trace(tmp_path):
     assert setting["same_tokens"] is True
     policies = setting["policies"]
     assert list(policies) == ["tree-cost", "lru-separate", "lru-unified"]
-    for name, fig in policies.items():
+    for fig in policies.values():
         assert fig["requests"] == 12
         assert 0 < fig["ttft_mean_s"] <= fig["ttft_p99_s"]
         assert 0 <= fig["adapter_hit_rate"] <= 1 and 0 <= fig["kv_token_hit_rate"] <= 1

@@ -301,8 +301,15 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert pool["running"] == 0 and pool["request_blocks"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
-                 "vllm:lora_requests_info"):
+                 "vllm:lora_requests_info", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "lora_server:pool_adapter_hit_rate", "lora_server:pool_kv_token_hit_rate",
+                 "lora_server:pool_invalid_kv_ratio", "lora_server:pool_bytes_to_host",
+                 "lora_server:pool_evicted_blocks_kv_swap_out", "lora_server:ttft_adapter_loading_mean_seconds"):
         assert name in metrics
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line and not line.startswith("#")}
+    assert values["vllm:prefix_cache_queries_total"] >= values["vllm:prefix_cache_hits_total"] >= 0
+    assert values["lora_server:pool_invalid_kv_ratio"] == 0.0  # tree-cost, the default policy
 
 
 def test_restart_keeps_adapters_and_tenants(dirs):
