@@ -30,7 +30,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0,
+                   help="the pool's device budget for KV blocks and resident adapters")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on CUDA, use this share of the memory left after loading as the budget instead")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--pool-policy", default="tree-cost", choices=POOL_POLICIES,
                    help="what the unified pool keeps on the device (default: tree-cost, FastLibra's cost model)")
@@ -45,6 +48,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
                   enable_chunked_prefill=not args.no_chunked_prefill, pool_policy=args.pool_policy,
                   host_kv_bytes=int(args.host_kv_gb * 2**30), max_loras=args.max_loras,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   max_lora_rank=args.max_lora_rank)
     values.update(overrides)
     return EngineConfig(**values)

@@ -32,6 +32,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 1 << 30  # the device budget of the pool: KV blocks and the adapters it keeps resident
+    gpu_memory_utilization: float | None = None  # on CUDA: the budget is this share of the memory left free after
+    # the weights and adapter slots load (replaces kv_cache_bytes); leave room for activations
     host_kv_bytes: int = 1 << 30  # the host tier for KV swapped out of the device (pinned on CUDA); 0: none
     pool_policy: str = "tree-cost"  # tree-cost | lru-separate | lru-unified (kv_pool.policies)
     max_model_len: int | None = None  # None: the model's own context length
@@ -53,6 +55,8 @@ class EngineConfig:
                      "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
         _choice("pool_policy", self.pool_policy, tuple(POLICIES))

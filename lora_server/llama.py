@@ -57,6 +57,9 @@ def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> to
 class Rotary(nn.Module):
     """Neox-style rotary embedding (HF's rotate_half layout) from a cos/sin table over all positions."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, arch: ModelArch, max_positions: int, device: torch.device,
                  rope_freqs: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -141,8 +144,9 @@ class LlamaModel(nn.Module):
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
         """[layer][group] -> the LoRA wrapper of each fused linear (groups as in lora.GROUPS)."""
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         return [dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj, gate_up=layer.mlp.gate_up_proj,
-                     down=layer.mlp.down_proj) for layer in self.layers]
+                     down=layer.mlp.down_proj) for layer in layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         head = self.lm_head if self.lm_head is not None else self.embed

@@ -230,6 +230,7 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in] -> [T, out_total]
         out = self.base(x)
         if lora is not None and self.lora_a is not None:
+            assert self.lora_b is not None and self.ranks is not None
             if lora.slot_ids is not None:
                 lora_ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
                                     slot_ids=lora.slot_ids, use_kernels=lora.use_triton)

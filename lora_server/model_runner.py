@@ -37,7 +37,10 @@ class ModelRunner:
         with torch.no_grad():
             self.model: LlamaModel = build_llama(checkpoint, config.quantization, self.dtype, self.device,
                                                  max_model_len, config.show_progress)
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // self.kv_bytes_per_block)
+        roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
+        self.lora = LoraManager(self.arch, config.max_loras, config.max_lora_rank, self.device, self.dtype, roots)
+        self.lora.attach(self.model.lora_wrappers())
+        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.kv_bytes_per_block)
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(self.arch.num_layers, 2, self.num_blocks, self.block_size,
                                     self.arch.num_kv_heads, self.arch.head_dim, dtype=self.dtype, device=self.device)
@@ -48,9 +51,15 @@ class ModelRunner:
                                    pin_memory=self.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler(self.arch.vocab_size)
-        roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
-        self.lora = LoraManager(self.arch, config.max_loras, config.max_lora_rank, self.device, self.dtype, roots)
-        self.lora.attach(self.model.lora_wrappers())
+
+    def _kv_budget_bytes(self) -> int:
+        """The pool's device budget: gpu_memory_utilization x the CUDA memory still free once the weights and the
+        adapter slots are allocated, or kv_cache_bytes (always on the CPU)."""
+        share = self.config.gpu_memory_utilization
+        if share is None or self.device.type != "cuda":
+            return self.config.kv_cache_bytes
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * share)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -155,7 +164,7 @@ class ModelRunner:
         decode-only steps on the GPU also get the per-token form for the BGMV kernels."""
         if all(r.lora_slot < 0 for r, _ in items):
             return None
-        seg_starts, seg_slots = [0], []
+        seg_starts, seg_slots = [0], list[int]()
         for request, n in items:
             if seg_slots and seg_slots[-1] == request.lora_slot:
                 seg_starts[-1] += n

@@ -51,7 +51,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, adapter: str | None, model: str,
                          on_usage: UsageHook | None = None,
                          cache_salt: str = "") -> dict[str, Any] | AsyncIterator[str]:
-        prompts = req.prompts()
+        prompts: list[Prompt] = list(req.prompts())
         longest = max(len(p) if not isinstance(p, str) else 0 for p in prompts)
         if any(isinstance(p, str) for p in prompts) and self.engine.tokenizer is not None:
             longest = max(longest, *(len(self.engine.tokenizer.encode(p)) for p in prompts if isinstance(p, str)))

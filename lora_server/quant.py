@@ -42,6 +42,9 @@ class DenseLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         assert qweight.dtype == torch.int8 and qweight.shape[1] % scales.shape[1] == 0
@@ -74,6 +77,10 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    packed: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -111,6 +118,9 @@ class Int4CpuLinear(nn.Module):
     """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
     module swap for Int4Linear, which would otherwise unpack every weight each step. Activations are rounded to
     bfloat16 for the matmul (the kernel is fast only in bf16); the result is cast back to the input dtype."""
+
+    cpu_packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(self, source: Int4Linear) -> None:
         super().__init__()
