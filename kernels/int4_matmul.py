@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int8_matmul import groups_per_tile
+from kernels.int8_matmul import dot_in_fp32, groups_per_tile, split_k_output
 
 
 @triton.jit
@@ -121,14 +121,10 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     assert split_k >= 1
     gpt = groups_per_tile(k, group, block_k)
 
-    if split_k == 1:
-        y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.zeros(num_rows, n, dtype=torch.float32, device=x.device)
+    y = split_k_output(x, n, split_k)
     if num_rows == 0 or n == 0:
         return y.to(x.dtype)
-    # the interpreter (CPU tensors) multiplies bfloat16 bit patterns in tl.dot (triton issue #11584)
-    dot_in_fp32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    in_fp32 = dot_in_fp32(x)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n), split_k)
     _int4_matmul_kernel[grid](
         x, packed, scales, mins, y,
@@ -136,7 +132,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
         x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
         mins.stride(0), mins.stride(1), y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUPS_PER_TILE=gpt, SPLIT_K=split_k,
-        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or x.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=in_fp32, PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
     return y.to(x.dtype)

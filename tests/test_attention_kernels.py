@@ -20,30 +20,17 @@ Tolerances (kernel vs twin; twin vs float64 loop), both rounding to the output d
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (torch does not import it)
+from kernels import reference as ref
+from kernels.paged_attention import paged_attention
+from kernels.write_kv import write_kv_cache
+from tests.kernel_env import DEVICE, TOL_VS_TWIN
+from tests.kernel_env import TOL_VS_EXACT as TOL_VS_LOOP
 
-from kernels import reference as ref  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.write_kv import write_kv_cache  # noqa: E402
-
-TOL_VS_TWIN = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
-}
-TOL_VS_LOOP = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
-    torch.bfloat16: {"atol": 8e-3, "rtol": 8e-3},
-}
 CONTEXTS = (1, 5, 17, 40)
 
 

