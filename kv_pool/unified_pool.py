@@ -198,7 +198,7 @@ class UnifiedPool:
                 self.tree.unlock(handle)
                 return None
             num_new = min(num_new, token_budget)
-            need = -(-(cached + num_new) // bs) - len(blocks)
+            need = self.gpu.blocks_for_tokens(cached + num_new) - len(blocks)
             if not self._room(need, now):  # evicts unlocked nodes only: the path just locked stays
                 self.tree.unlock(handle)
                 return None

@@ -109,12 +109,12 @@ class EngineCore:
                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
                 f"completion). Please reduce the prompt or max_tokens.")
         if handle is not None and not self.pool.policy.adapter_slots:
-            bs = self.config.block_size
             try:
                 adapter_bytes = self.adapters.device_nbytes(handle.adapter_id)
             except KeyError:  # unloaded meanwhile
                 raise UnknownAdapterError(handle.name) from None
-            need = -(-(len(ids) + params.max_tokens) // bs) + self.pool.config.adapter_blocks(adapter_bytes)
+            pool = self.pool
+            need = pool.gpu.blocks_for_tokens(len(ids) + params.max_tokens) + pool.config.adapter_blocks(adapter_bytes)
             if need > self._request_blocks:
                 raise ContextLengthExceededError(
                     f"{len(ids)} prompt tokens and max_tokens {params.max_tokens} with adapter `{adapter}` need "

@@ -161,8 +161,7 @@ class Scheduler:
     def _reserve(self, request: Request, num_new_tokens: int, now: float) -> bool:
         """Give the request the blocks for num_new_tokens more tokens, if the pool has them (or can evict
         cached KV for them)."""
-        bs = self.pool.config.block_size
-        need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(request.block_table)
+        need = self.pool.gpu.blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
         if need <= 0:
             return True
         try:
