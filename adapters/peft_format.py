@@ -14,13 +14,40 @@ from pathlib import Path
 import torch
 
 # PEFT module name (HF Llama naming) -> our canonical module name
-TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-           "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-_HF_PATH = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+TARGETS = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+_HF_PATH = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(lora_[AB])(?:\.[\w-]+)?"
-                  r"\.weight")
+_F32_MAX = torch.finfo(torch.float32).max
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+# What a config of an unforeseen shape can raise while _plan interprets it; anything else there is a bug.
+_MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError, re.error)
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.([0-9]{1,6})\.(self_attn|mlp)\.(\w+_proj)\.(lora_[AB])(?:\.[\w-]+)?"
+    r"\.weight"
+)
 
 
 class AdapterError(ValueError):
@@ -36,9 +63,18 @@ class BaseShapes:
 
     @classmethod
     def llama(cls, num_layers: int, hidden: int, intermediate: int, q_size: int, kv_size: int) -> BaseShapes:
-        return cls(num_layers, {"q": (hidden, q_size), "k": (hidden, kv_size), "v": (hidden, kv_size),
-                                "o": (q_size, hidden), "gate": (hidden, intermediate), "up": (hidden, intermediate),
-                                "down": (intermediate, hidden)})
+        return cls(
+            num_layers,
+            {
+                "q": (hidden, q_size),
+                "k": (hidden, kv_size),
+                "v": (hidden, kv_size),
+                "o": (q_size, hidden),
+                "gate": (hidden, intermediate),
+                "up": (hidden, intermediate),
+                "down": (intermediate, hidden),
+            },
+        )
 
 
 @dataclass(slots=True)
@@ -59,90 +95,161 @@ class LoraAdapter:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
 
-def load_peft_adapter(name: str, path: str | Path, base: BaseShapes, max_rank: int,
-                      allowed_roots: list[Path] | None = None) -> LoraAdapter:
-    """Validate and read one PEFT LoRA directory. ``allowed_roots`` None means any path is allowed."""
-    root = Path(path).expanduser().resolve()
-    if allowed_roots is not None and not any(root.is_relative_to(r.expanduser().resolve()) for r in allowed_roots):
-        raise AdapterError(f"adapter path {path} is outside the allowed adapter roots")
+def load_peft_adapter(
+    name: str, path: str | Path, base: BaseShapes, max_rank: int, allowed_roots: list[Path] | None = None
+) -> LoraAdapter:
+    """Validate and read one PEFT LoRA directory; every refusal is an AdapterError. ``allowed_roots`` None means any
+    path is allowed; otherwise the directory and each file read from it must resolve (symlinks followed) inside one."""
+    roots = None if allowed_roots is None else [r.expanduser().resolve() for r in allowed_roots]
+    outside = f"outside the allowed adapter roots ({', '.join(map(str, roots or [])) or 'none configured'})"
+    root = _resolve(Path(path), f"adapter path {path}")
+    if roots is not None and not _within(root, roots):
+        raise AdapterError(f"adapter path {path} is {outside}")
     if not root.is_dir():
         raise AdapterError(f"adapter path {path} is not a directory")
-    weights_file = root / "adapter_model.safetensors"
-    if not weights_file.is_file():
+    files = {}
+    for file in ("adapter_model.safetensors", "adapter_config.json"):
+        files[file] = _resolve(root / file, f"{file} in adapter path {path}")
+        if roots is not None and not _within(files[file], roots):
+            raise AdapterError(f"{file} in adapter path {path} links {outside}")
+    if not files["adapter_model.safetensors"].is_file():
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise AdapterError(f"only safetensors adapters are loaded; {', '.join(pickles)} is a pickle file")
         raise AdapterError(f"{path} has no adapter_model.safetensors")
-    config_file = root / "adapter_config.json"
-    if not config_file.is_file():
+    if not files["adapter_config.json"].is_file():
         raise AdapterError(f"{path} has no adapter_config.json")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(files["adapter_config.json"].read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise AdapterError(f"adapter_config.json cannot be read: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise AdapterError(f"adapter_config.json is not UTF-8 text: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # a syntax error, an integer over 4300 digits, too deep nesting
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from exc
-    plan = _plan(config, base, max_rank)
-    tensors = _read_safetensors(weights_file)
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter_config.json must hold a JSON object, not {_JSON_TYPES[type(config)]}")
+    try:
+        plan = _plan(config, base, max_rank)
+    except AdapterError:
+        raise
+    except _MALFORMED as exc:  # a config shape the named checks in _plan miss; only _plan runs in this block
+        raise AdapterError(f"adapter_config.json is malformed: {exc}") from exc
+    tensors = _read_safetensors(files["adapter_model.safetensors"])
     return LoraAdapter(name, root, max(r for r, _ in plan.values()), _convert(tensors, plan, base))
 
 
+def _resolve(path: Path, what: str) -> Path:
+    try:
+        return path.expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, an unknown ~user, a NUL byte
+        raise AdapterError(f"{what} cannot be resolved: {exc}") from exc
+
+
+def _within(path: Path, roots: list[Path]) -> bool:
+    return any(path.is_relative_to(r) for r in roots)
+
+
 def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str], tuple[int, float]]:
-    """(layer, module) -> (rank, scaling) for every module the config targets, after every config check."""
+    """(layer, module) -> (rank, scaling) for every module the config targets, after every config check; PEFT's
+    semantics, and its defaults (r 8, lora_alpha 8)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("use_dora"):
+    if _flag(config, "use_dora"):
         raise AdapterError("DoRA adapters (use_dora) are not supported")
     if config.get("modules_to_save"):
         raise AdapterError("modules_to_save is not supported (it replaces whole base modules)")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"bias={config['bias']!r} is not supported: only bias='none'")
-    rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)
-    if not isinstance(rank, int) or rank < 1:
-        raise AdapterError(f"r must be a positive integer, got {rank!r}")
+    rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
+    rank_patterns = _patterns(config, "rank_pattern", _rank)
+    alpha_patterns = _patterns(config, "alpha_pattern", _alpha)
+    rslora = _flag(config, "use_rslora")
     layers = _layers(config, base.num_layers)
     targets = config.get("target_modules")
-    candidates = {(layer, module): f"model.layers.{layer}.{_HF_PATH[module]}"
-                  for layer in layers for module in _HF_PATH}
+    candidates = {
+        (layer, module): f"model.layers.{layer}.{_HF_PATH[module]}" for layer in layers for module in _HF_PATH
+    }
     if isinstance(targets, str):
-        chosen = {k for k, full in candidates.items() if re.fullmatch(targets, full)}
+        if config.get("layers_to_transform") is not None:
+            raise AdapterError("layers_to_transform cannot be used with a regex target_modules (PEFT refuses it too)")
+        regex = _regex(targets, f"target_modules {targets!r}")
+        chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
         if not chosen:
             raise AdapterError(f"target_modules regex {targets!r} matches no module of the base model")
-    elif isinstance(targets, list) and targets:
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
         unknown = [t for t in targets if t.split(".")[-1] not in TARGETS]
         if unknown:
-            raise AdapterError(f"target modules {unknown} are not in the base model "
-                               f"(supported: {', '.join(TARGETS)})")
+            raise AdapterError(f"target modules {unknown} are not in the base model (supported: {', '.join(TARGETS)})")
         wanted = {TARGETS[t.split(".")[-1]] for t in targets}
         chosen = {k for k in candidates if k[1] in wanted}
     else:
-        raise AdapterError("target_modules must be a non-empty list or a regex string")
-    plan = {}
+        raise AdapterError(
+            f"target_modules must be a non-empty list of module names or a regex string, got {targets!r}"
+        )
+    plan: dict[tuple[int, str], tuple[int, float]] = {}
     for key in chosen:
         full = candidates[key]
-        r = _pattern(config.get("rank_pattern") or {}, full, rank)
-        a = _pattern(config.get("alpha_pattern") or {}, full, alpha)
+        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))  # _rank checked: an int
+        a = next((v for p, v in alpha_patterns if p.fullmatch(full)), alpha)
         if r > max_rank:
             raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
-        plan[key] = (r, a / math.sqrt(r) if config.get("use_rslora") else a / r)
+        plan[key] = (r, a / math.sqrt(r) if rslora else a / r)
     return plan
 
 
+def _flag(config: dict, key: str) -> bool:
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise AdapterError(f"{key} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _rank(value, what: str) -> int:
+    if type(value) is not int or value < 1:  # not isinstance: true is an int to Python but not a rank
+        raise AdapterError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _alpha(value, what: str) -> float:
+    """A finite number a float32 can hold (``not <=`` also refuses NaN; abs() of a huge int does not overflow)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not abs(value) <= _F32_MAX:
+        raise AdapterError(f"{what} must be a finite number of magnitude at most {_F32_MAX:.3g}, got {value!r}")
+    return float(value)
+
+
+def _patterns(config: dict, key: str, check) -> list[tuple[re.Pattern, int | float]]:
+    """PEFT's rank_pattern / alpha_pattern as (compiled, checked value): a key matches a module whose name ends
+    with it (as a regex, after a dot)."""
+    patterns = config.get(key)
+    if patterns is None:
+        return []
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"{key} must be an object mapping module-name regexes to values, got {patterns!r}")
+    return [(_regex(rf"(.*\.)?({k})", f"{key} key {k!r}"), check(v, f"{key}[{k!r}]")) for k, v in patterns.items()]
+
+
+def _regex(pattern: str, what: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise AdapterError(f"{what} is not a valid regular expression: {exc.msg}") from exc
+    except (OverflowError, RecursionError) as exc:  # a{99999999999}; thousands of nested groups
+        raise AdapterError(f"{what} is not a valid regular expression: {exc}") from exc
+
+
 def _layers(config: dict, num_layers: int) -> list[int]:
-    chosen = config.get("layers_to_transform")
-    if chosen is None:
+    """layers_to_transform as a list of layer indices; absent, null or [] means every layer, as in PEFT."""
+    value = config.get("layers_to_transform")
+    if value is None or value == []:
         return list(range(num_layers))
-    chosen = [chosen] if isinstance(chosen, int) else list(chosen)
+    chosen = [value] if type(value) is int else value
+    if not isinstance(chosen, list) or any(type(i) is not int for i in chosen):
+        raise AdapterError(f"layers_to_transform must be a layer index or a list of layer indices, got {value!r}")
     bad = [i for i in chosen if not 0 <= i < num_layers]
     if bad:
         raise AdapterError(f"layers_to_transform {bad} do not exist in the base model ({num_layers} layers)")
     return chosen
-
-
-def _pattern(patterns: dict, full_name: str, default):
-    """PEFT's rank_pattern / alpha_pattern: a key matches a module whose name ends with it (as a regex)."""
-    for key, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{key}", full_name):
-            return value
-    return default
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -155,8 +262,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{path.name} cannot be read: {exc}") from exc
 
 
-def _convert(tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple[int, float]],
-             base: BaseShapes) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _convert(
+    tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple[int, float]], base: BaseShapes
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
@@ -169,16 +277,25 @@ def _convert(tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple
             raise AdapterError(f"tensor {key} targets a module the config does not (or the base lacks)")
         found.setdefault((layer, module), {})[m.group(4)] = tensor
     weights = {}
-    for key, (rank, scaling) in sorted(plan.items()):
-        pair = found.get(key, {})
+    for target, (rank, scaling) in sorted(plan.items()):
+        layer, module = target
+        pair = found.get(target, {})
         if set(pair) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"layer {key[0]} {key[1]}_proj lacks lora_A or lora_B weights")
+            raise AdapterError(f"layer {layer} {module}_proj lacks lora_A or lora_B weights")
         a, b = pair["lora_A"].float(), pair["lora_B"].float()
-        in_f, out_f = base.features[key[1]]
+        in_f, out_f = base.features[module]
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
-            raise AdapterError(f"layer {key[0]} {key[1]}_proj: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
-                               f"not match the base ({rank}, {in_f}) / ({out_f}, {rank})")
+            raise AdapterError(
+                f"layer {layer} {module}_proj: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
+                f"not match the base ({rank}, {in_f}) / ({out_f}, {rank})"
+            )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"layer {key[0]} {key[1]}_proj has NaN or Inf weights")
-        weights[key] = (a, b * scaling)
+            raise AdapterError(f"layer {layer} {module}_proj has NaN or Inf weights")
+        b = b * scaling
+        if not torch.isfinite(b).all():
+            raise AdapterError(
+                f"layer {layer} {module}_proj: lora_B times the scaling {scaling:.3g} (from lora_alpha "
+                f"and r) overflows float32"
+            )
+        weights[target] = (a, b)
     return weights

@@ -5,6 +5,8 @@ so this package does not import the engine."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,16 +15,26 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from admin.errors import ApiError
 from admin.keys import constant_time_equals
-from admin.store import AdapterRecord, RateLimits, RegistryStore, TenantExistsError, TenantRecord, is_valid_name
+from admin.store import (
+    AdapterRecord,
+    RateLimits,
+    RegistryStore,
+    TenantExistsError,
+    TenantRecord,
+    UnknownKeyError,
+    UnknownTenantError,
+    is_valid_name,
+)
 
 
 class AdapterControl(Protocol):
     """What the admin API needs from the serving side."""
 
     def load_adapter(self, name: str, path: str) -> dict[str, Any]: ...  # raises ApiError(400) with the reason
-    def unload_adapter(self, name: str) -> None: ...  # raises ApiError(404) when unknown
+    def unload_adapter(self, name: str) -> bool: ...  # False when the engine does not serve it
     def adapter_info(self, name: str) -> dict[str, Any] | None: ...
     def pool_figures(self) -> dict[str, Any]: ...
+    def check_integrity(self) -> None: ...  # AssertionError when the pool's invariants are broken
 
 
 class AdapterBody(BaseModel):
@@ -61,10 +73,14 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
     return {"name": t.name, "adapters": list(t.adapters), "default_adapter": t.default_adapter,
             "rate_limits": {"requests_per_minute": t.rate_limits.requests_per_minute,
                             "tokens_per_minute": t.rate_limits.tokens_per_minute},
-            "created_at": t.created_at}
+            "key_ids": list(t.key_ids), "created_at": t.created_at}
 
 
-def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, allowed_roots: list[Path]) -> APIRouter:
+def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, allowed_roots: list[Path],
+                 base_model_id: str, tenants_changed: Callable[[], None]) -> APIRouter:
+    """``base_model_id`` cannot be an adapter's name; ``tenants_changed`` is called after a tenant is created or
+    deleted (anonymous /v1 access depends on whether tenants exist)."""
+
     def require_admin(request: Request) -> None:
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
@@ -76,9 +92,12 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
     def register(name: str, path: str, pinned: bool) -> dict[str, Any]:
         if not is_valid_name(name):
             raise ApiError(400, f"invalid adapter name {name!r}: use letters, digits, '.', '_' or '-'", param="name")
+        if name == base_model_id:
+            raise ApiError(400, f"{name!r} is the base model's id; choose another adapter name", param="name")
         resolved = Path(path).expanduser().resolve()
         if not any(resolved.is_relative_to(r) for r in allowed_roots):
-            raise ApiError(400, f"adapter path {path} is outside the allowed adapter roots", param="path")
+            raise ApiError(400, f"adapter path {path} is outside the allowed adapter roots "
+                           f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)", param="path")
         info = control.load_adapter(name, str(resolved))
         record = store.put_adapter(AdapterRecord(name, str(resolved), 1, pinned, time.time()))
         return {**info, "version": record.version, "pinned": record.pinned}
@@ -100,8 +119,11 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
 
     @router.delete("/admin/adapters/{name}")
     def delete_adapter(name: str) -> dict[str, Any]:
-        control.unload_adapter(name)
-        store.delete_adapter(name)
+        """Unload it and forget its record; a record whose files vanished (never loaded) is removed too."""
+        served = control.unload_adapter(name)
+        if not store.delete_adapter(name) and not served:
+            raise ApiError(404, f"adapter {name!r} does not exist", "not_found_error", param="name",
+                           code="model_not_found")
         return {"name": name, "deleted": True}
 
     @router.post("/v1/load_lora_adapter")
@@ -119,9 +141,10 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
             record, key = store.create_tenant(body.name, body.adapters, body.default_adapter,
                                               RateLimits(limits.requests_per_minute, limits.tokens_per_minute))
         except TenantExistsError as exc:
-            raise ApiError(400, str(exc), param="name") from exc
+            raise ApiError(409, str(exc), param="name", code="tenant_exists") from exc
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+        tenants_changed()
         return {**tenant_json(record), "api_key": key}
 
     @router.get("/admin/tenants")
@@ -132,21 +155,58 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
     def get_tenant(name: str) -> dict[str, Any]:
         record = store.get_tenant(name)
         if record is None:
-            raise ApiError(404, f"tenant {name!r} does not exist", param="name")
+            raise _no_tenant(name)
         usage = {a or "<base>": _usage_json(u) for a, u in store.usage(name).items()}
         return {**tenant_json(record), "usage": usage}
 
     @router.delete("/admin/tenants/{name}")
     def delete_tenant(name: str) -> dict[str, Any]:
         if not store.delete_tenant(name):
-            raise ApiError(404, f"tenant {name!r} does not exist", param="name")
+            raise _no_tenant(name)
+        tenants_changed()
         return {"name": name, "deleted": True}
+
+    @router.post("/admin/tenants/{name}/keys")
+    def issue_key(name: str) -> dict[str, Any]:
+        """A second key for the tenant (rotation: issue the new one, move clients, retire the old one)."""
+        try:
+            record, key = store.issue_key(name)
+        except UnknownTenantError as exc:
+            raise _no_tenant(name) from exc
+        except ValueError as exc:
+            raise ApiError(409, str(exc), param="name", code="too_many_keys") from exc
+        return {**tenant_json(record), "api_key": key}
+
+    @router.delete("/admin/tenants/{name}/keys/{key_id}")
+    def retire_key(name: str, key_id: str) -> dict[str, Any]:
+        try:
+            record = store.retire_key(name, key_id)
+        except UnknownTenantError as exc:
+            raise _no_tenant(name) from exc
+        except UnknownKeyError as exc:
+            raise ApiError(404, f"tenant {name!r} has no key {key_id!r}", "not_found_error", param="key_id") from exc
+        except ValueError as exc:
+            raise ApiError(409, str(exc), param="key_id", code="last_key") from exc
+        return tenant_json(record)
 
     @router.get("/admin/pool")
     def pool() -> dict[str, Any]:
-        return control.pool_figures()
+        return {**control.pool_figures(), "store": asdict(store.status())}
+
+    @router.post("/admin/pool/check")
+    def check_pool() -> dict[str, Any]:
+        """Run the pool's integrity check on the engine thread (free + cached + in use = total, and more)."""
+        try:
+            control.check_integrity()
+        except AssertionError as exc:
+            return {"ok": False, "error": str(exc) or "integrity check failed"}
+        return {"ok": True}
 
     return router
+
+
+def _no_tenant(name: str) -> ApiError:
+    return ApiError(404, f"tenant {name!r} does not exist", "not_found_error", param="name")
 
 
 def _usage_json(u: Any) -> dict[str, int]:

@@ -2,7 +2,11 @@
 
 One connection per store, guarded by a lock, serves all of the server's threads. Writes run in ``BEGIN IMMEDIATE``
 transactions, which take the file's write lock up front, so that several processes on one file (waiting up to
-``timeout`` seconds for each other) also update it atomically.
+``timeout`` seconds for each other) also update it atomically. A tenant's keys are rows of ``tenant_keys``, which is
+also the index from key hash to tenant.
+
+Schema versions (``PRAGMA user_version``): 1 kept one key hash per tenant in ``tenants.key_hash``; 2 keeps them in
+``tenant_keys``. Opening a version 1 file migrates it, in one transaction.
 """
 
 from __future__ import annotations
@@ -15,9 +19,18 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from admin.store import AdapterRecord, RateLimits, RegistryStore, TenantRecord, Usage
+from admin.store import (
+    MAX_KEYS_PER_TENANT,
+    AdapterRecord,
+    RateLimits,
+    RegistryStore,
+    StoreStatus,
+    StoreUnavailableError,
+    TenantRecord,
+    Usage,
+)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS adapters (
         name TEXT PRIMARY KEY, path TEXT NOT NULL, version INTEGER NOT NULL, pinned INTEGER NOT NULL,
@@ -25,7 +38,10 @@ _SCHEMA = (
     # adapters: a JSON list of names, in the order given
     """CREATE TABLE IF NOT EXISTS tenants (
         name TEXT PRIMARY KEY, adapters TEXT NOT NULL, default_adapter TEXT, requests_per_minute INTEGER,
-        tokens_per_minute INTEGER, key_hash TEXT NOT NULL, created_at REAL NOT NULL)""",
+        tokens_per_minute INTEGER, created_at REAL NOT NULL)""",
+    # 1 or 2 rows per tenant; rowid order is the order the keys were added in
+    "CREATE TABLE IF NOT EXISTS tenant_keys (key_hash TEXT PRIMARY KEY, tenant TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS tenant_keys_by_tenant ON tenant_keys (tenant)",
     # window_index: floor(seconds since the epoch / 60); take() deletes a tenant's older windows as it goes
     """CREATE TABLE IF NOT EXISTS rate_windows (
         tenant TEXT NOT NULL, kind TEXT NOT NULL, window_index INTEGER NOT NULL, used INTEGER NOT NULL,
@@ -36,7 +52,10 @@ _SCHEMA = (
         completion_tokens INTEGER NOT NULL, PRIMARY KEY (tenant, adapter))""",
 )
 _ADAPTER_COLUMNS = "name, path, version, pinned, created_at"
-_TENANT_COLUMNS = "name, adapters, default_adapter, requests_per_minute, tokens_per_minute, key_hash, created_at"
+_TENANT_COLUMNS = "name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at"
+# The OperationalErrors that mean the file cannot be used now (busy, gone, unreadable), not that a statement is wrong.
+_UNAVAILABLE_MESSAGES = ("database is locked", "database table is locked", "unable to open database file",
+                         "disk I/O error")
 
 
 def _adapter(row: tuple) -> AdapterRecord:
@@ -44,11 +63,37 @@ def _adapter(row: tuple) -> AdapterRecord:
     return AdapterRecord(name=name, path=path, version=version, pinned=bool(pinned), created_at=created_at)
 
 
-def _tenant(row: tuple) -> TenantRecord:
-    name, adapters, default_adapter, requests_per_minute, tokens_per_minute, key_hash, created_at = row
-    return TenantRecord(name=name, adapters=tuple(json.loads(adapters)), default_adapter=default_adapter,
-                        rate_limits=RateLimits(requests_per_minute, tokens_per_minute), key_hash=key_hash,
-                        created_at=created_at)
+def _select_tenants(conn: sqlite3.Connection, where: str = "", params: tuple = ()) -> list[TenantRecord]:
+    """The tenants that ``where`` (a clause on ``tenants``) selects, sorted by name, each with its keys. Run inside
+    a transaction, so that both queries see the same state."""
+    rows = conn.execute(f"SELECT {_TENANT_COLUMNS} FROM tenants {where} ORDER BY name", params).fetchall()
+    key_hashes: dict[str, list[str]] = {}
+    for tenant, key_hash in conn.execute(
+            f"SELECT tenant, key_hash FROM tenant_keys WHERE tenant IN (SELECT name FROM tenants {where}) "
+            "ORDER BY rowid", params):
+        key_hashes.setdefault(tenant, []).append(key_hash)
+    records = []
+    for name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at in rows:
+        records.append(TenantRecord(name=name, adapters=tuple(json.loads(adapters)), default_adapter=default_adapter,
+                                    rate_limits=RateLimits(requests_per_minute, tokens_per_minute),
+                                    key_hashes=tuple(key_hashes[name]), created_at=created_at))
+    return records
+
+
+def _select_tenant(conn: sqlite3.Connection, name: str) -> TenantRecord | None:
+    records = _select_tenants(conn, "WHERE name = ?", (name,))
+    return records[0] if records else None
+
+
+def _migrate_from_v1(conn: sqlite3.Connection) -> None:
+    """Move each tenant's ``key_hash`` column into ``tenant_keys`` (SQLite before 3.35 cannot drop a column, hence
+    the copy into a new ``tenants`` table)."""
+    conn.execute("ALTER TABLE tenants RENAME TO tenants_v1")
+    for statement in _SCHEMA:
+        conn.execute(statement)
+    conn.execute(f"INSERT INTO tenants ({_TENANT_COLUMNS}) SELECT {_TENANT_COLUMNS} FROM tenants_v1")
+    conn.execute("INSERT INTO tenant_keys (key_hash, tenant) SELECT key_hash, name FROM tenants_v1 ORDER BY name")
+    conn.execute("DROP TABLE tenants_v1")
 
 
 class SQLiteStore(RegistryStore):
@@ -56,32 +101,54 @@ class SQLiteStore(RegistryStore):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # isolation_level=None: no implicit transactions; every write below opens its own BEGIN IMMEDIATE.
-        self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
+        with self._reachable():
+            # isolation_level=None: no implicit transactions; every write below opens its own BEGIN IMMEDIATE.
+            self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
         self._closed = False
-        with self._lock:
+        with self._lock, self._reachable():
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; never corrupt in WAL mode
         with self._transaction() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path} has schema version {version}, written by a newer lora-server; "
+                                   f"this one knows versions up to {SCHEMA_VERSION}")
+            if version == 1:
+                _migrate_from_v1(conn)
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """The connection inside one write transaction: committed when the block ends, rolled back if it raises."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+    def _reachable(self) -> Iterator[None]:
+        """Turns SQLite's "the file cannot be used now" errors in the block into StoreUnavailableError."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if not str(exc).startswith(_UNAVAILABLE_MESSAGES):
+                raise
+            raise StoreUnavailableError(f"the registry store (sqlite at {self.path}) is unavailable: {exc}") from exc
+
+    @contextmanager
+    def _transaction(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """The connection inside one transaction: committed when the block ends, rolled back if it raises. A write
+        transaction takes the file's write lock up front; a read one only makes its queries see one state."""
+        with self._lock, self._reachable():
+            self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
             try:
                 yield self._conn
+                self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                if self._conn.in_transaction:  # SQLite rolls back by itself after some errors (I/O, full disk)
+                    self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
 
     def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
-        with self._lock:
+        with self._lock, self._reachable():
             return self._conn.execute(sql, params).fetchall()
+
+    def status(self) -> StoreStatus:
+        return StoreStatus(backend="sqlite", reachable=True, persistent=True, detail=str(self.path))
 
     def close(self) -> None:
         with self._lock:
@@ -116,25 +183,55 @@ class SQLiteStore(RegistryStore):
     def _insert_tenant(self, record: TenantRecord) -> bool:
         with self._transaction() as conn:
             cursor = conn.execute(
-                f"INSERT OR IGNORE INTO tenants ({_TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO tenants ({_TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                 (record.name, json.dumps(list(record.adapters)), record.default_adapter,
-                 record.rate_limits.requests_per_minute, record.rate_limits.tokens_per_minute, record.key_hash,
-                 record.created_at))
-            return cursor.rowcount > 0
+                 record.rate_limits.requests_per_minute, record.rate_limits.tokens_per_minute, record.created_at))
+            if cursor.rowcount == 0:
+                return False
+            conn.executemany("INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)",
+                             [(key_hash, record.name) for key_hash in record.key_hashes])
+            return True
 
     def _get_tenant(self, name: str) -> TenantRecord | None:
-        rows = self._query(f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE name = ?", (name,))
-        return _tenant(rows[0]) if rows else None
+        with self._transaction(write=False) as conn:
+            return _select_tenant(conn, name)
 
     def _list_tenants(self) -> list[TenantRecord]:
-        return [_tenant(row) for row in self._query(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY name")]
+        with self._transaction(write=False) as conn:
+            return _select_tenants(conn)
+
+    def _has_tenants(self) -> bool:
+        return bool(self._query("SELECT EXISTS (SELECT 1 FROM tenants)")[0][0])
 
     def _delete_tenant(self, name: str) -> bool:
         with self._transaction() as conn:
             deleted = conn.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount > 0
+            conn.execute("DELETE FROM tenant_keys WHERE tenant = ?", (name,))
             conn.execute("DELETE FROM usage WHERE tenant = ?", (name,))
             conn.execute("DELETE FROM rate_windows WHERE tenant = ?", (name,))
             return deleted
+
+    def _tenant_by_key_hash(self, key_hash: str) -> TenantRecord | None:
+        with self._transaction(write=False) as conn:
+            records = _select_tenants(conn, "WHERE name = (SELECT tenant FROM tenant_keys WHERE key_hash = ?)",
+                                      (key_hash,))
+            return records[0] if records else None
+
+    def _add_key(self, name: str, key_hash: str) -> TenantRecord | None:
+        with self._transaction() as conn:
+            record = _select_tenant(conn, name)
+            if record is None or len(record.key_hashes) >= MAX_KEYS_PER_TENANT:
+                return record
+            conn.execute("INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)", (key_hash, name))
+            return replace(record, key_hashes=(*record.key_hashes, key_hash))
+
+    def _remove_key(self, name: str, key_hash: str) -> TenantRecord | None:
+        with self._transaction() as conn:
+            record = _select_tenant(conn, name)
+            if record is None or key_hash not in record.key_hashes or len(record.key_hashes) == 1:
+                return record
+            conn.execute("DELETE FROM tenant_keys WHERE key_hash = ?", (key_hash,))
+            return replace(record, key_hashes=tuple(h for h in record.key_hashes if h != key_hash))
 
     # -- rate limits and usage ------------------------------------------------------------------------------------
 
@@ -152,6 +249,11 @@ class SQLiteStore(RegistryStore):
                          "ON CONFLICT (tenant, kind, window_index) DO UPDATE SET used = used + excluded.used",
                          (*key, amount))
             return True, used + amount
+
+    def _give_back(self, tenant: str, kind: str, window: int, amount: int) -> None:
+        with self._transaction() as conn:
+            conn.execute("UPDATE rate_windows SET used = MAX(0, used - ?) "
+                         "WHERE tenant = ? AND kind = ? AND window_index = ?", (amount, tenant, kind, window))
 
     def _add_usage(self, tenant: str, adapter: str, delta: Usage) -> None:
         with self._transaction() as conn:

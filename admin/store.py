@@ -1,9 +1,10 @@
 """The registry store: what the server knows beyond its command line, shared by its threads and, on one SQLite file or
 one Redis prefix, by several server processes.
 
-It holds adapters registered through the admin API, tenants (API keys stored only hashed), fixed one-minute
-rate-limit windows and usage counters. ``RegistryStore`` validates its arguments and states the contract; a backend
-implements the ``_``-prefixed storage hooks atomically. ``open_store`` picks the backend.
+It holds adapters registered through the admin API, tenants (API keys stored only hashed, up to two per tenant so
+that a key can be rotated without downtime), fixed one-minute rate-limit windows and usage counters. ``RegistryStore``
+validates its arguments and states the contract; a backend implements the ``_``-prefixed storage hooks atomically.
+``open_store`` picks the backend.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from admin.keys import generate_api_key, hash_api_key, verify_api_key
+from admin.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RATE_WINDOW_SECONDS = 60
@@ -25,6 +26,8 @@ RATE_KINDS = ("requests", "tokens")
 BASE_ADAPTER = ""  # the usage key of requests served by the base model (no adapter)
 SQLITE_FILENAME = "registry.sqlite3"
 DEFAULT_REDIS_PREFIX = "lora-server:"
+MAX_KEYS_PER_TENANT = 2  # the old key and its successor, while clients move over
+KEY_ID_HEX_DIGITS = 12
 
 
 class TenantExistsError(Exception):
@@ -33,6 +36,29 @@ class TenantExistsError(Exception):
     def __init__(self, name: str) -> None:
         super().__init__(f"tenant {name!r} already exists")
         self.name = name
+
+
+class UnknownTenantError(Exception):
+    """``issue_key`` or ``retire_key`` was given a tenant that does not exist (reads answer None instead)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"tenant {name!r} does not exist")
+        self.name = name
+
+
+class UnknownKeyError(Exception):
+    """``retire_key`` was given a key id that the tenant does not hold."""
+
+    def __init__(self, tenant: str, key_id: str) -> None:
+        super().__init__(f"tenant {tenant!r} holds no key with id {key_id!r}")
+        self.tenant, self.key_id = tenant, key_id
+
+
+class StoreUnavailableError(Exception):
+    """The store's backend cannot be reached: Redis is down, hung or still loading, or the SQLite file is locked by
+    another process for longer than the store's timeout, or cannot be opened. Raised by the stores' constructors and
+    by every public method but ``status`` and ``close``. A write that raised it may or may not have taken effect. The
+    store object stays usable: once the backend is back, calls succeed again."""
 
 
 def is_valid_name(name: object) -> bool:
@@ -45,6 +71,20 @@ def validate_name(name: object, what: str) -> str:
         return name
     raise ValueError(f"invalid {what} {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', "
                      f"starting with a letter or digit")
+
+
+def key_id(key_hash: str) -> str:
+    """The public id of a stored key: the first 12 hex digits of its digest (``key_hash`` is ``"sha256:<hex>"``).
+
+    It names a key in the admin API and in logs, where the hash itself should not appear; it says nothing useful
+    about the key, whose 256 random bits the digest does not reveal.
+    """
+    return key_hash.rpartition(":")[2][:KEY_ID_HEX_DIGITS]
+
+
+def _check_kind(kind: object) -> None:
+    if kind not in RATE_KINDS:
+        raise ValueError(f"rate-limit kind must be one of {RATE_KINDS}, got {kind!r}")
 
 
 def _check_count(value: object, what: str) -> int:
@@ -82,23 +122,46 @@ class RateLimits:
 @dataclass(frozen=True, slots=True)
 class TenantRecord:
     """A tenant. ``adapters`` is its allow-list; ``default_adapter`` (one of them, or None for the base model) serves
-    requests that name no adapter. Only the hash of its API key is kept."""
+    requests that name no adapter. ``key_hashes`` are the hashes of its API keys, oldest first: one, or two while a
+    key is being rotated; each of them authenticates the tenant. The keys themselves are kept nowhere."""
 
     name: str
     adapters: tuple[str, ...]
     default_adapter: str | None
     rate_limits: RateLimits
-    key_hash: str
+    key_hashes: tuple[str, ...]
     created_at: float  # seconds since the epoch
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.key_hashes) <= MAX_KEYS_PER_TENANT:
+            raise ValueError(f"a tenant holds 1 to {MAX_KEYS_PER_TENANT} keys, got {len(self.key_hashes)}")
+
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        """The public ids of the tenant's keys (see ``key_id``), in the order of ``key_hashes``."""
+        return tuple(key_id(h) for h in self.key_hashes)
 
 
 @dataclass(frozen=True, slots=True)
 class RateDecision:
-    """The answer of ``take``: whether it was allowed, seconds until the window resets, and what is left in it."""
+    """The answer of ``take``: whether it was allowed, seconds until the window resets, what is left in it, and the
+    window's index (for ``give_back``)."""
 
     allowed: bool
     retry_after: float
     remaining: int
+    window: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus:
+    """What ``RegistryStore.status`` found. ``persistent``: whether the backend keeps its data across its own
+    restarts (None: could not be told); ``detail`` says how, or why not, or what went wrong."""
+
+    backend: str  # "sqlite" or "redis"
+    reachable: bool
+    persistent: bool | None
+    detail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +180,8 @@ class RegistryStore(ABC):
 
     Every method is safe to call from several threads at once, and every write is atomic: two stores on the same
     storage (two server replicas) never lose each other's updates. Writes validate names (see ``NAME_PATTERN``) and
-    raise ValueError with the reason; reads given a name that cannot exist answer None / False / {}.
+    raise ValueError with the reason; reads given a name that cannot exist answer None / False / {}. Every method but
+    ``status`` and ``close`` raises StoreUnavailableError when the backend cannot be reached.
     """
 
     # -- adapters -------------------------------------------------------------------------------------------------
@@ -162,7 +226,7 @@ class RegistryStore(ABC):
             raise ValueError(f"rate_limits must be a RateLimits, got {type(rate_limits).__name__}")
         api_key = generate_api_key()
         record = TenantRecord(name=name, adapters=allowed, default_adapter=default_adapter, rate_limits=rate_limits,
-                              key_hash=hash_api_key(api_key), created_at=time.time())
+                              key_hashes=(hash_api_key(api_key),), created_at=time.time())
         if not self._insert_tenant(record):
             raise TenantExistsError(name)
         return record, api_key
@@ -174,21 +238,73 @@ class RegistryStore(ABC):
         """All tenants, sorted by name."""
         return self._list_tenants()
 
+    def has_tenants(self) -> bool:
+        """Whether any tenant exists (one query, unlike ``list_tenants``)."""
+        return self._has_tenants()
+
     def delete_tenant(self, name: str) -> bool:
-        """Remove the tenant, its usage and its rate-limit windows; False if there was none of that name."""
+        """Remove the tenant (its keys stop working at once), its usage and its rate-limit windows; False if there
+        was none of that name."""
         return self._delete_tenant(name) if is_valid_name(name) else False
 
     def authenticate(self, tenant: str, api_key: str) -> TenantRecord | None:
-        """The tenant if ``api_key`` is its key, else None (also for unknown tenants and malformed input).
+        """The tenant if ``api_key`` is one of its keys, else None (also for unknown tenants and malformed input).
 
         Hashes are compared in constant time. Whether a tenant exists is not hidden: tenant names are in URLs.
         """
         if not is_valid_name(tenant) or not isinstance(api_key, str):
             return None
         record = self._get_tenant(tenant)
-        if record is None or not verify_api_key(api_key, record.key_hash):
+        return record if record is not None and _holds(record, api_key) else None
+
+    def tenant_by_key(self, api_key: str) -> TenantRecord | None:
+        """The tenant that holds ``api_key`` (any of its keys), else None (also for malformed input).
+
+        The backend's index from key hash to tenant finds the candidate in one lookup; the key is then checked
+        against the candidate's hashes in constant time, as ``authenticate`` does.
+        """
+        if not isinstance(api_key, str) or not api_key.startswith(API_KEY_PREFIX):
             return None
-        return record
+        record = self._tenant_by_key_hash(hash_api_key(api_key))
+        return record if record is not None and _holds(record, api_key) else None
+
+    def issue_key(self, tenant: str) -> tuple[TenantRecord, str]:
+        """Give the tenant one more API key; returns the record afterwards and the plaintext key, which is stored
+        nowhere. The tenant's other key keeps working until ``retire_key``.
+
+        Raises UnknownTenantError if there is no such tenant, ValueError if the name is invalid or the tenant holds
+        ``MAX_KEYS_PER_TENANT`` keys already.
+        """
+        validate_name(tenant, "tenant name")
+        api_key = generate_api_key()
+        key_hash = hash_api_key(api_key)
+        record = self._add_key(tenant, key_hash)
+        if record is None:
+            raise UnknownTenantError(tenant)
+        if key_hash not in record.key_hashes:
+            raise ValueError(f"tenant {tenant!r} holds {MAX_KEYS_PER_TENANT} keys already: retire one first")
+        return record, api_key
+
+    def retire_key(self, tenant: str, key_id: str) -> TenantRecord:
+        """Remove the tenant's key whose id (``TenantRecord.key_ids``) is ``key_id``; returns the record afterwards.
+        The key stops authenticating at once.
+
+        Raises UnknownTenantError if there is no such tenant, UnknownKeyError if it holds no key of that id,
+        ValueError if the name is invalid or that key is the tenant's last one (issue its successor first).
+        """
+        validate_name(tenant, "tenant name")
+        record = self._get_tenant(tenant)
+        if record is None:
+            raise UnknownTenantError(tenant)
+        if key_id not in record.key_ids:
+            raise UnknownKeyError(tenant, key_id)
+        key_hash = record.key_hashes[record.key_ids.index(key_id)]
+        after = self._remove_key(tenant, key_hash)
+        if after is None:  # deleted since the read above
+            raise UnknownTenantError(tenant)
+        if key_hash in after.key_hashes:
+            raise ValueError(f"key {key_id!r} is the last key of tenant {tenant!r}: issue its successor first")
+        return after
 
     # -- rate limits ----------------------------------------------------------------------------------------------
 
@@ -202,15 +318,29 @@ class RegistryStore(ABC):
         An ``amount`` above ``limit`` is never allowed: callers should refuse such requests outright.
         """
         validate_name(tenant, "tenant name")
-        if kind not in RATE_KINDS:
-            raise ValueError(f"rate-limit kind must be one of {RATE_KINDS}, got {kind!r}")
+        _check_kind(kind)
         _check_count(amount, "amount")
         _check_count(limit, "limit")
         now = time.time() if now is None else now
         window = math.floor(now / RATE_WINDOW_SECONDS)
         retry_after = (window + 1) * RATE_WINDOW_SECONDS - now
         allowed, used = self._take(tenant, kind, window, amount, limit, retry_after)
-        return RateDecision(allowed=allowed, retry_after=retry_after, remaining=max(0, limit - used))
+        return RateDecision(allowed=allowed, retry_after=retry_after, remaining=max(0, limit - used), window=window)
+
+    def give_back(self, tenant: str, kind: str, window: int, amount: int) -> None:
+        """Return up to ``amount`` to the tenant's ``kind`` budget of window ``window`` (a ``RateDecision.window``):
+        what that window has used drops by ``amount``, but never below 0. Atomic. Nothing happens if the window's
+        counter is gone (the window has ended and been cleaned up).
+
+        For settling a take: admission takes an upper bound of a request's tokens, and the unused part is given
+        back when the request ends.
+        """
+        validate_name(tenant, "tenant name")
+        _check_kind(kind)
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise ValueError(f"window must be an integer window index, got {window!r}")
+        _check_count(amount, "amount")
+        self._give_back(tenant, kind, window, amount)
 
     # -- usage ----------------------------------------------------------------------------------------------------
 
@@ -229,6 +359,10 @@ class RegistryStore(ABC):
         return self._usage(tenant) if is_valid_name(tenant) else {}
 
     # -- lifetime -------------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def status(self) -> StoreStatus:
+        """Whether the backend answers and whether it keeps its data across its own restarts. Never raises."""
 
     @abstractmethod
     def close(self) -> None:
@@ -266,7 +400,25 @@ class RegistryStore(ABC):
     def _list_tenants(self) -> list[TenantRecord]: ...
 
     @abstractmethod
-    def _delete_tenant(self, name: str) -> bool: ...
+    def _has_tenants(self) -> bool: ...
+
+    @abstractmethod
+    def _delete_tenant(self, name: str) -> bool:
+        """Remove the tenant, its keys from the key index, its usage and its rate-limit windows."""
+
+    @abstractmethod
+    def _tenant_by_key_hash(self, key_hash: str) -> TenantRecord | None:
+        """The tenant that the key index names for ``key_hash``, None if it names none."""
+
+    @abstractmethod
+    def _add_key(self, name: str, key_hash: str) -> TenantRecord | None:
+        """Append ``key_hash`` to the tenant's keys (and to the key index) unless it holds ``MAX_KEYS_PER_TENANT``
+        already; returns the record afterwards (without ``key_hash`` if it was full), None if no such tenant."""
+
+    @abstractmethod
+    def _remove_key(self, name: str, key_hash: str) -> TenantRecord | None:
+        """Remove ``key_hash`` from the tenant's keys (and from the key index) unless it is the last one; returns the
+        record afterwards (still with ``key_hash`` if it was the last), None if no such tenant."""
 
     @abstractmethod
     def _take(self, tenant: str, kind: str, window: int, amount: int, limit: int,
@@ -275,10 +427,19 @@ class RegistryStore(ABC):
         the counter afterwards). ``seconds_left`` is the window's remaining time, for expiring the counter."""
 
     @abstractmethod
+    def _give_back(self, tenant: str, kind: str, window: int, amount: int) -> None:
+        """Subtract ``min(amount, counter)`` from counter (tenant, kind, window) if it exists."""
+
+    @abstractmethod
     def _add_usage(self, tenant: str, adapter: str, delta: Usage) -> None: ...
 
     @abstractmethod
     def _usage(self, tenant: str) -> dict[str, Usage]: ...
+
+
+def _holds(record: TenantRecord, api_key: str) -> bool:
+    """Whether ``api_key`` is one of the tenant's keys; every hash is compared, each in constant time."""
+    return any([verify_api_key(api_key, h) for h in record.key_hashes])
 
 
 def open_store(data_dir: str | Path, redis_url: str | None = None, *,

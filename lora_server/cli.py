@@ -171,7 +171,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-root", action="append", default=[],
                    help="a directory the admin API may load adapters from; may repeat (the demo adapters' always)")
     p.add_argument("--admin-key", default=None, help="admin API key (default: $LORA_SERVER_ADMIN_KEY, else random)")
-    p.add_argument("--api-key", default=None, help="require this key on the global /v1 endpoints")
+    p.add_argument("--api-key", default=None,
+                   help="a key that grants the global /v1 endpoints (tenants' keys act as their tenant there too)")
+    p.add_argument("--allow-anonymous", action="store_true",
+                   help="keep /v1 open to callers without a key once tenants exist (without this flag and without "
+                        "--api-key, /v1 is open only while no tenant exists)")
+    p.add_argument("--max-request-mb", type=float, default=4.0,
+                   help="request bodies above this size get 413 (default: 4)")
     p.add_argument("--data-dir", default=None, help="registry directory (default: $LORA_SERVER_DATA_DIR)")
     p.add_argument("--redis-url", default=None, help="keep the registry in Redis (several replicas share it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain in-flight requests")
@@ -179,9 +185,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 @command("serve", "the OpenAI-compatible HTTP server", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from adapters import DEMO_DIR
     from lora_server.serve import serve
 
-    return serve(args, engine_config(args))
+    preloaded = [spec.partition("=")[2] for spec in args.adapter or [] if "=" in spec]  # the operator's own choice
+    roots = tuple(str(Path(r).expanduser().resolve()) for r in [*args.adapter_root, DEMO_DIR, *preloaded])
+    return serve(args, engine_config(args, adapter_roots=roots))
 
 
 def _register_adapter(engine, spec: str) -> str:

@@ -38,10 +38,22 @@ class QueueFullError(LoraServerError):
 
 
 class EngineDeadError(LoraServerError):
-    """The engine loop stopped after an internal failure (HTTP 503)."""
+    """The engine stopped after a fault it cannot recover from, such as a device error (HTTP 503); the server
+    process exits so that its supervisor restarts it."""
 
     http_status = 503
     error_type = "service_unavailable"
+
+
+class RequestFailedError(LoraServerError):
+    """Serving one request raised (in its sampling, logprobs, detokenizing, stop handling or its adapter's
+    arithmetic): that request alone ended, its blocks were freed, the rest of the batch goes on (HTTP 500)."""
+
+    http_status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_failed")
 
 
 class ModelLoadError(LoraServerError, ValueError):

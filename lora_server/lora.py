@@ -148,12 +148,15 @@ class LoraManager:
         with self._lock:
             return sorted(self._by_name)
 
-    def hold(self, handle: AdapterHandle) -> None:
-        """A request now refers to this version (taken at admission, so unloading waits for it)."""
+    def acquire(self, name: str) -> AdapterHandle:
+        """The current version of ``name``, held for a request until ``drop``: unloading or replacing the name
+        waits for it, so a request that resolved a version keeps it to its end. UnknownAdapterError if none."""
         with self._lock:
-            if handle.adapter_id not in self._adapters:
-                raise UnknownAdapterError(handle.name)
+            handle = self._by_name.get(name)
+            if handle is None:
+                raise UnknownAdapterError(name)
             self._refs[handle.adapter_id] += 1
+        return handle
 
     def drop(self, handle: AdapterHandle) -> None:
         with self._lock:

@@ -1,24 +1,60 @@
 """Serving /v1/chat/completions and /v1/completions on the engine: requests in, OpenAI-shaped JSON or server-sent
-events out. The HTTP layer resolves the adapter and the tenant first; this module never sees keys."""
+events out. The HTTP layer resolves the tenant and the adapter first; this module never sees keys.
+
+A request goes through two stages so that the event loop never tokenizes: ``prepare_chat`` / ``prepare_completion``
+(blocking: chat template, tokenization, validation; the server runs them in a worker thread) and ``run`` (on the
+event loop: submit, then stream or collect). Whatever happens after ``prepare``, the request's ``Meter`` is settled
+exactly once with the tokens the engine produced for it, dropped streams and disconnected clients included."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from lora_server.engine import Engine, Prompt
 from lora_server.errors import LoraServerError
 from lora_server.metrics import Metrics
 from lora_server.outputs import RequestOutput, TokenLogprob
 from lora_server.protocol import ChatCompletionRequest, CompletionRequest
+from lora_server.request import Request
 from lora_server.sampling_params import SamplingParams
 
-UsageHook = Callable[[int, int], None]  # (prompt tokens, completion tokens) once a request has ended
+MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are written as (JSON has no infinities), as vLLM does
+
+
+class Meter(Protocol):
+    """A tenant's account of one HTTP request: ``settle`` is called once, when it has ended, with the tokens it
+    used (blocking: the server calls it in a worker thread)."""
+
+    def settle(self, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+
+@dataclass
+class Prepared:
+    """A validated HTTP request: its engine requests (``n`` per prompt, in prompt order), made but not yet submitted
+    (each holds its adapter version until submitted or discarded)."""
+
+    kind: str  # "chat" | "completion"
+    requests: list[Request]
+    n: int
+    stream: bool
+    include_usage: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Each prompt counts once, however many choices (n) it produces."""
+        return sum(r.num_prompt_tokens for r in self.requests[:: self.n])
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens it can use: its prompts plus max_tokens for every choice."""
+        return self.prompt_tokens + sum(r.params.max_tokens for r in self.requests)
 
 
 @dataclass
@@ -33,57 +69,86 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its requests were aborted."""
+
+
 class OpenAIServing:
-    def __init__(self, engine: Engine, model_id: str, metrics: Metrics) -> None:
-        self.engine, self.model_id, self.metrics = engine, model_id, metrics
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine, self.metrics = engine, metrics
 
-    # ---- entry points --------------------------------------------------------------------------------------
+    # ---- stage 1 (blocking, in a worker thread) -------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest, adapter: str | None, model: str,
-                   on_usage: UsageHook | None = None, cache_salt: str = "") -> dict[str, Any] | AsyncIterator[str]:
+    def prepare_chat(self, req: ChatCompletionRequest, adapter: str | None, cache_salt: str) -> Prepared:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt = self.engine.chat_prompt(messages)
         params = req.to_params(self.engine.max_model_len - len(prompt))
-        return await self._run("chat", [prompt], params, req.n, req.stream,
-                               bool(req.stream_options and req.stream_options.include_usage), adapter, model, on_usage,
-                               cache_salt)
+        return self._prepare("chat", [prompt], params, req.n, req.stream, _include_usage(req), adapter, cache_salt)
 
-    async def completion(self, req: CompletionRequest, adapter: str | None, model: str,
-                         on_usage: UsageHook | None = None,
-                         cache_salt: str = "") -> dict[str, Any] | AsyncIterator[str]:
+    def prepare_completion(self, req: CompletionRequest, adapter: str | None, cache_salt: str) -> Prepared:
         prompts: list[Prompt] = list(req.prompts())
-        longest = max(len(p) if not isinstance(p, str) else 0 for p in prompts)
-        if any(isinstance(p, str) for p in prompts) and self.engine.tokenizer is not None:
-            longest = max(longest, *(len(self.engine.tokenizer.encode(p)) for p in prompts if isinstance(p, str)))
+        if self.engine.tokenizer is not None:  # tokenized once here; the engine takes the ids
+            prompts = [self.engine.encode(p) if isinstance(p, str) and p else p for p in prompts]
+        longest = max(len(p) for p in prompts)
         params = req.to_params(self.engine.max_model_len - longest)
-        return await self._run("completion", prompts, params, req.n, req.stream,
-                               bool(req.stream_options and req.stream_options.include_usage), adapter, model, on_usage,
-                               cache_salt)
+        return self._prepare("completion", prompts, params, req.n, req.stream, _include_usage(req), adapter,
+                             cache_salt)
 
-    # ---- the common path -----------------------------------------------------------------------------------
-
-    async def _run(self, kind: str, prompts: list[Prompt], params: SamplingParams, n: int, stream: bool,
-                   include_usage: bool, adapter: str | None, model: str, on_usage: UsageHook | None,
-                   cache_salt: str) -> dict[str, Any] | AsyncIterator[str]:
+    def _prepare(self, kind: str, prompts: list[Prompt], params: SamplingParams, n: int, stream: bool,
+                 include_usage: bool, adapter: str | None, cache_salt: str) -> Prepared:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        streams = []
-        try:  # every request is validated (and queued) before anything is sent back
+        requests: list[Request] = []
+        try:
             for p_index, prompt in enumerate(prompts):
                 for i in range(n):
-                    sub = params if params.seed is None or n == 1 else _with_seed(params, params.seed + i)
-                    streams.append(self.engine.add_request(prompt, sub, f"{request_id}-{p_index}-{i}", adapter,
-                                                           cache_salt))
+                    sub = params if params.seed is None or n == 1 else replace(params, seed=_seed(params.seed + i))
+                    requests.append(self.engine.make_request(prompt, sub, adapter, cache_salt,
+                                                             f"{request_id}-{p_index}-{i}"))
+        except LoraServerError:
+            self.discard(requests)
+            raise
+        return Prepared(kind, requests, n, stream, include_usage)
+
+    def discard(self, requests: list[Request]) -> None:
+        for r in requests:
+            self.engine.discard(r)
+
+    # ---- stage 2 (event loop) -------------------------------------------------------------------------------
+
+    async def run(self, prepared: Prepared, model: str, meter: Meter | None,
+                  disconnected: Awaitable[None]) -> dict[str, Any] | AsyncIterator[str]:
+        """Submit every request (all or none: a full queue aborts those already in) and answer: a JSON body, or
+        for streams an iterator of server-sent events. ``disconnected`` completes when a non-streaming client goes
+        away: its requests are aborted at once and ClientDisconnected is raised."""
+        streams: list = []
+        try:
+            for r in prepared.requests:
+                streams.append(self.engine.submit(r))
         except LoraServerError:
             for s in streams:
                 await s.aclose()
+            self.discard(prepared.requests[len(streams) + 1:])  # submit discarded the one it refused
             raise
+        request_id = prepared.requests[0].request_id.rsplit("-", 2)[0]
         created = int(time.time())
-        if stream:
-            return self._sse(kind, request_id, created, model, streams, n, include_usage, on_usage)
-        choices = await self._collect(streams)
-        if on_usage is not None:
-            on_usage(_prompt_tokens(choices, n), sum(len(c.token_ids) for c in choices))
-        return self._final(kind, request_id, created, model, choices, n)
+        if prepared.stream:
+            return self._sse(prepared, request_id, created, model, streams, meter)
+        choices: dict[int, _Choice] = {}
+        collect = asyncio.ensure_future(self._collect(streams, choices))
+        gone = asyncio.ensure_future(disconnected)
+        try:
+            await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left: closing the merged streams aborts every request
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
+            _settle(meter, choices, prepared.n)
+        if not collect.done() or collect.cancelled():
+            raise ClientDisconnected
+        collect.result()  # re-raises an engine error
+        return self._final(prepared.kind, request_id, created, model, [choices[i] for i in sorted(choices)],
+                           prepared.n)
 
     async def _tracked(self, index: int, stream) -> AsyncIterator[tuple[int, RequestOutput]]:
         start = last = time.monotonic()
@@ -100,7 +165,7 @@ class OpenAIServing:
                 self.metrics.add("vllm:request_success_total", 1)
             yield index, out
 
-    async def _merged(self, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, streams: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of several streams as they come; closing this aborts whatever is still running."""
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
@@ -129,24 +194,28 @@ class OpenAIServing:
             for s in streams:
                 await s.aclose()
 
-    async def _collect(self, streams: list) -> list[_Choice]:
-        choices: dict[int, _Choice] = {}
-        async for index, out in self._merged(streams):
-            c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
-            _add(c, out)
-        return [choices[i] for i in sorted(choices)]
+    async def _collect(self, streams: list, choices: dict[int, _Choice]) -> None:
+        merged = self._merged(streams)
+        try:
+            async for index, out in merged:
+                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
+                _add(c, out)
+        finally:
+            await merged.aclose()
 
-    async def _sse(self, kind: str, request_id: str, created: int, model: str, streams: list, n: int,
-                   include_usage: bool, on_usage: UsageHook | None) -> AsyncIterator[str]:
+    async def _sse(self, prepared: Prepared, request_id: str, created: int, model: str, streams: list,
+                   meter: Meter | None) -> AsyncIterator[str]:
+        kind = prepared.kind
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         choices: dict[int, _Choice] = {}
         base = {"id": request_id, "object": obj, "created": created, "model": model}
+        merged = self._merged(streams)
         try:
             if kind == "chat":
                 for i in range(len(streams)):
                     yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
-            async for index, out in self._merged(streams):
+            async for index, out in merged:
                 c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
                 _add(c, out)
                 if not out.text and not out.finished and not out.logprobs:
@@ -161,17 +230,15 @@ class OpenAIServing:
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                 yield _event({**base, "choices": [choice]})
+            if prepared.include_usage:
+                yield _event({**base, "choices": [], "usage": _usage([choices[i] for i in sorted(choices)],
+                                                                     prepared.n)})
         except LoraServerError as exc:  # after the stream started, an error arrives as an event
             yield _event({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
-                                    "code": exc.code or exc.http_status}})
-            yield "data: [DONE]\n\n"
-            return
-        done = [choices[i] for i in sorted(choices)]
-        usage = _usage(done, n)
-        if on_usage is not None:
-            on_usage(usage["prompt_tokens"], usage["completion_tokens"])
-        if include_usage:
-            yield _event({**base, "choices": [], "usage": usage})
+                                    "code": exc.code}})
+        finally:  # also when the client dropped the stream (the generator is closed): abort, then settle
+            await merged.aclose()
+            _settle(meter, choices, prepared.n)
         yield "data: [DONE]\n\n"
 
     def _final(self, kind: str, request_id: str, created: int, model: str, choices: list[_Choice],
@@ -196,12 +263,25 @@ class OpenAIServing:
     def _logprobs(self, kind: str, entries: list[TokenLogprob]) -> dict[str, Any]:
         if kind == "chat":
             return {"content": [
-                {"token": (t := self._token(e.token_id)), "logprob": e.logprob, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": (s := self._token(i)), "logprob": v, "bytes": list(s.encode())}
+                {"token": (t := self._token(e.token_id)), "logprob": _finite(e.logprob), "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": (s := self._token(i)), "logprob": _finite(v), "bytes": list(s.encode())}
                                   for i, v in e.top]} for e in entries]}
         return {"tokens": [self._token(e.token_id) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(i): v for i, v in e.top} for e in entries]}
+                "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": [{self._token(i): _finite(v) for i, v in e.top} for e in entries]}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _seed(seed: int) -> int:
+    """A choice's seed (the request's + its index), kept in the signed 64-bit range."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
+def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def _add(c: _Choice, out: RequestOutput) -> None:
@@ -212,23 +292,21 @@ def _add(c: _Choice, out: RequestOutput) -> None:
         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
 
 
-def _prompt_tokens(choices: list[_Choice], n: int) -> int:
-    """Each prompt counts once, however many choices (n) it produced."""
-    return sum(c.prompt_tokens for c in choices[::n])
-
-
 def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
-    prompt = _prompt_tokens(choices, max(1, n))
+    prompt = sum(c.prompt_tokens for c in choices[::max(1, n)])
     completion = sum(len(c.token_ids) for c in choices)
     cached = sum(c.cached_tokens for c in choices[::max(1, n)])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
+def _settle(meter: Meter | None, choices: dict[int, _Choice], n: int) -> None:
+    """Hand the request's real usage to its meter off the event loop (the store may be slow or down)."""
+    if meter is None:
+        return
+    usage = _usage([choices[i] for i in sorted(choices)], n)
+    asyncio.get_running_loop().run_in_executor(None, meter.settle, usage["prompt_tokens"],
+                                               usage["completion_tokens"])
 
 
 def _event(payload: dict[str, Any]) -> str:

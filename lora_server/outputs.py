@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lora_server.errors import LoraServerError
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -26,6 +28,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # all output tokens so far
     num_cached_tokens: int = 0
+    error: LoraServerError | None = None  # set on the last output of a request whose serving failed
 
 
 @dataclass(slots=True)
@@ -40,3 +43,4 @@ class Completion:
     finish_reason: str | None
     stop_reason: str | int | None
     num_cached_tokens: int = 0  # prompt tokens served from cached KV
+    error: str | None = None  # why it failed (finish_reason "error")

@@ -3,12 +3,16 @@ Unknown fields are accepted and ignored, as OpenAI clients and vLLM's extra fiel
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from lora_server.errors import InvalidRequestError
 from lora_server.sampling_params import SamplingParams
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
 class StreamOptions(BaseModel):
@@ -33,6 +37,9 @@ class _Sampling(BaseModel):
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias in [-100, 100]
     ignore_eos: bool = False
     min_tokens: StrictInt = 0
     stop_token_ids: list[StrictInt] | None = None
@@ -48,10 +55,22 @@ class _Sampling(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=_token_bias(self.logit_bias), seed=self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
         return SamplingParams(**values)
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise InvalidRequestError(f"logit_bias key {key[:20]!r} is not a token id", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 class ChatMessage(BaseModel):
@@ -97,3 +116,31 @@ class CompletionRequest(_Sampling):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+def parse_body(raw: bytes, model: type[BodyModel]) -> BodyModel:
+    """A request body as ``model`` (blocking: the server runs it off the event loop). Raises InvalidRequestError
+    with a short message for invalid JSON, JSON nested too deeply, a body that is not an object, or a field that
+    does not validate (its name in ``param``)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequestError("the JSON body is nested too deeply") from None
+    except ValueError:  # JSONDecodeError and invalid UTF-8
+        raise InvalidRequestError("invalid JSON body") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the JSON body must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequestError(*validation_message(exc.errors())) from None
+    except RecursionError:
+        raise InvalidRequestError("the JSON body is nested too deeply") from None
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) of the first of pydantic's validation errors, e.g. ("max_tokens: Input should be a valid
+    integer", "max_tokens")."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)

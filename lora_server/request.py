@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # serving it raised; it ended alone (RequestFailedError)
 
 
 @dataclass(eq=False)

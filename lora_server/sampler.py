@@ -13,6 +13,7 @@ import torch
 from lora_server.request import Request
 
 _NEG_INF = float("-inf")
+NON_FINITE = -1  # the token id of a row whose logits were not finite
 
 
 @dataclass(slots=True)
@@ -27,10 +28,13 @@ class Sampler:
         self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits: [S, vocab] float32, row i belongs to requests[i] (whose token_ids do not yet hold the new token)."""
+        """logits: [S, vocab] float32, row i belongs to requests[i] (whose token_ids do not yet hold the new token).
+        A row whose logits are not all finite (an adapter's or the model's arithmetic overflowed) samples no token:
+        its token id is NON_FINITE, and the engine fails that request alone."""
         logits = logits[:, : self.vocab_size]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) \
             else None
+        finite = torch.isfinite(logits).all(-1)  # [S]
         logits = self._apply_penalties_and_masks(logits.clone(), requests)
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -39,7 +43,7 @@ class Sampler:
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
             tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
-        token_list = tokens.tolist()
+        token_list = torch.where(finite, tokens, NON_FINITE).tolist()  # the step's one device-to-host transfer
         if raw_logprobs is None:
             return SampleResult(token_list, None, None)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
@@ -57,6 +61,13 @@ class Sampler:
                 seen = seen[seen < self.vocab_size]
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
+                ids, counts = torch.tensor(r.output_token_ids, dtype=torch.long).unique(return_counts=True)
+                ids, counts = ids.to(logits.device), counts.to(logits.device, logits.dtype)
+                logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             if r.num_output_tokens < p.min_tokens:
                 banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids))
                           if t < self.vocab_size]

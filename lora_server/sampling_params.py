@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from lora_server.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 
 
 @dataclass(slots=True)
@@ -20,6 +23,9 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output so far
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -38,7 +44,15 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, "must be between -2 and 2")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
+        _check(all(_int(t) and t >= 0 and _finite(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()),
+               "logit_bias", "must map token ids to numbers between -100 and 100")
+        _check(self.seed is None or (_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
+               "must be an integer in the signed 64-bit range")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
@@ -50,6 +64,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:

@@ -71,10 +71,8 @@ class Scheduler:
             raise QueueFullError(f"the queue holds {len(self.waiting)} waiting requests; retry later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.adapter is not None:
-            if self.adapters is None:
-                raise ValueError("this scheduler serves no adapters")
-            self.adapters.hold(request.adapter)  # an unloaded adapter's version lives until its requests end
+        if request.adapter is not None and self.adapters is None:
+            raise ValueError("this scheduler serves no adapters")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -150,11 +148,12 @@ class Scheduler:
         request.adapter_loaded = request.adapter_loaded or admission.adapter_loaded
         return admission.num_new_tokens
 
-    def _release(self, request: Request) -> None:
-        """Give the request's blocks back to the pool, offering its computed full blocks as cached KV."""
+    def _release(self, request: Request, cache: bool = True) -> None:
+        """Give the request's blocks back to the pool, offering its computed full blocks as cached KV (unless
+        ``cache`` is False: a failed request's KV is not trusted)."""
         if request.admission is not None:
-            self.pool.release(request.admission, request.token_ids[:request.num_computed_tokens],
-                              request.block_table, self.clock())
+            tokens = request.token_ids[:request.num_computed_tokens] if cache else []
+            self.pool.release(request.admission, tokens, request.block_table, self.clock())
             request.admission = None
         request.block_table = []
 
@@ -222,14 +221,15 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """End a request (stop, length, abort) and free its blocks; a no-op if it already ended."""
+        """End a request (stop, length, abort, error) and free its blocks; a no-op if it already ended. The adapter
+        version the request held (taken when it was made, see LoraManager.acquire) is let go here."""
         if request.finished:
             return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request)
+        self._release(request, cache=reason is not FinishReason.ERROR)
         request.lora_slot = -1
         if request.adapter is not None and self.adapters is not None:
             self.adapters.drop(request.adapter)

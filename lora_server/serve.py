@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import secrets
 import sys
@@ -11,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from adapters import DEMO_DIR, demo_adapters
+from adapters import demo_adapters
 from adapters.peft_format import AdapterError
 from admin.store import open_store
 from lora_server import envs
@@ -21,6 +22,7 @@ from lora_server.loader import default_model_path
 from lora_server.server import ServerSettings, build_app
 
 log = logging.getLogger("lora_server")
+DEAD_EXIT_S = 5.0
 
 
 def model_id(config: EngineConfig) -> str:
@@ -30,11 +32,17 @@ def model_id(config: EngineConfig) -> str:
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Run the server until it is stopped (0) or its engine dies of a fault it cannot recover from (1, within
+    a few seconds, so that a supervisor restarts the process)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = Engine(config)
     store = open_store(args.data_dir or envs.data_dir(), args.redis_url)
+    status = store.status()
+    if status.persistent is False:
+        log.warning("the registry's Redis keeps nothing on disk (no AOF, no RDB): every tenant and adapter is lost "
+                    "when it restarts; enable appendonly or save")
     preload = args.adapter if args.adapter is not None else list(demo_adapters())
     for spec in preload:
         name, _, path = spec.partition("=")
@@ -48,16 +56,30 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if admin_key is None:
         admin_key = secrets.token_urlsafe(24)
         print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
-    roots = [Path(r).expanduser().resolve() for r in args.adapter_root] + [DEMO_DIR.resolve()]
-    settings = ServerSettings(args.served_model_name or model_id(config), admin_key, roots, args.api_key)
+    roots = [Path(r) for r in config.adapter_roots or ()]
+    settings = ServerSettings(args.served_model_name or model_id(config), admin_key, roots, args.api_key,
+                              args.allow_anonymous, int(args.max_request_mb * 2**20))
     app = build_app(engine, store, settings)
     server = _draining_server(uvicorn, app, engine, args.host, args.port, args.shutdown_timeout)
+    engine.start()
+    threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
     try:
         server.run()
     finally:
         engine.shutdown()
         store.close()
-    return 0
+    return 1 if engine.dead.is_set() else 0
+
+
+def _exit_when_dead(engine: Engine, server) -> None:
+    """When the engine dies, stop serving (/health already answers 503) and exit non-zero: at once through
+    uvicorn, or by force after DEAD_EXIT_S if it does not stop."""
+    engine.dead.wait()
+    log.critical("the engine has stopped (%r): exiting so that a supervisor restarts the server", engine.dead_error)
+    time.sleep(0.5)  # in-flight requests receive their 503s
+    server.should_exit = server.force_exit = True
+    time.sleep(DEAD_EXIT_S)
+    os._exit(1)
 
 
 def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout: float):
@@ -67,8 +89,9 @@ def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
-            if app.state.draining:
-                super().handle_exit(sig, frame)
+            if app.state.draining:  # the second signal: stop now, without waiting for connections
+                log.info("second signal: stopping at once")
+                self.should_exit = self.force_exit = True
                 return
             app.state.draining = True
             log.info("draining: new requests get 503; waiting up to %.0f s for %d in flight", timeout,

@@ -1,9 +1,18 @@
 """The HTTP server: OpenAI-compatible endpoints routed by adapter, per-tenant endpoints, the admin API, /health
-and /metrics, on FastAPI. Built around one Engine and one registry store; ``build_app`` wires them."""
+and /metrics, on FastAPI. Built around one Engine and one registry store; ``build_app`` wires them.
+
+Who a request acts as: on ``/t/{tenant}/v1`` the tenant whose key it presents; on ``/v1`` a tenant's key also acts
+as that tenant (its allow-list, limits, usage and cache salt), ``--api-key`` grants the whole server, and anonymous
+callers are let in only while the operator allows it (``ServerSettings.anonymous_open``).
+
+Nothing here blocks the event loop: bodies are parsed, prompts templated and tokenized, and the store is called in
+worker threads; engine state is read from the snapshot the engine thread publishes."""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,18 +20,25 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.peft_format import AdapterError
 from admin.api import admin_router
 from admin.errors import ApiError
-from admin.keys import constant_time_equals
-from admin.store import RegistryStore, TenantRecord
+from admin.keys import API_KEY_PREFIX, constant_time_equals
+from admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
 from lora_server.engine import Engine
-from lora_server.errors import LoraServerError, QueueFullError
+from lora_server.errors import LoraServerError
 from lora_server.lora import UnknownAdapterError
 from lora_server.metrics import Metrics
-from lora_server.openai_serving import OpenAIServing, UsageHook
-from lora_server.protocol import ChatCompletionRequest, CompletionRequest
+from lora_server.openai_serving import ClientDisconnected, OpenAIServing, Prepared
+from lora_server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validation_message
+
+log = logging.getLogger("lora_server")
+STORE_RETRY_AFTER_S = 2
+TENANTS_CHECK_S = 1.0  # how long "are there tenants?" is trusted for anonymous /v1 access (other replicas)
 
 
 @dataclass
@@ -30,7 +46,9 @@ class ServerSettings:
     model_id: str
     admin_key: str
     adapter_roots: list[Path] = field(default_factory=list)
-    api_key: str | None = None  # required on the global /v1 endpoints when set
+    api_key: str | None = None  # grants the global /v1 endpoints (tenant keys act as their tenant there too)
+    allow_anonymous: bool = False  # /v1 without a key even when tenants exist (see ``anonymous_open``)
+    max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
 
 
 class EngineAdapters:
@@ -46,108 +64,210 @@ class EngineAdapters:
             raise ApiError(400, str(exc), param="path") from exc
         return {"name": name, "adapter_id": handle.adapter_id, **(self.adapter_info(name) or {})}
 
-    def unload_adapter(self, name: str) -> None:
+    def unload_adapter(self, name: str) -> bool:
         try:
             self.engine.remove_adapter(name)
-        except UnknownAdapterError as exc:
-            raise ApiError(404, f"adapter {name!r} is not loaded", param="name", code="model_not_found") from exc
+        except UnknownAdapterError:
+            return False
+        return True
 
     def adapter_info(self, name: str) -> dict[str, Any] | None:
-        lora = self.engine.core.adapters
-        try:
-            handle = lora.get(name)
-        except UnknownAdapterError:
-            return None
-        slot = lora.resident_slots().get(handle.adapter_id)
-        return {"state": "resident" if slot is not None else "registered", "slot": slot,
-                "bytes": lora.nbytes(name)}
+        info = self.engine.adapter_info(name)
+        return None if info is None else {k: v for k, v in info.items() if k != "path"}
 
     def pool_figures(self) -> dict[str, Any]:
         """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
         scheduler's queues."""
-        core = self.engine.core
-        return {**self.engine.pool_figures(), "num_preemptions": core.scheduler.num_preemptions,
-                "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
-                "adapter_slots": core.adapters.max_loras, "registered_adapters": core.adapters.names()}
+        snap = self.engine.snapshot()
+        return {**snap.pool, "num_preemptions": snap.num_preemptions, "running": snap.running,
+                "waiting": snap.waiting, "adapter_slots": self.engine.config.max_loras,
+                "registered_adapters": self.engine.adapter_names()}
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
 
 
 POOL_GAUGES = ("adapter_hit_rate", "kv_token_hit_rate", "invalid_kv_ratio", "bytes_to_gpu", "bytes_to_host",
                "gpu_free", "gpu_cached", "gpu_in_use", "host_free", "host_cached")
 
 
+class BodyLimit:
+    """ASGI middleware: a request body above ``max_bytes`` is answered 413 in OpenAI's shape before it is read
+    whole (Content-Length is checked first; a chunked body is counted as it arrives). The body read is handed on
+    to the app unchanged."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then disconnects, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = ApiError(413, f"the request body is larger than {self.max_bytes} bytes", param=None,
+                       code="request_too_large")
+        await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+
+
+class RefuseWhileDraining:
+    """ASGI middleware: once ``state.draining`` is set, every request but /metrics gets 503 with Retry-After."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.state.draining and scope["path"] != "/metrics":
+            err = ApiError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                           headers={"Retry-After": "5"})
+            await JSONResponse(err.body(), status_code=503, headers=err.headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="lora-server")
     metrics = Metrics(settings.model_id)
-    serving = OpenAIServing(engine, settings.model_id, metrics)
+    serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
+    tenants = TenantPresence(store)
     app.state.engine, app.state.store, app.state.control = engine, store, control
     app.state.draining = False  # set when shutdown starts: new requests get 503, in-flight ones finish
+    app.add_middleware(RefuseWhileDraining, state=app.state)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
 
-    @app.middleware("http")
-    async def _refuse_while_draining(request: Request, call_next):
-        if app.state.draining and request.url.path != "/metrics":
-            err = ApiError(503, "the server is shutting down; retry on another replica", "service_unavailable",
-                           headers={"Retry-After": "5"})
-            return JSONResponse(err.body(), status_code=503, headers=err.headers)
-        return await call_next(request)
+    # ---- errors in OpenAI's shape, from every layer -----------------------------------------------------------
 
-    # ---- errors in OpenAI's shape ----------------------------------------------------------------------------
+    def error(err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = "invalid JSON body" if first.get("type") == "json_invalid" else \
-            f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        param = loc[0] if loc and first.get("type") != "json_invalid" else None
-        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
+        message, param = validation_message(exc.errors())
+        if exc.errors() and exc.errors()[0].get("type") == "json_invalid":
+            message, param = "invalid JSON body", None
+        return error(ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+            exc.status_code, "invalid_request_error")
+        return error(ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {})))
 
     @app.exception_handler(LoraServerError)
     async def _engine_error(_: Request, exc: LoraServerError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if isinstance(exc, QueueFullError) or exc.http_status == 503 else {}
-        err = ApiError(exc.http_status, exc.message, exc.error_type, exc.param, exc.code, headers)
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        headers = {"Retry-After": "1"} if exc.http_status in (429, 503) else {}
+        return error(ApiError(exc.http_status, exc.message, exc.error_type, exc.param, exc.code, headers))
+
+    @app.exception_handler(StoreUnavailableError)
+    async def _store_down(_: Request, exc: StoreUnavailableError) -> JSONResponse:
+        log.warning("registry store unavailable: %s", exc)
+        return error(ApiError(503, "the registry store is unavailable; retry shortly", "service_unavailable",
+                              code="store_unavailable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error(ApiError(500, "internal server error", "server_error"))
 
     # ---- health, metrics, models ---------------------------------------------------------------------------
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if engine.dead_error is not None else 200)
+        return Response(status_code=503 if engine.dead.is_set() else 200)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        core, pool = engine.core, engine.pool_figures()
+        snap = engine.snapshot()
+        pool = snap.pool
         salts = pool["kv_tokens_by_salt"].values()
-        gauges = {"vllm:num_requests_running": len(core.scheduler.running),
-                  "vllm:num_requests_waiting": len(core.scheduler.waiting),
+        gauges = {"vllm:num_requests_running": snap.running,
+                  "vllm:num_requests_waiting": snap.waiting,
                   "vllm:kv_cache_usage_perc": pool["request_blocks"] / pool["gpu_blocks"],
-                  "vllm:num_preemptions_total": core.scheduler.num_preemptions,
+                  "vllm:num_preemptions_total": snap.num_preemptions,
                   "lora_server:adapters_resident": pool["resident_adapters"],
-                  "lora_server:adapters_registered": len(core.adapters.names()),
+                  "lora_server:adapters_registered": len(engine.adapter_names()),
                   **{f"lora_server:pool_{name}": pool[name] for name in POOL_GAUGES},
                   **{f"lora_server:pool_evicted_blocks_{kind}": n for kind, n in pool["evicted_blocks"].items()},
                   **{f"lora_server:ttft_{part}_mean_seconds": pool["ttft"][f"{part}_mean_s"]
                      for part in ("queueing", "adapter_loading", "prefill")}}
         metrics.set_counter("vllm:prefix_cache_queries_total", sum(s["prompt_tokens"] for s in salts))
         metrics.set_counter("vllm:prefix_cache_hits_total", sum(s["cached_tokens"] for s in salts))
-        running = {r.adapter.name for r in core.scheduler.running if r.adapter is not None}
-        waiting = {r.adapter.name for r in core.scheduler.waiting if r.adapter is not None}
-        info = {"running_lora_adapters": ",".join(sorted(running)), "waiting_lora_adapters": ",".join(sorted(waiting)),
-                "max_lora": str(core.adapters.max_loras)}
+        info = {"running_lora_adapters": ",".join(snap.running_adapters),
+                "waiting_lora_adapters": ",".join(snap.waiting_adapters),
+                "max_lora": str(engine.config.max_loras)}
         return PlainTextResponse(metrics.render(gauges, info, dict), media_type="text/plain; version=0.0.4")
 
-    def models(allowed: list[str] | None) -> dict[str, Any]:
-        names = engine.core.adapters.names() if allowed is None else [a for a in allowed
-                                                                          if a in engine.core.adapters.names()]
+    def models(allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
+        served = engine.adapter_names()
+        names = served if allowed is None else [a for a in allowed if a in served]
         base = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "lora-server",
                 "root": settings.model_id, "parent": None, "max_model_len": engine.max_model_len}
-        data = [base] + [{"id": n, "object": "model", "created": 0, "owned_by": "lora-server",
-                          "root": str(engine.core.adapters.path(n)), "parent": settings.model_id} for n in names]
+        data = [base]
+        for name in names:
+            info = engine.adapter_info(name) if show_paths else None
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "lora-server",
+                         "root": info["path"] if info else name, "parent": settings.model_id})
         return {"object": "list", "data": data}
+
+    # ---- who is asking ------------------------------------------------------------------------------------
+
+    def is_admin(request: Request) -> bool:
+        return constant_time_equals(_bearer(request), settings.admin_key)
+
+    async def caller(request: Request) -> TenantRecord | None:
+        """Who a /v1 request acts as: the tenant whose key it presents, else None (the --api-key, or anonymous
+        access while it is open); 401 otherwise."""
+        key = _bearer(request)
+        if settings.api_key is not None and key and constant_time_equals(key, settings.api_key):
+            return None
+        if key.startswith(API_KEY_PREFIX):  # only our tenant keys carry the prefix: nothing else is looked up
+            tenant = await run_in_threadpool(store.tenant_by_key, key)
+            if tenant is not None:
+                return tenant
+        if settings.api_key is None and await run_in_threadpool(tenants.anonymous_open, settings.allow_anonymous):
+            return None
+        raise ApiError(401, "a valid API key is required: a tenant's key" +
+                       (" or the server's --api-key" if settings.api_key else
+                        " (anonymous /v1 access closes once tenants exist unless the server runs with "
+                        "--allow-anonymous)"), "authentication_error")
+
+    async def tenant_of(name: str, request: Request) -> TenantRecord:
+        key = _bearer(request)
+        record = await run_in_threadpool(store.authenticate, name, key) if key else None
+        if record is None:
+            raise ApiError(401, "missing or wrong API key for this tenant", "authentication_error")
+        return record
 
     def resolve(model: str | None, tenant: TenantRecord | None) -> str | None:
         """The adapter a request's ``model`` names (None: the base model); 404 unknown, 403 not allowed."""
@@ -158,93 +278,181 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
         if tenant is not None and model not in tenant.adapters:
             raise ApiError(403, f"model {model!r} is not available to tenant {tenant.name!r}", "permission_error",
                            param="model")
-        if model not in engine.core.adapters.names():
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        if model not in engine.adapter_names():
+            raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error", param="model",
+                           code="model_not_found")
         return model
 
-    def check_global_key(request: Request) -> None:
-        if settings.api_key is not None and not constant_time_equals(_bearer(request), settings.api_key):
-            raise ApiError(401, "a valid API key is required", "authentication_error")
+    # ---- the completion endpoints ---------------------------------------------------------------------------
 
-    def tenant_of(name: str, request: Request) -> TenantRecord:
-        key = _bearer(request)
-        record = store.authenticate(name, key) if key else None
-        if record is None:
-            raise ApiError(401, "missing or wrong API key for this tenant", "authentication_error")
-        return record
-
-    def admit(tenant: TenantRecord | None, adapter: str | None, max_tokens: int | None) -> UsageHook | None:
-        """Rate limits (429 with Retry-After), then the usage hook of the tenant."""
-        if tenant is None:
-            return None
-        limits = tenant.rate_limits
-        for kind, limit, amount in (("requests", limits.requests_per_minute, 1),
-                                    ("tokens", limits.tokens_per_minute, max_tokens or 16)):
-            if limit is None:
-                continue
-            decision = store.take(tenant.name, kind, min(amount, limit), limit)
-            if not decision.allowed:
-                raise ApiError(429, f"rate limit of {limit} {kind} per minute reached", "rate_limit_error",
-                               headers={"Retry-After": str(max(1, math.ceil(decision.retry_after)))})
-
-        def record(prompt_tokens: int, completion_tokens: int) -> None:
-            store.add_usage(tenant.name, adapter, prompt_tokens, completion_tokens)
-        return record
-
-    async def answer(result: dict[str, Any] | Any) -> Response:
+    async def complete(kind: str, request: Request, tenant: TenantRecord | None) -> Response:
+        raw = await request.body()
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = await run_in_threadpool(parse_body, raw, model_cls)
+        adapter = resolve(req.model, tenant)
+        prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
+        prepared: Prepared = await run_in_threadpool(prepare, req, adapter, cache_salt(tenant))  # type: ignore[arg-type]
+        try:
+            meter = None if tenant is None else await run_in_threadpool(TenantMeter.admit, store, tenant, adapter,
+                                                                        prepared)
+        except BaseException:
+            serving.discard(prepared.requests)
+            raise
+        try:
+            result = await serving.run(prepared, req.model or adapter or settings.model_id, meter,
+                                       _disconnected(request))
+        except ClientDisconnected:
+            return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
-    async def chat(req: ChatCompletionRequest, tenant: TenantRecord | None) -> Response:
-        adapter = resolve(req.model, tenant)
-        hook = admit(tenant, adapter, req.max_completion_tokens or req.max_tokens)
-        return await answer(await serving.chat(req, adapter, req.model or adapter or settings.model_id, hook,
-                                               cache_salt(tenant)))
-
-    async def completion(req: CompletionRequest, tenant: TenantRecord | None) -> Response:
-        adapter = resolve(req.model, tenant)
-        hook = admit(tenant, adapter, req.max_tokens)
-        return await answer(await serving.completion(req, adapter, req.model or adapter or settings.model_id, hook,
-                                                     cache_salt(tenant)))
-
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        check_global_key(request)
-        return models(None)
+        if is_admin(request):
+            return models(None, show_paths=True)
+        tenant = await caller(request)
+        return models(None if tenant is None else tenant.adapters, show_paths=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        check_global_key(request)
-        return await chat(req, None)
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await complete("chat", request, await caller(request))
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        check_global_key(request)
-        return await completion(req, None)
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await complete("completion", request, await caller(request))
 
     @app.get("/t/{tenant}/v1/models")
     async def tenant_models(tenant: str, request: Request) -> dict[str, Any]:
-        return models(list(tenant_of(tenant, request).adapters))
+        return models((await tenant_of(tenant, request)).adapters, show_paths=False)
 
-    @app.post("/t/{tenant}/v1/chat/completions")
-    async def tenant_chat(tenant: str, req: ChatCompletionRequest, request: Request) -> Response:
-        return await chat(req, tenant_of(tenant, request))
+    @app.post("/t/{tenant}/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def tenant_chat(tenant: str, request: Request) -> Response:
+        return await complete("chat", request, await tenant_of(tenant, request))
 
-    @app.post("/t/{tenant}/v1/completions")
-    async def tenant_completions(tenant: str, req: CompletionRequest, request: Request) -> Response:
-        return await completion(req, tenant_of(tenant, request))
+    @app.post("/t/{tenant}/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def tenant_completions(tenant: str, request: Request) -> Response:
+        return await complete("completion", request, await tenant_of(tenant, request))
 
-    app.include_router(admin_router(store, control, settings.admin_key, settings.adapter_roots))
+    app.include_router(admin_router(store, control, settings.admin_key, settings.adapter_roots,
+                                    settings.model_id, tenants.changed))
+    _add_body_schemas(app, (ChatCompletionRequest, CompletionRequest))
     return app
 
 
+class TenantPresence:
+    """Whether anonymous /v1 access is open: always with ``--allow-anonymous``; otherwise (and without
+    ``--api-key``) only while the registry holds no tenant. The answer is kept for TENANTS_CHECK_S (tenants made on
+    another replica count within that time; ours at once) and, while the store is unreachable, the last one known."""
+
+    def __init__(self, store: RegistryStore) -> None:
+        self.store = store
+        self._known: bool | None = None
+        self._checked = float("-inf")
+
+    def anonymous_open(self, allow_anonymous: bool) -> bool:
+        if allow_anonymous:
+            return True
+        now = time.monotonic()
+        if self._known is None or now - self._checked >= TENANTS_CHECK_S:
+            try:
+                self._known, self._checked = self.store.has_tenants(), now
+            except StoreUnavailableError:
+                if self._known is None:
+                    raise
+        return not self._known
+
+    def changed(self) -> None:
+        self._checked = float("-inf")
+
+
+@dataclass
+class TenantMeter:
+    """A tenant's charge for one HTTP request. At admission it takes one request and the most tokens the request
+    can use (its prompts plus n x max_tokens); ``settle`` records the real usage and gives the unused tokens back
+    to the window they were taken from."""
+
+    store: RegistryStore
+    tenant: str
+    adapter: str | None
+    charged_tokens: int
+    tokens_window: RateDecision | None
+
+    @classmethod
+    def admit(cls, store: RegistryStore, tenant: TenantRecord, adapter: str | None, prepared: Prepared) -> TenantMeter:
+        """Take the request from the tenant's limits (blocking: store calls); 429 with Retry-After when a window
+        is used up, 400 when the request could never fit the tokens limit. A refusal takes nothing."""
+        limits, amount = tenant.rate_limits, prepared.max_tokens
+        if limits.tokens_per_minute is not None and amount > limits.tokens_per_minute:
+            raise ApiError(400, f"this request may use {amount} tokens (prompt plus n x max_tokens), more than the "
+                           f"tenant's limit of {limits.tokens_per_minute} tokens per minute: lower max_tokens",
+                           param="max_tokens", code="tokens_limit_exceeded")
+        requests = None
+        if limits.requests_per_minute is not None:
+            requests = store.take(tenant.name, "requests", 1, limits.requests_per_minute)
+            _refuse_unless_allowed(requests, limits.requests_per_minute, "requests")
+        tokens = None
+        if limits.tokens_per_minute is not None:
+            tokens = store.take(tenant.name, "tokens", amount, limits.tokens_per_minute)
+            if not tokens.allowed and requests is not None:
+                store.give_back(tenant.name, "requests", requests.window, 1)
+            _refuse_unless_allowed(tokens, limits.tokens_per_minute, "tokens")
+        return cls(store, tenant.name, adapter, amount, tokens)
+
+    def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
+        try:
+            self.store.add_usage(self.tenant, self.adapter, prompt_tokens, completion_tokens)
+            unused = self.charged_tokens - prompt_tokens - completion_tokens
+            if self.tokens_window is not None and unused > 0:
+                self.store.give_back(self.tenant, "tokens", self.tokens_window.window, unused)
+        except StoreUnavailableError as exc:
+            log.warning("usage of tenant %s not recorded (%d prompt, %d completion tokens): %s", self.tenant,
+                        prompt_tokens, completion_tokens, exc)
+
+
+def _refuse_unless_allowed(decision: RateDecision, limit: int, kind: str) -> None:
+    if not decision.allowed:
+        raise ApiError(429, f"rate limit of {limit} {kind} per minute reached", "rate_limit_error",
+                       code="rate_limit_exceeded",
+                       headers={"Retry-After": str(max(1, math.ceil(decision.retry_after)))})
+
+
 def cache_salt(tenant: TenantRecord | None) -> str:
-    """The prefix-cache salt of a request: each tenant's cached KV is its own; /v1 requests share "". Derived
-    here, never taken from the client."""
+    """The prefix-cache salt of a request: each tenant's cached KV is its own; anonymous and --api-key requests
+    share "". Derived here, never taken from the client."""
     return "" if tenant is None else f"tenant:{tenant.name}"
 
 
 def _bearer(request: Request) -> str:
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     return key.strip() if scheme.lower() == "bearer" else ""
+
+
+async def _disconnected(request: Request) -> None:
+    """Completes when the client has gone away (the body was read already: what is left is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    """openapi_extra of a route that parses its own body (off the event loop) as ``model``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _add_body_schemas(app: FastAPI, models: tuple[type, ...]) -> None:
+    """Put the JSON schemas of self-parsed bodies into the app's OpenAPI components (where _body_schema points)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")  # type: ignore[attr-defined]
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+

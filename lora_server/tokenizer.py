@@ -54,6 +54,8 @@ class Tokenizer:
         eos_token_ids: every id that ends generation (may be empty).
         add_bos: whether `encode(text, add_special_tokens=True)` prepends `bos_token_id`.
         chat_template: the model's jinja chat template, or None.
+        max_token_chars: the most characters one token can stand for, so a text of n characters needs at least
+            n / max_token_chars tokens (how the engine refuses hopeless prompts without tokenizing them).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Tokenizer:
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
         )
         self._compiled_template: jinja2.Template | None = None
+        self.max_token_chars = max(1, max(map(len, backend.get_vocab(with_added_tokens=True)), default=1))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -178,9 +181,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special token strings in the text map to their ids.
 
-        With `add_special_tokens` and `add_bos`, `bos_token_id` is prepended.
+        With `add_special_tokens` and `add_bos`, `bos_token_id` is prepended. Runs without holding the GIL
+        (`encode_batch` releases it, `encode` does not), so other threads (the server's event loop) go on meanwhile.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters.peft_format import AdapterError
+from adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
 
 HIDDEN, KV, INTER, LAYERS = 576, 192, 1536, 30
+BASE = BaseShapes.llama(LAYERS, HIDDEN, INTER, HIDDEN, KV)  # SmolLM2-135M
+FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 def _write(path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -95,8 +98,15 @@ def roots(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(roots):
-    return Engine(EngineConfig(quantization="none", kv_cache_bytes=32 << 20, max_lora_rank=16,
-                               adapter_roots=(str(roots[0]),), show_progress=False))
+    return Engine(
+        EngineConfig(
+            quantization="none",
+            kv_cache_bytes=32 << 20,
+            max_lora_rank=16,
+            adapter_roots=(str(roots[0]),),
+            show_progress=False,
+        )
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -132,7 +142,169 @@ def test_valid_adapter_registers_with_and_without_prefix(engine, roots):
     def strip(t):
         for k in list(t):
             t[k.removeprefix("base_model.model.")] = t.pop(k)
+
     _edit_tensors(plain, strip)
     engine.add_adapter("good-plain", plain)
     a = engine.core.adapters
     assert {"good", "good-plain"} <= set(a.names())
+
+
+NAN, INF = float("nan"), float("inf")
+# case -> (the whole adapter_config.json as bytes, or fields changed in the valid config; a substring of the reason)
+MALFORMED_CONFIGS = {
+    "not utf-8": (b'{"r": 4, "lora_alpha": 8, "target_modules": ["q_\xff"]}', "not UTF-8"),
+    "not json": (b'{"r": 4,', "not valid JSON"),
+    "nested too deep": (b"[" * 100_000, "not valid JSON"),
+    "integer of 5000 digits": (b'{"r": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    "an array": (b'[{"r": 4}]', "must hold a JSON object, not an array"),
+    "a string": (b'"LORA"', "must hold a JSON object, not a string"),
+    "a number": (b"8", "must hold a JSON object, not a number"),
+    "r zero": ({"r": 0}, "r must be a positive integer, got 0"),
+    "r negative": ({"r": -1}, "r must be a positive integer"),
+    "r string": ({"r": "8"}, "r must be a positive integer, got '8'"),
+    "r float": ({"r": 8.5}, "r must be a positive integer"),
+    "r true": ({"r": True}, "r must be a positive integer, got True"),
+    "lora_alpha string": ({"lora_alpha": "16"}, "lora_alpha must be a finite number"),
+    "lora_alpha NaN": ({"lora_alpha": NAN}, "lora_alpha must be a finite number"),
+    "lora_alpha Infinity": ({"lora_alpha": INF}, "lora_alpha must be a finite number"),
+    "lora_alpha -Infinity": ({"lora_alpha": -INF}, "lora_alpha must be a finite number"),
+    "lora_alpha beyond float32": ({"lora_alpha": 1e39}, "lora_alpha must be a finite number"),
+    "lora_alpha huge integer": ({"lora_alpha": 10**400}, "lora_alpha must be a finite number"),
+    "lora_alpha true": ({"lora_alpha": True}, "lora_alpha must be a finite number"),
+    "rank_pattern a list": ({"rank_pattern": [["q_proj", 4]]}, "rank_pattern must be an object"),
+    "rank_pattern zero": ({"rank_pattern": {"q_proj": 0}}, "rank_pattern['q_proj'] must be a positive integer"),
+    "rank_pattern string": ({"rank_pattern": {"q_proj": "4"}}, "rank_pattern['q_proj'] must be a positive integer"),
+    "rank_pattern float": ({"rank_pattern": {"q_proj": 4.0}}, "rank_pattern['q_proj'] must be a positive integer"),
+    "rank_pattern bad regex": ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern key 'q_proj(' is not a valid regular"),
+    "alpha_pattern a string": ({"alpha_pattern": "q_proj"}, "alpha_pattern must be an object"),
+    "alpha_pattern string": ({"alpha_pattern": {"q_proj": "8"}}, "alpha_pattern['q_proj'] must be a finite number"),
+    "alpha_pattern NaN": ({"alpha_pattern": {"q_proj": NAN}}, "alpha_pattern['q_proj'] must be a finite number"),
+    "alpha_pattern Infinity": ({"alpha_pattern": {"q_proj": INF}}, "alpha_pattern['q_proj'] must be a finite number"),
+    "alpha_pattern boolean": ({"alpha_pattern": {"q_proj": False}}, "alpha_pattern['q_proj'] must be a finite number"),
+    "alpha_pattern bad regex": ({"alpha_pattern": {"[q": 8}}, "alpha_pattern key '[q' is not a valid regular"),
+    "target regex invalid": ({"target_modules": "q_proj("}, "is not a valid regular expression"),
+    "target regex too large": ({"target_modules": "q_proj{99999999999}"}, "is not a valid regular expression"),
+    "target numbers": ({"target_modules": [1, 2]}, "target_modules must be a non-empty list of module names"),
+    "target mixed": ({"target_modules": ["q_proj", 7]}, "target_modules must be a non-empty list of module names"),
+    "target empty": ({"target_modules": []}, "target_modules must be a non-empty list of module names"),
+    "target missing": ({"target_modules": None}, "target_modules must be a non-empty list of module names"),
+    "layers strings": ({"layers_to_transform": ["0", "1"]}, "layers_to_transform must be a layer index or a list"),
+    "layers booleans": ({"layers_to_transform": [True]}, "layers_to_transform must be a layer index or a list"),
+    "layers floats": ({"layers_to_transform": [0.0, 1.5]}, "layers_to_transform must be a layer index or a list"),
+    "layers a string": ({"layers_to_transform": "0-3"}, "layers_to_transform must be a layer index or a list"),
+    "layers an object": ({"layers_to_transform": {"0": 1}}, "layers_to_transform must be a layer index or a list"),
+    "layers with a regex target": (
+        {"target_modules": r".*\.q_proj", "layers_to_transform": [0]},
+        "layers_to_transform cannot be used with a regex target_modules",
+    ),
+    "use_rslora a string": ({"use_rslora": "false"}, "use_rslora must be true or false"),
+    "use_dora a string": ({"use_dora": "false"}, "use_dora must be true or false"),
+    "use_dora one": ({"use_dora": 1}, "use_dora must be true or false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CONFIGS))
+def test_malformed_config_is_refused_with_the_reason(tmp_path, case):
+    change, reason = MALFORMED_CONFIGS[case]
+    path = _good(tmp_path / "adapter")
+    if isinstance(change, bytes):
+        (path / "adapter_config.json").write_bytes(change)
+    else:
+        _edit_config(path, **change)
+    with pytest.raises(AdapterError, match=re.escape(reason)):
+        load_peft_adapter("bad", path, BASE, max_rank=16, allowed_roots=[tmp_path])
+
+
+# case -> (fields changed in the valid config, hand-computed scaling of q_proj's and v_proj's B); r is 4
+ACCEPTED_CONFIGS = {
+    "float alpha": ({"lora_alpha": 6.5}, 6.5 / 4, 6.5 / 4),
+    "nulls and false flags": ({"use_rslora": None, "use_dora": False, "rank_pattern": None, "alpha_pattern": {}}, 2, 2),
+    "rsLoRA": ({"use_rslora": True}, 4, 4),
+    "empty layers_to_transform means every layer (as in PEFT)": ({"layers_to_transform": []}, 2, 2),
+    "alpha_pattern": ({"alpha_pattern": {"v_proj": 1000}}, 2, 250),
+    "alpha_pattern with an alternation": ({"alpha_pattern": {"k_proj|v_proj": 12}}, 2, 3),
+    "alpha near float32's limit": ({"lora_alpha": 3e38}, 7.5e37, 7.5e37),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED_CONFIGS))
+def test_edge_configs_load_with_the_peft_scaling(tmp_path, case):
+    change, q_scale, v_scale = ACCEPTED_CONFIGS[case]
+    path = _good(tmp_path / "adapter")
+    _edit_config(path, **change)
+    adapter = load_peft_adapter("edge", path, BASE, max_rank=16, allowed_roots=[tmp_path])
+    raw = load_file(str(path / "adapter_model.safetensors"))
+    assert len(adapter.weights) == 2 * LAYERS
+    for layer in (0, LAYERS - 1):
+        for module, scale in (("q", q_scale), ("v", v_scale)):
+            b = raw[f"base_model.model.model.layers.{layer}.self_attn.{module}_proj.lora_B.weight"]
+            torch.testing.assert_close(adapter.weights[layer, module][1], b * scale)
+
+
+def _large_b(tensors):
+    for key in tensors:
+        if "lora_B" in key:
+            tensors[key] = torch.full_like(tensors[key], 100.0)
+
+
+@pytest.mark.parametrize(
+    "change", [{"lora_alpha": 1e38}, {"lora_alpha": 1e38, "use_rslora": True}, {"alpha_pattern": {"v_proj": 1e38}}]
+)
+def test_scaling_that_overflows_float32_is_refused(tmp_path, change):
+    path = _good(tmp_path / "adapter")
+    _edit_config(path, **change)
+    _edit_tensors(path, _large_b)  # 100 * 1e38 / 4 (or / sqrt(4)) is beyond float32's 3.4e38
+    with pytest.raises(AdapterError, match="overflows float32"):
+        load_peft_adapter("bad", path, BASE, max_rank=16)
+
+
+def _absurd_layer(tensors):
+    tensors[f"model.layers.{'9' * 5000}.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, HIDDEN)
+
+
+def test_tensor_with_an_absurd_layer_index_is_refused(tmp_path):
+    path = _good(tmp_path / "adapter")
+    _edit_tensors(path, _absurd_layer)  # 5000 digits: more than Python converts to an int by default
+    with pytest.raises(AdapterError, match="unexpected tensor"):
+        load_peft_adapter("bad", path, BASE, max_rank=16)
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_file_linking_outside_the_roots_is_refused(tmp_path, file):
+    source = _good(tmp_path / "outside" / "adapter")
+    path = tmp_path / "root" / "adapter"
+    shutil.copytree(source, path)
+    (path / file).unlink()
+    (path / file).symlink_to(source / file)
+    with pytest.raises(AdapterError, match=f"{file} in adapter path .* outside the allowed adapter roots"):
+        load_peft_adapter("sneaky", path, BASE, max_rank=16, allowed_roots=[tmp_path / "root"])
+    # the same directory loads when the link's target is inside a root too
+    load_peft_adapter("fine", path, BASE, max_rank=16, allowed_roots=[tmp_path / "root", tmp_path / "outside"])
+
+
+def test_links_within_the_roots_are_followed(tmp_path):
+    source = _good(tmp_path / "root" / "original")
+    path = tmp_path / "root" / "linked"
+    path.mkdir()
+    for file in FILES:
+        (path / file).symlink_to(source / file)
+    assert load_peft_adapter("linked", path, BASE, max_rank=16, allowed_roots=[tmp_path / "root"]).rank == 4
+
+
+def test_symlink_loop_is_refused(tmp_path):
+    path = _good(tmp_path / "adapter")
+    (path / "adapter_config.json").unlink()
+    (path / "adapter_config.json").symlink_to(path / "adapter_config.json")
+    with pytest.raises(AdapterError, match="adapter_config.json"):
+        load_peft_adapter("loop", path, BASE, max_rank=16)
+
+
+def test_path_outside_the_roots_names_the_roots(tmp_path):
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for root in roots:
+        root.mkdir()
+    path = _good(tmp_path / "elsewhere")
+    with pytest.raises(AdapterError) as info:
+        load_peft_adapter("outside", path, BASE, max_rank=16, allowed_roots=roots)
+    assert f"adapter path {path} is outside the allowed adapter roots" in str(info.value)
+    assert f"({roots[0].resolve()}, {roots[1].resolve()})" in str(info.value)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_server import ADMIN, Server
+from tests.servers import ADMIN, Server
 
 CLI = Path(sys.executable).parent / "schemathesis"  # installed beside this interpreter by the test extra
 

@@ -4,81 +4,17 @@ httpx. Covers the OpenAI endpoints, adapters routed by name, the admin API, tena
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import openai
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from adapters import demo_adapters
-
-openai = pytest.importorskip("openai")
-
-ADMIN = "test-admin-key"
-BASE = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, data_dir: Path, roots: list[Path], extra: list[str] = ()) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "lora_server.cli", "serve", "--port", str(self.port), "--admin-key", ADMIN,
-               "--data-dir", str(data_dir), "--quantization", "none", "--kv-cache-gb", "0.1", "--max-loras", "4",
-               *[a for r in roots for a in ("--adapter-root", str(r))], *extra]
-        self.log = open(data_dir / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(data_dir / f'server-{self.port}.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise RuntimeError("server did not start")
-
-    def client(self, tenant: str | None = None, key: str = "none") -> openai.OpenAI:
-        base = f"{self.url}/t/{tenant}/v1" if tenant else f"{self.url}/v1"
-        return openai.OpenAI(base_url=base, api_key=key, max_retries=0)
-
-    def admin(self, method: str, path: str, **kw) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60, **kw)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.log.close()
-
-
-def write_adapter(path: Path, seed: int, r: int = 4, scale: float = 0.05) -> Path:
-    """A PEFT LoRA directory with random weights on q_proj and v_proj (strong enough to change answers)."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(30):
-        for proj, out in (("q_proj", 576), ("v_proj", 192)):
-            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(r, 576, generator=gen) * scale
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=gen) * scale
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(
-        dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], bias="none")))
-    return path
+from tests.servers import BASE, Server, free_port, write_adapter
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +28,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    s = Server(dirs / "data", [dirs / "adapters"])
+    s = Server(dirs / "data", [dirs / "adapters"], ["--allow-anonymous"])
     yield s
     s.stop()
 
@@ -325,7 +261,8 @@ def test_restart_keeps_adapters_and_tenants(dirs):
         first.stop()
     second = Server(data, [dirs / "adapters"])
     try:
-        assert "kept" in [m.id for m in second.client().models.list().data]
+        listed = second.admin("GET", "/v1/models").json()["data"]  # tenants exist: /v1 needs a key
+        assert "kept" in [m["id"] for m in listed]
         assert chat(second.client("t1", key), "kept", "Hello").choices[0].message.content == before
     finally:
         second.stop()
@@ -333,7 +270,7 @@ def test_restart_keeps_adapters_and_tenants(dirs):
 
 def test_two_replicas_share_redis(dirs):
     assert shutil.which("redis-server"), "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
-    port = _free_port()
+    port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, cwd=dirs)
     try:
@@ -346,6 +283,7 @@ def test_two_replicas_share_redis(dirs):
             key = a.admin("POST", "/admin/tenants", json={"name": "shared", "adapters": []}).json()["api_key"]
             assert [t["name"] for t in b.admin("GET", "/admin/tenants").json()["data"]] == ["shared"]
             assert [m.id for m in b.client("shared", key).models.list().data] == [BASE]
+            assert "keeps nothing on disk" in a.log_text()  # this Redis runs without AOF or RDB
         finally:
             a.stop()
             b.stop()

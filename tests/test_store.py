@@ -1,9 +1,14 @@
 """The registry store, one suite over both backends: SQLite on a temporary file, and Redis on a real
-``redis-server`` that this module starts (skipped where the binary is missing; ``.ci/redis.sh`` installs it)."""
+``redis-server`` that this module starts (``.ci/redis.sh`` installs it; the tests fail without it). The fault and
+persistence tests start, stop and freeze redis-servers of their own, on free ports."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -14,17 +19,25 @@ from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
+from admin.sqlite_store import SQLiteStore
 from admin.store import (
     SQLITE_FILENAME,
     AdapterRecord,
     RateLimits,
     RegistryStore,
+    StoreStatus,
+    StoreUnavailableError,
     TenantExistsError,
+    TenantRecord,
+    UnknownKeyError,
+    UnknownTenantError,
     Usage,
+    key_id,
     open_store,
 )
 
@@ -37,37 +50,65 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A throwaway redis-server without persistence, for the whole session."""
+def _start_redis(workdir: Path, port: int, *options: str) -> subprocess.Popen:
+    """A redis-server on 127.0.0.1:``port`` with its files in ``workdir`` and ``options``, once it answers PING."""
     binary = shutil.which("redis-server")
     assert binary is not None, "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
     redis = pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
-    workdir = tmp_path_factory.mktemp("redis")
-    port = _free_port()
-    log = (workdir / "redis.log").open("w")
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)], stdout=log, stderr=subprocess.STDOUT)
+    log_path = workdir / f"redis-{port}.log"
+    with log_path.open("a") as log:
+        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                                   *options], stdout=log, stderr=subprocess.STDOUT)
     client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 10
     try:
-        deadline = time.monotonic() + 10
         while True:
             if server.poll() is not None:
-                pytest.fail(f"redis-server exited with {server.returncode}: {(workdir / 'redis.log').read_text()}")
+                pytest.fail(f"redis-server exited with {server.returncode}: {log_path.read_text()}")
             try:
                 if client.ping():
-                    break
+                    return server
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
+                    server.kill()
                     raise
                 time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
     finally:
         client.close()
-        server.terminate()
-        server.wait(timeout=10)
-        log.close()
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=10)
+
+
+_NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway redis-server without persistence, for the whole session."""
+    port = _free_port()
+    server = _start_redis(tmp_path_factory.mktemp("redis"), port, *_NO_PERSISTENCE)
+    yield f"redis://127.0.0.1:{port}/0"
+    _stop(server)
+
+
+@pytest.fixture
+def start_redis(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Starts redis-servers of the test's own (``start_redis(port, *options)``); kills those still running at the
+    end (SIGKILL: a server the test left stopped with SIGSTOP would not see SIGTERM)."""
+    servers: list[subprocess.Popen] = []
+
+    def start(port: int, *options: str) -> subprocess.Popen:
+        servers.append(_start_redis(tmp_path, port, *options))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
 
 
 @dataclass
@@ -139,6 +180,13 @@ def _run_threads(n: int, target: Callable[[int], None]) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def _redis_store(url: str, **kwargs: Any) -> RegistryStore:
+    from admin.redis_store import RedisStore  # imported here: the SQLite tests run without the redis package
+
+    return RedisStore(url, **kwargs)
+
 
 
 # -- keys ------------------------------------------------------------------------------------------------------------
@@ -236,7 +284,7 @@ def test_create_tenant_returns_the_key_once_and_stores_only_its_hash(backend: Ba
     assert store.get_tenant("acme") == record
     assert api_key not in repr(record)  # not readable back from the record
     raw = backend.raw_dump()
-    assert record.key_hash in raw  # we are looking at the right storage ...
+    assert record.key_hashes[0] in raw  # we are looking at the right storage ...
     assert api_key not in raw  # ... and the key itself is in none of it
     _, other_key = store.create_tenant("globex", [])
     assert other_key != api_key
@@ -280,6 +328,102 @@ def test_authenticate(store: RegistryStore):
     assert store.authenticate("acme", acme_key) is None and store.authenticate("acme", new_key) is not None
 
 
+
+def test_has_tenants(store: RegistryStore):
+    assert store.has_tenants() is False
+    store.create_tenant("acme", [])
+    assert store.has_tenants() is True
+    store.delete_tenant("acme")
+    assert store.has_tenants() is False
+
+
+# -- keys by tenant: lookup and rotation -----------------------------------------------------------------------------
+
+
+def test_key_id_is_the_start_of_the_keys_sha256():
+    key = generate_api_key()
+    assert key_id(hash_api_key(key)) == hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def test_tenant_by_key_finds_the_holder_of_each_key(store: RegistryStore):
+    _, acme_key = store.create_tenant("acme", ["sql"])
+    globex, globex_key = store.create_tenant("globex", [])
+    acme, second_key = store.issue_key("acme")
+    assert store.tenant_by_key(acme_key) == acme and store.tenant_by_key(second_key) == acme
+    assert store.tenant_by_key(globex_key) == globex
+    for unknown in (generate_api_key(), acme_key + "x", acme_key[:-1], API_KEY_PREFIX, "", "ключ", None, 42):
+        assert store.tenant_by_key(unknown) is None
+    assert store.delete_tenant("acme")
+    assert store.tenant_by_key(acme_key) is None and store.tenant_by_key(second_key) is None
+    assert store.tenant_by_key(globex_key) == globex
+    # a tenant re-created under the same name gets a new key; the old ones stay dead
+    again, new_key = store.create_tenant("acme", [])
+    assert store.tenant_by_key(acme_key) is None and store.tenant_by_key(new_key) == again
+
+
+def test_key_rotation(backend: Backend, store: RegistryStore):
+    first, old_key = store.create_tenant("acme", ["sql"])
+    assert first.key_hashes == (hash_api_key(old_key),)
+    assert first.key_ids == (hashlib.sha256(old_key.encode()).hexdigest()[:12],)
+    rotating, new_key = store.issue_key("acme")
+    assert new_key.startswith(API_KEY_PREFIX) and new_key != old_key
+    assert rotating.key_hashes == (hash_api_key(old_key), hash_api_key(new_key))
+    assert (rotating.name, rotating.adapters, rotating.created_at) == (first.name, first.adapters, first.created_at)
+    assert store.get_tenant("acme") == rotating
+    assert new_key not in backend.raw_dump()
+    for key in (old_key, new_key):  # both work while clients move over
+        assert store.authenticate("acme", key) == rotating and store.tenant_by_key(key) == rotating
+    with pytest.raises(ValueError, match="retire one first"):
+        store.issue_key("acme")
+    assert store.get_tenant("acme") == rotating
+
+    rotated = store.retire_key("acme", first.key_ids[0])
+    assert rotated.key_hashes == (hash_api_key(new_key),) and store.get_tenant("acme") == rotated
+    assert store.authenticate("acme", old_key) is None and store.tenant_by_key(old_key) is None
+    assert store.authenticate("acme", new_key) == rotated and store.tenant_by_key(new_key) == rotated
+    with pytest.raises(UnknownKeyError, match=first.key_ids[0]):
+        store.retire_key("acme", first.key_ids[0])
+    with pytest.raises(ValueError, match="last key"):
+        store.retire_key("acme", rotated.key_ids[0])
+    assert store.get_tenant("acme") == rotated
+
+    # the next rotation, retiring the older key again
+    _, newest_key = store.issue_key("acme")
+    final = store.retire_key("acme", rotated.key_ids[0])
+    assert final.key_hashes == (hash_api_key(newest_key),)
+    assert store.tenant_by_key(new_key) is None and store.tenant_by_key(newest_key) == final
+
+
+def test_key_rotation_of_unknown_or_invalid_tenants_is_refused(store: RegistryStore):
+    with pytest.raises(UnknownTenantError, match="nobody"):
+        store.issue_key("nobody")
+    with pytest.raises(UnknownTenantError, match="nobody"):
+        store.retire_key("nobody", "0123456789ab")
+    with pytest.raises(ValueError, match="invalid tenant name"):
+        store.issue_key("has space")
+    with pytest.raises(ValueError, match="invalid tenant name"):
+        store.retire_key("has space", "0123456789ab")
+    assert not store.has_tenants()
+
+
+def test_concurrent_issue_key_never_exceeds_two_keys(backend: Backend):
+    stores = [backend.open(), backend.open()]
+    stores[0].create_tenant("acme", [])
+    issued: list[str] = []
+    refused: list[int] = []
+
+    def worker(i: int) -> None:
+        try:
+            issued.append(stores[i % 2].issue_key("acme")[1])
+        except ValueError:
+            refused.append(i)
+
+    _run_threads(8, worker)
+    assert (len(issued), len(refused)) == (1, 7)
+    assert len(stores[1].get_tenant("acme").key_hashes) == 2
+    assert stores[1].tenant_by_key(issued[0]).name == "acme"
+
+
 # -- rate limits -----------------------------------------------------------------------------------------------------
 
 # Windows are [60k, 60k + 60): t = 6000.0 opens window 100, which ends at 6060.0.
@@ -315,6 +459,40 @@ def test_rate_limits_are_per_tenant_and_kind(store: RegistryStore):
     assert not store.take("acme", "requests", 1, 2, now=6001.0).allowed
     assert store.take("acme", "tokens", 2, 2, now=6002.0).allowed
     assert store.take("globex", "requests", 2, 2, now=6003.0).allowed
+
+
+def test_give_back_settles_a_take(store: RegistryStore):
+    taken = store.take("acme", "tokens", 10, 30, now=6000.0)  # window 100: [6000, 6060)
+    assert (taken.allowed, taken.remaining, taken.window) == (True, 20, 100)
+    store.take("acme", "requests", 3, 30, now=6000.0)
+    store.take("globex", "tokens", 7, 30, now=6000.0)
+    store.give_back("acme", "tokens", 100, 4)  # took 10, used 6
+    assert store.take("acme", "tokens", 0, 30, now=6001.0).remaining == 24
+    assert store.take("acme", "requests", 0, 30, now=6001.0).remaining == 27  # other kinds and tenants untouched
+    assert store.take("globex", "tokens", 0, 30, now=6001.0).remaining == 23
+    store.give_back("acme", "tokens", 100, 1000)  # never below zero: the whole limit fits again, no more
+    assert store.take("acme", "tokens", 30, 30, now=6002.0).remaining == 0
+    assert not store.take("acme", "tokens", 1, 30, now=6003.0).allowed
+    store.give_back("acme", "tokens", 99, 5)  # a window without a counter: nothing happens
+    assert store.take("acme", "tokens", 0, 30, now=5990.0).remaining == 30
+
+    later = store.take("acme", "tokens", 5, 30, now=6060.0)  # window 101
+    assert (later.remaining, later.window) == (25, 101)
+    store.give_back("acme", "tokens", 100, 30)  # the earlier window's settlement leaves this one alone
+    assert store.take("acme", "tokens", 0, 30, now=6061.0).remaining == 25
+    store.give_back("acme", "tokens", 101, 0)
+    assert store.take("acme", "tokens", 0, 30, now=6062.0).remaining == 25
+
+
+def test_give_back_validates_its_arguments(store: RegistryStore):
+    with pytest.raises(ValueError, match="invalid tenant name"):
+        store.give_back("a b", "tokens", 100, 1)
+    with pytest.raises(ValueError, match="kind"):
+        store.give_back("acme", "bytes", 100, 1)
+    with pytest.raises(ValueError, match="window"):
+        store.give_back("acme", "tokens", "100", 1)
+    with pytest.raises(ValueError, match="amount"):
+        store.give_back("acme", "tokens", 100, -1)
 
 
 def test_concurrent_takes_are_atomic(backend: Backend):
@@ -406,3 +584,194 @@ def test_redis_prefixes_keep_stores_apart(redis_url: str):
         assert b.list_adapters() == [] and b.get_tenant("acme") is None
         assert a.take("acme", "requests", 1, 1, now=6000.0).allowed
         assert b.take("acme", "requests", 1, 1, now=6000.0).allowed
+
+
+def test_status(backend: Backend, store: RegistryStore, tmp_path: Path):
+    if backend.name == "sqlite":
+        assert store.status() == StoreStatus("sqlite", True, True, str(tmp_path / "data" / SQLITE_FILENAME))
+    else:  # the session's redis-server runs with --save "" --appendonly no
+        assert store.status() == StoreStatus("redis", True, False,
+                                             "none: every tenant and adapter is lost when redis restarts")
+
+
+@pytest.mark.parametrize(("options", "persistent", "detail"), [
+    (_NO_PERSISTENCE, False, "none: every tenant and adapter is lost"),
+    (("--save", "", "--appendonly", "yes"), True, "AOF"),
+    (("--save", "900 1", "--appendonly", "no"), True, "RDB"),
+    (("--save", "900 1", "--appendonly", "yes"), True, "AOF and RDB"),
+    # managed Redis refuses CONFIG: INFO shows AOF, but not RDB snapshots
+    (("--save", "", "--appendonly", "yes", "--rename-command", "CONFIG", ""), True, "AOF"),
+    (("--save", "900 1", "--appendonly", "no", "--rename-command", "CONFIG", ""), None, "unknown: AOF is off"),
+], ids=["none", "aof", "rdb", "aof+rdb", "aof-without-config", "rdb-without-config"])
+def test_redis_status_tells_whether_data_survives_a_restart(start_redis: Callable[..., subprocess.Popen],
+                                                            options: tuple[str, ...], persistent: bool | None,
+                                                            detail: str):
+    port = _free_port()
+    start_redis(port, *options)
+    with _redis_store(f"redis://127.0.0.1:{port}/0") as store:
+        status = store.status()
+    assert (status.backend, status.reachable, status.persistent) == ("redis", True, persistent)
+    assert status.detail.startswith(detail)
+
+
+# -- stores written by earlier versions ------------------------------------------------------------------------------
+
+# The schema of version 1 (one key per tenant, in tenants.key_hash), as that version created it.
+_SQLITE_SCHEMA_1 = """
+CREATE TABLE adapters (name TEXT PRIMARY KEY, path TEXT NOT NULL, version INTEGER NOT NULL, pinned INTEGER NOT NULL,
+    created_at REAL NOT NULL);
+CREATE TABLE tenants (name TEXT PRIMARY KEY, adapters TEXT NOT NULL, default_adapter TEXT, requests_per_minute INTEGER,
+    tokens_per_minute INTEGER, key_hash TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE rate_windows (tenant TEXT NOT NULL, kind TEXT NOT NULL, window_index INTEGER NOT NULL,
+    used INTEGER NOT NULL, PRIMARY KEY (tenant, kind, window_index));
+CREATE TABLE usage (tenant TEXT NOT NULL, adapter TEXT NOT NULL, requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, PRIMARY KEY (tenant, adapter));
+PRAGMA journal_mode=WAL;
+PRAGMA user_version = 1;
+"""
+
+
+def test_sqlite_file_of_schema_1_is_migrated(tmp_path: Path):
+    acme_key, globex_key = generate_api_key(), generate_api_key()
+    path = tmp_path / SQLITE_FILENAME
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(_SQLITE_SCHEMA_1)
+        conn.execute("INSERT INTO adapters VALUES ('sql', '/adapters/sql', 3, 1, 1000.0)")
+        conn.execute("""INSERT INTO tenants VALUES ('acme', '["sql"]', 'sql', 5, 500, ?, 1000.0)""",
+                     (hash_api_key(acme_key),))
+        conn.execute("INSERT INTO tenants VALUES ('globex', '[]', NULL, NULL, NULL, ?, 1001.0)",
+                     (hash_api_key(globex_key),))
+        conn.execute("INSERT INTO usage VALUES ('acme', 'sql', 1, 2, 3)")
+        conn.execute("INSERT INTO rate_windows VALUES ('acme', 'tokens', 100, 7)")
+        conn.commit()
+    acme = TenantRecord("acme", ("sql",), "sql", RateLimits(5, 500), (hash_api_key(acme_key),), 1000.0)
+    globex = TenantRecord("globex", (), None, RateLimits(), (hash_api_key(globex_key),), 1001.0)
+
+    with open_store(tmp_path) as store:
+        assert store.list_tenants() == [acme, globex]
+        assert store.authenticate("acme", acme_key) == acme and store.tenant_by_key(acme_key) == acme
+        assert store.tenant_by_key(globex_key) == globex
+        assert store.list_adapters() == [AdapterRecord("sql", "/adapters/sql", 3, True, 1000.0)]
+        assert store.usage("acme") == {"sql": Usage(1, 2, 3)}
+        assert store.take("acme", "tokens", 0, 10, now=6000.0).remaining == 3
+        _, new_key = store.issue_key("acme")
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert "key_hash" not in [row[1] for row in conn.execute("PRAGMA table_info(tenants)")]
+        assert sorted(conn.execute("SELECT tenant FROM tenant_keys")) == [("acme",), ("acme",), ("globex",)]
+    with open_store(tmp_path) as store:  # opening the migrated file again changes nothing
+        assert store.tenant_by_key(new_key).key_hashes == (hash_api_key(acme_key), hash_api_key(new_key))
+        assert store.get_tenant("globex") == globex
+
+
+def test_sqlite_file_of_a_newer_schema_is_refused(tmp_path: Path):
+    with closing(sqlite3.connect(tmp_path / SQLITE_FILENAME)) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    with pytest.raises(RuntimeError, match="schema version 99, written by a newer lora-server"):
+        open_store(tmp_path)
+
+
+def test_redis_tenants_of_the_single_key_format_are_read_and_indexed(redis_url: str):
+    import redis
+
+    prefix = f"v1-{uuid.uuid4().hex}:"
+    acme_key, globex_key = generate_api_key(), generate_api_key()
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    for name, key, adapters in (("acme", acme_key, ["sql"]), ("globex", globex_key, [])):
+        client.hset(prefix + "tenants", name, json.dumps({
+            "name": name, "adapters": adapters, "default_adapter": None,
+            "rate_limits": {"requests_per_minute": 5, "tokens_per_minute": None},
+            "key_hash": hash_api_key(key), "created_at": 1000.0}))
+    acme = TenantRecord("acme", ("sql",), None, RateLimits(5), (hash_api_key(acme_key),), 1000.0)
+    try:
+        with open_store("unused", redis_url=redis_url, redis_prefix=prefix) as store:
+            assert client.hgetall(prefix + "keys") == {hash_api_key(acme_key): "acme",
+                                                       hash_api_key(globex_key): "globex"}
+            assert store.get_tenant("acme") == acme and store.authenticate("acme", acme_key) == acme
+            assert store.tenant_by_key(acme_key) == acme and store.tenant_by_key(globex_key).name == "globex"
+            rotated, new_key = store.issue_key("acme")
+            assert store.tenant_by_key(acme_key) == rotated and store.tenant_by_key(new_key) == rotated
+            assert json.loads(client.hget(prefix + "tenants", "acme"))["key_hashes"] == [
+                hash_api_key(acme_key), hash_api_key(new_key)]
+            assert store.delete_tenant("acme")
+            assert client.hgetall(prefix + "keys") == {hash_api_key(globex_key): "globex"}
+    finally:
+        client.delete(*client.keys(prefix + "*"))
+        client.close()
+
+
+# -- an unreachable backend ------------------------------------------------------------------------------------------
+
+_OPERATIONS: dict[str, Callable[[RegistryStore], object]] = {
+    "get_tenant": lambda store: store.get_tenant("acme"),
+    "tenant_by_key": lambda store: store.tenant_by_key(generate_api_key()),
+    "take": lambda store: store.take("acme", "requests", 1, 100),
+    "add_usage": lambda store: store.add_usage("acme", "sql", 1, 1),
+    "list_adapters": lambda store: store.list_adapters(),
+}
+
+
+def test_stopped_redis_raises_unavailable_and_the_store_recovers(start_redis: Callable[..., subprocess.Popen]):
+    port = _free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = start_redis(port, *_NO_PERSISTENCE)
+    store = _redis_store(url)  # the default timeout: 2 s
+    store.create_tenant("acme", [])
+    for operation in _OPERATIONS.values():
+        operation(store)
+    _stop(server)
+    for name, operation in _OPERATIONS.items():
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=rf"redis at 127\.0\.0\.1:{port}\) is unreachable"):
+            operation(store)
+        assert time.monotonic() - started < 3, name
+    status = store.status()
+    assert (status.reachable, status.persistent) == (False, None) and "unreachable" in status.detail
+    with pytest.raises(StoreUnavailableError, match="unreachable"):
+        _redis_store(url)  # opening a store fails at once too
+
+    start_redis(port, *_NO_PERSISTENCE)  # back on the same address (empty: it kept nothing)
+    assert store.status().reachable
+    _, key = store.create_tenant("acme", [])
+    for operation in _OPERATIONS.values():
+        operation(store)
+    assert store.tenant_by_key(key).name == "acme"
+    store.close()
+
+
+def test_hung_redis_times_out_instead_of_hanging(start_redis: Callable[..., subprocess.Popen]):
+    port = _free_port()
+    server = start_redis(port, *_NO_PERSISTENCE)
+    store = _redis_store(f"redis://127.0.0.1:{port}/0", timeout=0.3)
+    store.create_tenant("acme", [])
+    os.kill(server.pid, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing
+    try:
+        for name, operation in _OPERATIONS.items():
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="unreachable"):
+                operation(store)
+            assert time.monotonic() - started < 1.5, name
+        assert not store.status().reachable
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert store.get_tenant("acme") is not None
+    store.close()
+
+
+def test_locked_or_unopenable_sqlite_file_is_unavailable(tmp_path: Path):
+    path = tmp_path / SQLITE_FILENAME
+    store = SQLiteStore(path, timeout=0.1)
+    store.create_tenant("acme", [])
+    with closing(sqlite3.connect(path, isolation_level=None)) as other_process:
+        other_process.execute("BEGIN IMMEDIATE")  # holds the write lock past the store's timeout
+        for write in (lambda: store.take("acme", "requests", 1, 10), lambda: store.add_usage("acme", None, 1, 1),
+                      lambda: store.issue_key("acme")):
+            with pytest.raises(StoreUnavailableError, match="database is locked"):
+                write()
+        assert store.get_tenant("acme") is not None  # WAL: readers do not wait for the writer
+        other_process.execute("ROLLBACK")
+    assert store.take("acme", "requests", 1, 10).allowed and len(store.issue_key("acme")[0].key_hashes) == 2
+    store.close()
+    (tmp_path / "a-directory").mkdir()
+    with pytest.raises(StoreUnavailableError, match="unable to open"):
+        SQLiteStore(tmp_path / "a-directory")

@@ -1,0 +1,87 @@
+"""A real server process for the HTTP tests: ``lora-server serve`` on the embedded model (fp32, small budget),
+reached with the official openai client and httpx, plus hand-made PEFT adapters to register."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+from safetensors.torch import save_file
+
+ADMIN = "test-admin-key"
+BASE = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``lora-server serve`` in its own process, its log in ``data_dir``; started and healthy when built."""
+
+    def __init__(self, data_dir: Path, roots: list[Path], extra: list[str] = (),
+                 module: str = "lora_server.cli") -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", module, "serve", "--port", str(self.port), "--admin-key", ADMIN,
+               "--data-dir", str(data_dir), "--quantization", "none", "--kv-cache-gb", "0.1", "--max-loras", "4",
+               *[a for r in roots for a in ("--adapter-root", str(r))], *extra]
+        self.log = open(data_dir / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(data_dir / f'server-{self.port}.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("server did not start")
+
+    def client(self, tenant: str | None = None, key: str = "none") -> openai.OpenAI:
+        base = f"{self.url}/t/{tenant}/v1" if tenant else f"{self.url}/v1"
+        return openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60, **kw)
+
+    def log_text(self) -> str:
+        return (self.data_dir / f"server-{self.port}.log").read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def write_adapter(path: Path, seed: int, r: int = 4, scale: float = 0.05) -> Path:
+    """A PEFT LoRA directory with random weights on q_proj and v_proj (strong enough to change answers)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(30):
+        for proj, out in (("q_proj", 576), ("v_proj", 192)):
+            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, 576, generator=gen) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=gen) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], bias="none")))
+    return path
