@@ -30,7 +30,8 @@ from admin.store import (
 class AdapterControl(Protocol):
     """What the admin API needs from the serving side."""
 
-    def load_adapter(self, name: str, path: str) -> dict[str, Any]: ...  # raises ApiError(400) with the reason
+    def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]: ...
+    # serves it as its version `version` or later (the "version" of the answer); ApiError(400) with the reason
     def unload_adapter(self, name: str) -> bool: ...  # False when the engine does not serve it
     def adapter_info(self, name: str) -> dict[str, Any] | None: ...
     def pool_figures(self) -> dict[str, Any]: ...
@@ -98,8 +99,9 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
         if not any(resolved.is_relative_to(r) for r in allowed_roots):
             raise ApiError(400, f"adapter path {path} is outside the allowed adapter roots "
                            f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)", param="path")
-        info = control.load_adapter(name, str(resolved))
-        record = store.put_adapter(AdapterRecord(name, str(resolved), 1, pinned, time.time()))
+        old = store.get_adapter(name)
+        info = control.load_adapter(name, str(resolved), pinned, 1 if old is None else old.version + 1)
+        record = store.put_adapter(AdapterRecord(name, str(resolved), info["version"], pinned, time.time()))
         return {**info, "version": record.version, "pinned": record.pinned}
 
     @router.post("/admin/adapters")

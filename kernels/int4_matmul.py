@@ -1,7 +1,7 @@
 """int4 weight-only matmul: y = x @ dequant(W).T with W stored as packed 4-bit codes with fp16 group scales and
 mins, unpacked and dequantized in registers inside the K loop. Torch twin: ``kernels.quant_reference.int4_matmul``.
 
-Format (``lora_server.quant``, the GGUF Q4_1 block layout): packed uint8 [N, K // 2], scales and mins fp16
+Format (``lora_server.model.quant``, the GGUF Q4_1 block layout): packed uint8 [N, K // 2], scales and mins fp16
 [N, K // group]; w[n, k] = scales[n, k // group] * q[n, k] + mins[n, k // group] with q in 0..15, where within each
 group of g values byte j holds q[j] in its low nibble and q[j + g/2] in its high nibble."""
 

@@ -1,8 +1,8 @@
 """int8 weight-only matmul: y = x @ dequant(W).T with W stored as int8 codes and fp16 group scales, dequantized in
 registers inside the K loop. Torch twin: ``kernels.quant_reference.int8_matmul``.
 
-Format (``lora_server.quant``): qweight int8 [N, K], scales fp16 [N, K // group], w[n, k] = scales[n, k // group] *
-qweight[n, k]; per-channel is group == K, GGUF Q8_0 is group 32."""
+Format (``lora_server.model.quant``): qweight int8 [N, K], scales fp16 [N, K // group],
+w[n, k] = scales[n, k // group] * qweight[n, k]; per-channel is group == K, GGUF Q8_0 is group 32."""
 
 from __future__ import annotations
 

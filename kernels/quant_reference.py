@@ -2,7 +2,7 @@
 dequantize the whole weight in fp32, then multiply in fp32. They define what each kernel computes and run on any
 device. Same arguments and results as the kernel wrappers, less the block sizes.
 
-Formats (as ``lora_server.quant`` documents them; rows = output features N, columns = input features K, groups run
+Formats (as ``lora_server.model.quant`` documents them; rows = output features N, columns = input features K, groups run
 along K): int8: qweight int8 [N, K], scales [N, K // group], w = scale * q. int4: packed uint8 [N, K // 2], scales
 and mins [N, K // group], w = scale * q + min, q in 0..15, within each group of g values byte j holding q[j] in its
 low nibble and q[j + g/2] in its high nibble (GGUF Q4_1)."""

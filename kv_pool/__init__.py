@@ -1,6 +1,11 @@
-"""The KV pool: physical KV blocks and who holds them. Callers get block ids and a lock/unlock contract; the
-pool is the only owner of the free list and the reference counts."""
+"""The unified pool: device KV blocks and resident adapters in one budget, a host tier, the tree of adapters and
+their KV prefixes, and the policies that decide what stays on the device. ``UnifiedPool`` is what the engine talks
+to; callers hold ``Admission`` handles and block ids under a lock/unlock contract."""
 
 from kv_pool.block_pool import BlockPool, OutOfBlocksError
+from kv_pool.policies import POLICIES, PolicyParams
+from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, CopyOp, OpKind, PrefixKey, Tier
+from kv_pool.unified_pool import Admission, PoolConfig, PoolStats, UnifiedPool
 
-__all__ = ["BlockPool", "OutOfBlocksError"]
+__all__ = ["BASE_ADAPTER_ID", "POLICIES", "AdapterKey", "Admission", "BlockPool", "CopyOp", "OpKind",
+           "OutOfBlocksError", "PolicyParams", "PoolConfig", "PoolStats", "PrefixKey", "Tier", "UnifiedPool"]

@@ -59,8 +59,9 @@ class PrefixKey:
 class OpKind(Enum):
     KV_SWAP_OUT = "kv_swap_out"  # copy GPU blocks `src` to host blocks `dst`
     KV_SWAP_IN = "kv_swap_in"  # copy host blocks `src` to GPU blocks `dst`
-    ADAPTER_LOAD = "adapter_load"  # write `adapter`'s weights (the registry's host copy) into GPU blocks `dst`
-    ADAPTER_UNLOAD = "adapter_unload"  # `adapter` left GPU blocks `src`; nothing to copy
+    ADAPTER_LOAD = "adapter_load"  # write `adapter`'s weights (the registry's host copy) into device slot `slot`
+    # (its GPU blocks `dst` are what the budget charges for them)
+    ADAPTER_UNLOAD = "adapter_unload"  # `adapter` left slot `slot` and GPU blocks `src`; nothing to copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class CopyOp:
     src: tuple[int, ...] = ()  # [n] block ids on the source tier
     dst: tuple[int, ...] = ()  # [n] block ids on the destination tier
     adapter: AdapterKey | None = None
+    slot: int = -1  # adapter ops: the device slot the LoRA kernels read the adapter's weights from
 
 
 ChildKey = tuple[str, str, tuple[int, ...]]  # (domain, salt, the tokens of the child's first block)
@@ -82,6 +84,8 @@ class AdapterNode:
     num_blocks: int  # weight size in GPU blocks
     tier: Tier = Tier.HOST
     blocks: list[int] = field(default_factory=list)  # GPU blocks holding the weights while tier is GPU
+    slot: int = -1  # the device slot of its weights while tier is GPU (the lowest free one at load)
+    pinned: bool = False  # never evicted from the GPU (it may still be dropped: unloaded or replaced)
     children: dict[ChildKey, KVNode] = field(default_factory=dict)
     lock: int = 0  # locked handles at or below this node
     last_access: float = 0.0
@@ -161,11 +165,11 @@ class PrefixTree:
 
     # ---- adapters -------------------------------------------------------------------------------------------
 
-    def add_adapter(self, key: AdapterKey, num_bytes: int, num_blocks: int) -> AdapterNode:
+    def add_adapter(self, key: AdapterKey, num_bytes: int, num_blocks: int, pinned: bool = False) -> AdapterNode:
         """Make an adapter version known (tier HOST: its weights are only in the registry's host copy)."""
         if key in self._adapters:
             raise ValueError(f"adapter {key} is already in the tree")
-        node = self._adapters[key] = AdapterNode(next(self._ids), key, num_bytes, num_blocks)
+        node = self._adapters[key] = AdapterNode(next(self._ids), key, num_bytes, num_blocks, pinned=pinned)
         return node
 
     def adapter(self, key: AdapterKey) -> AdapterNode | None:
@@ -179,18 +183,19 @@ class PrefixTree:
         """Put the weights on the GPU (num_blocks: pad to a slot size). Raises OutOfBlocksError, changing nothing."""
         assert node.tier is Tier.HOST and not node.dropped, f"cannot load {node.key} from {node.tier}"
         node.blocks = self.gpu.allocate(node.num_blocks if num_blocks is None else num_blocks)
-        node.tier = Tier.GPU
-        self.ops.append(CopyOp(OpKind.ADAPTER_LOAD, dst=tuple(node.blocks), adapter=node.key))
+        used = {a.slot for a in self.adapters() if a.tier is Tier.GPU}
+        node.tier, node.slot = Tier.GPU, next(s for s in itertools.count() if s not in used)
+        self.ops.append(CopyOp(OpKind.ADAPTER_LOAD, dst=tuple(node.blocks), adapter=node.key, slot=node.slot))
         self.counters["adapter_bytes_h2d"] += node.num_bytes
 
     def unload_adapter(self, node: AdapterNode, reason: str = "adapter_unload") -> None:
         """Free the weights' GPU blocks. The tree does not require its KV to leave first; policies that do
         (kv_needs_adapter) only pick adapters without KV on the GPU."""
         assert node.tier is Tier.GPU and node.lock == 0 and node.key != BASE, f"cannot unload {node.key}"
-        self.ops.append(CopyOp(OpKind.ADAPTER_UNLOAD, src=tuple(node.blocks), adapter=node.key))
+        self.ops.append(CopyOp(OpKind.ADAPTER_UNLOAD, src=tuple(node.blocks), adapter=node.key, slot=node.slot))
         self.counters[reason] += len(node.blocks)
         self.gpu.free(node.blocks)
-        node.blocks, node.tier = [], Tier.HOST
+        node.blocks, node.tier, node.slot = [], Tier.HOST, -1
 
     def drop_adapter(self, adapter_id: int, version: int | None = None) -> list[AdapterKey]:
         """Unload or replace: every version of adapter_id (or just `version`) becomes unreachable at once and its
@@ -386,10 +391,11 @@ class PrefixTree:
             yield from self._subtree(adapter)
 
     def evictable(self, node: Node, adapters: bool) -> bool:
-        """An unlocked GPU leaf: nothing below it on the GPU (adapters only when `adapters`)."""
+        """An unlocked GPU leaf: nothing below it on the GPU (adapters only when `adapters`, never pinned ones)."""
         if node.tier is not Tier.GPU or node.lock > 0 or any(c.tier is Tier.GPU for c in node.children.values()):
             return False
-        return isinstance(node, KVNode) or (adapters and node.num_blocks > 0 and not node.dropped)
+        return isinstance(node, KVNode) or (adapters and node.num_blocks > 0 and not node.dropped
+                                            and not node.pinned)
 
     def swap_in_candidates(self) -> Iterator[Node]:
         """Host roots, and the adapters that are not on the GPU."""

@@ -65,6 +65,23 @@ class PoolConfig:
     def adapter_blocks(self, num_bytes: int) -> int:
         return -(-num_bytes // self.block_bytes)
 
+    @classmethod
+    def for_budget(cls, num_gpu_blocks: int, num_host_blocks: int, block_size: int, block_bytes: int, policy: str,
+                   params: PolicyParams, max_loras: int, adapter_slot_bytes: int) -> PoolConfig:
+        """The pool of an engine: its device budget cut into blocks of block_bytes, adapters charged
+        ceil(bytes / block_bytes) blocks while resident, at most ``max_loras`` of them (the device slots the LoRA
+        kernels read; slot policies reserve them up front at ``adapter_slot_bytes`` each), and a free watermark
+        of 1/32 of the budget for the proactive policies. ValueError when the slots would take the whole budget."""
+        slot_blocks = -(-adapter_slot_bytes // block_bytes)
+        if POLICIES[policy].adapter_slots and max_loras * slot_blocks >= num_gpu_blocks:
+            raise ValueError(f"{policy} reserves {max_loras} adapter slots of {slot_blocks} KV blocks each, more "
+                             f"than the {num_gpu_blocks} blocks of the KV budget: raise kv_cache_bytes or lower "
+                             "max_loras / max_lora_rank")
+        return cls(num_gpu_blocks=num_gpu_blocks, num_host_blocks=num_host_blocks, block_size=block_size,
+                   block_bytes=block_bytes, policy=policy, params=params, adapter_slots=max_loras,
+                   adapter_slot_blocks=slot_blocks, free_watermark_blocks=num_gpu_blocks // 32,
+                   max_resident_adapters=max_loras)
+
 
 @dataclass(frozen=True, slots=True)
 class Admission:
@@ -76,6 +93,7 @@ class Admission:
     new_blocks: tuple[int, ...] = ()  # blocks allocated at admission for its first chunk (admit's token_budget)
     num_new_tokens: int = 0  # the first chunk: tokens after the cached prefix the new blocks are for
     adapter_loaded: bool = False  # its adapter was not on the GPU and admission loaded it
+    adapter_slot: int = -1  # its adapter's device slot (-1: the base model); stable while it is held
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +128,30 @@ class UnifiedPool:
         self._admissions = self._adapter_hits = self._prompt_tokens = self._cached_tokens = 0
         self._by_salt: dict[str, list[int]] = {}  # salt -> [prompt tokens, cached tokens]
 
+    # ---- what a request may use ------------------------------------------------------------------------------
+
+    @property
+    def request_blocks(self) -> int:
+        """The most GPU blocks one request can ever hold: the budget, less the slot policies' adapter reserve."""
+        c = self.config
+        return c.num_gpu_blocks - (c.adapter_slots * c.adapter_slot_blocks if self.policy.adapter_slots else 0)
+
+    def blocks_needed(self, num_tokens: int, adapter_bytes: int = 0) -> int:
+        """Blocks a request of num_tokens (prompt + max_tokens) needs at its largest, its adapter's weights included
+        where they share the budget with KV (the unified policies); compare with ``request_blocks``."""
+        adapter = 0 if self.policy.adapter_slots else self.config.adapter_blocks(adapter_bytes)
+        return self.gpu.blocks_for_tokens(num_tokens) + adapter
+
+    def resident_adapters(self) -> dict[AdapterKey, int]:
+        """The adapter versions on the GPU and their device slots."""
+        return {a.key: a.slot for a in self.tree.adapters() if a.tier is Tier.GPU and a.slot >= 0}
+
     # ---- adapters -------------------------------------------------------------------------------------------
 
-    def register_adapter(self, adapter_id: int, version: int, num_bytes: int) -> AdapterKey:
+    def register_adapter(self, adapter_id: int, version: int, num_bytes: int, pinned: bool = False) -> AdapterKey:
         """Make an adapter version known (its weights stay in the registry's host copy until a request needs
-        them). Earlier versions of the same id are dropped with their KV: a new version replaces them."""
+        them, or for a pinned one until the GPU has room: it then stays there). Earlier versions of the same id are
+        dropped with their KV: a new version replaces them."""
         if adapter_id == BASE_ADAPTER_ID or num_bytes < 1:
             raise ValueError("an adapter needs an id other than the base model's and a positive size")
         num_blocks = self.config.adapter_blocks(num_bytes)
@@ -124,8 +161,12 @@ class UnifiedPool:
         if self.tree.adapter(key) is not None:
             raise ValueError(f"adapter {adapter_id} version {version} is already registered")
         self.tree.drop_adapter(adapter_id)
-        self.tree.add_adapter(key, num_bytes, num_blocks)
+        self.tree.add_adapter(key, num_bytes, num_blocks, pinned)
         return key
+
+    def knows(self, adapter: AdapterKey) -> bool:
+        """Whether this adapter version is registered (and not dropped)."""
+        return self.tree.adapter(adapter) is not None
 
     def drop_adapter(self, adapter_id: int, version: int | None = None) -> list[AdapterKey]:
         """Unload an adapter (all versions, or one): it and its KV go at once; running requests keep what they
@@ -147,7 +188,8 @@ class UnifiedPool:
             self.tree.load_adapter(adapter)
             return True
         if self._resident_adapters() >= self.config.adapter_slots:
-            victims = [a for a in self.tree.adapters() if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0]
+            victims = [a for a in self.tree.adapters()
+                       if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.pinned]
             if not victims:
                 return False
             self.tree.unload_adapter(min(victims, key=lambda a: (a.last_access, a.id)))
@@ -158,7 +200,7 @@ class UnifiedPool:
         """Free an adapter place (the max_resident_adapters cap): the unlocked resident adapter of lowest value
         leaves with its GPU KV (to the host where the policy swaps). False when every resident one is locked."""
         victims = [a for a in self.tree.adapters()
-                   if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.dropped]
+                   if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.dropped and not a.pinned]
         if not victims:
             return False
         key = self._key(now)
@@ -216,7 +258,7 @@ class UnifiedPool:
         salt = self._by_salt.setdefault(key.salt, [0, 0])
         salt[0] += len(tokens)
         salt[1] += cached
-        return Admission(handle, tuple(blocks), cached, tuple(new_blocks), num_new, not was_resident)
+        return Admission(handle, tuple(blocks), cached, tuple(new_blocks), num_new, not was_resident, adapter.slot)
 
     def _lock_and_restore(self, handle: Handle, now: float) -> Handle:
         """Lock the GPU part of a matched path, then swap in its host part, top first, while the policy prefers
@@ -295,8 +337,12 @@ class UnifiedPool:
     def tick(self, now: float, batch_size: int = 0) -> None:
         """Once per engine step (at least every ~100 ms): feed the policy its window and, for proactive
         policies, swap out down to the free watermark when below it, otherwise swap in host roots and adapters in
-        descending value while the free blocks stay at or above it."""
+        descending value while the free blocks stay at or above it. Pinned adapters not yet on the GPU are loaded
+        first, whenever there is room for them."""
         self.policy.observe_step(now, batch_size)
+        for adapter in self.tree.adapters():
+            if adapter.pinned and adapter.tier is Tier.HOST and not adapter.dropped:
+                self._make_resident(adapter, now)
         if not self.policy.proactive:
             return
         target = self.config.free_watermark_blocks

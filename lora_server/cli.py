@@ -105,7 +105,7 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
 
 @command("bench-engine", "decode throughput against the memory-bandwidth floor", _bench_engine_args)
 def _bench_engine(args: argparse.Namespace) -> int:
-    from lora_server.bench_engine import bench
+    from lora_server.bench.engine import bench
 
     if args.quick:
         args.model, args.load_format, args.batch, args.adapters = "tiny-llama", "dummy", [1, 4], [0, 2]
@@ -153,7 +153,7 @@ def _bench_pool_args(p: argparse.ArgumentParser) -> None:
 
 @command("bench-pool", "pool policies side by side on a multi-turn Zipf trace (TTFT, hit rates)", _bench_pool_args)
 def _bench_pool(args: argparse.Namespace) -> int:
-    from lora_server.bench_pool import bench
+    from lora_server.bench.pool import bench
 
     if args.quick:
         args.adapters, args.alpha, args.rate, args.sessions, args.turns = [20], [1.0], [0.5], 8, 3
@@ -188,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from adapters import DEMO_DIR
-    from lora_server.serve import serve
+    from lora_server.server.serve import serve
 
     preloaded = [spec.partition("=")[2] for spec in args.adapter or [] if "=" in spec]  # the operator's own choice
     roots = tuple(str(Path(r).expanduser().resolve()) for r in [*args.adapter_root, DEMO_DIR, *preloaded])

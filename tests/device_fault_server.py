@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from lora_server import cli
-from lora_server.model_runner import ModelRunner
+from lora_server.model.runner import ModelRunner
 
 FAULT_MAX_TOKENS = 77
 _prepare = ModelRunner.prepare

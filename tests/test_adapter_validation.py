@@ -114,10 +114,10 @@ def test_refusals_leave_the_engine_serving(engine, roots, case):
     break_it, reason = CASES[case]
     path = _good(roots[0] / case.replace(" ", "_"))
     break_it(path)
-    before = engine.core.adapters.names()
+    before = engine.adapter_names()
     with pytest.raises(AdapterError, match=reason):
         engine.add_adapter("bad", path)
-    assert engine.core.adapters.names() == before
+    assert engine.adapter_names() == before
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
     engine.core.check_integrity()
@@ -145,8 +145,7 @@ def test_valid_adapter_registers_with_and_without_prefix(engine, roots):
 
     _edit_tensors(plain, strip)
     engine.add_adapter("good-plain", plain)
-    a = engine.core.adapters
-    assert {"good", "good-plain"} <= set(a.names())
+    assert {"good", "good-plain"} <= set(engine.adapter_names())
 
 
 NAN, INF = float("nan"), float("inf")

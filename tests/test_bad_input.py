@@ -18,9 +18,9 @@ import pytest
 
 from admin.sqlite_store import SQLiteStore
 from admin.store import AdapterRecord
-from lora_server.metrics import Metrics
-from lora_server.openai_serving import OpenAIServing
-from lora_server.outputs import TokenLogprob
+from lora_server.engine.outputs import TokenLogprob
+from lora_server.server.metrics import Metrics
+from lora_server.server.openai_serving import OpenAIServing
 from tests.servers import ADMIN, BASE, Server, write_adapter
 
 GOOD_CHAT = {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from lora_server.bench_pool import TraceSpec, make_trace
+from lora_server.bench.pool import TraceSpec, make_trace
 from lora_server.cli import main
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_server.detokenizer import IncrementalDetokenizer
-from lora_server.tokenizer import Tokenizer
+from lora_server.engine.detokenizer import IncrementalDetokenizer
+from lora_server.engine.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

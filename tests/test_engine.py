@@ -10,7 +10,7 @@ import pytest
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import ContextLengthExceededError, InvalidRequestError
-from lora_server.quant import resident_bytes
+from lora_server.model.quant import resident_bytes
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 

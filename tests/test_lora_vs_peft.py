@@ -118,13 +118,13 @@ def test_more_adapters_than_slots_and_unload(peft_dirs, peft_model):
     outs = engine.generate([prompt] * 4, params, adapters=names)
     for name, out in zip(names, outs, strict=True):
         assert out.token_ids == _peft_greedy(peft_model, name, prompt, 6)
-    from lora_server.lora import UnknownAdapterError
+    from lora_server.engine.adapter_registry import UnknownAdapterError
 
     engine.remove_adapter(names[0])
     with pytest.raises(UnknownAdapterError) as info:
         engine.generate([prompt], params, adapters=names[0])
     assert info.value.http_status == 404 and info.value.param == "model"
-    assert engine.core.adapters.names() == sorted(names[1:])
+    assert engine.adapter_names() == sorted(names[1:])
 
 
 def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):

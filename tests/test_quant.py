@@ -1,6 +1,6 @@
-"""Weight-only quantization (lora_server.quant) and the GGUF block reader (lora_server.loader.GGUFBlocksWeight,
-unpermute_rope_rows), checked against hand-built tensors and hand-computed values; gguf.quants.dequantize is the
-independent reference for the raw GGUF blocks."""
+"""Weight-only quantization (lora_server.model.quant) and the GGUF block reader
+(lora_server.model.loader.GGUFBlocksWeight, unpermute_rope_rows), checked against hand-built tensors and
+hand-computed values; gguf.quants.dequantize is the independent reference for the raw GGUF blocks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
-from lora_server.loader import GGUFBlocksWeight, unpermute_rope_rows
-from lora_server.quant import (
+from lora_server.model.loader import GGUFBlocksWeight, unpermute_rope_rows
+from lora_server.model.quant import (
     DenseLinear,
     Int4CpuLinear,
     Int4Linear,

@@ -193,8 +193,8 @@ def test_sweep_covers_every_axis_value():
 
 def test_twins_match_the_quantizer_layout():
     """The twins dequantize a weight the project's quantizer packed to within its rounding, so the layout the
-    twins (and kernels) read is the one lora_server.quant writes."""
-    from lora_server.quant import quantize_int4, quantize_int8
+    twins (and kernels) read is the one lora_server.model.quant writes."""
+    from lora_server.model.quant import quantize_int4, quantize_int8
 
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
     for group in (32, None):

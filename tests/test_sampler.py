@@ -1,4 +1,4 @@
-"""lora_server.sampler.Sampler on tiny hand-made logits: greedy, the temperature/top-k/top-p/min-p masks (support
+"""lora_server.model.sampler.Sampler on tiny hand-made logits: greedy, the temperature/top-k/top-p/min-p masks (support
 and empirical frequencies against hand-computed renormalised probabilities), repetition penalty, min_tokens,
 seeded batch independence and logprobs."""
 
@@ -9,8 +9,8 @@ from collections import Counter
 
 import torch
 
-from lora_server.request import Request
-from lora_server.sampler import Sampler
+from lora_server.engine.request import Request
+from lora_server.model.sampler import Sampler
 from lora_server.sampling_params import SamplingParams
 
 V = 5

@@ -1,4 +1,4 @@
-"""lora_server.scheduler.Scheduler driven by hand (schedule(), then update() with chosen tokens; no model):
+"""lora_server.engine.scheduler.Scheduler driven by hand (schedule(), then update() with chosen tokens; no model):
 the token budget split, chunked prefill, max_num_seqs, block amounts, preemption, stop conditions, abort, the queue
 bound, and a seeded randomized run checked after every step."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from kv_pool import BlockPool
 from kv_pool.unified_pool import PoolConfig, UnifiedPool
+from lora_server.engine.request import FinishReason, Request, RequestStatus
+from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.errors import QueueFullError
-from lora_server.request import FinishReason, Request, RequestStatus
 from lora_server.sampling_params import SamplingParams
-from lora_server.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 TOKEN = 7  # an ordinary sampled token

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lora_server.tokenizer import Tokenizer
+from lora_server.engine.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -60,7 +60,7 @@ def dump(tree: PrefixTree, key: AdapterKey) -> dict[tuple[int, ...], tuple[str, 
 
 def test_insert_match_and_split():
     tree = make_tree()
-    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1)]
+    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1, slot=0)]
     blocks, n, top = tree.match_prefix(K1, [1, 2, 3, 4, 5, 6, 7], now=1.0)
     assert (blocks, n, top.node) == ([], 0, tree.adapter(A1))
 
@@ -137,7 +137,7 @@ def test_evict_swap_out_swap_in_and_locks():
     tree.take_ops()
     assert tree.evict(10, adapters=True) == 4  # (7, 8), then (1, 2), then the adapter, now without KV
     assert dump(tree, A1) == {} and tree.adapter(A1).tier is Tier.HOST
-    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_UNLOAD, src=(0, 1), adapter=A1)]
+    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_UNLOAD, src=(0, 1), adapter=A1, slot=0)]
     assert tree.gpu.num_free == 12
     assert tree.counters["kv_drop"] == 4 and tree.counters["kv_swap_out"] == 1 and tree.counters["kv_swap_in"] == 1
 
@@ -281,7 +281,7 @@ def test_tree_cost_pool_by_hand():
     pool.register_adapter(2, 0, 200)
     k2 = PrefixKey("chat", "t1", 2, 0)
     p1, p2 = list(range(9)), list(range(100, 109))
-    assert serve(pool, K1, p1, 1.0) == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1)]  # KV kept: 2, 3
+    assert serve(pool, K1, p1, 1.0) == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1, slot=0)]  # KV: 2, 3
     assert serve(pool, K1, p1, 2.0) == []
     s = pool.stats()
     assert (s.adapter_hit_rate, s.kv_token_hit_rate) == (0.5, 8 / 18)
@@ -289,7 +289,7 @@ def test_tree_cost_pool_by_hand():
 
     adm = pool.admit(k2, p2, 3.0)  # adapter 2 takes 2 of the 4 free blocks
     table = pool.allocate(3, 3.0)  # 2 free: the tail of adapter 1's KV goes to the host
-    assert pool.take_copy_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0)),
+    assert pool.take_copy_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0), slot=1),
                                     CopyOp(OpKind.KV_SWAP_OUT, (3,), (0,))]
     assert table == [4, 5, 3]  # the block freed by the swap-out is reused after its copy-out
     pool.release(adm, p2, table, 3.0)
@@ -481,3 +481,53 @@ def test_random_operations_keep_integrity(policy):
         assert s.kv_token_hit_rate > 0 and s.evicted_blocks["kv_drop"] > 0 and max_invalid > 0
     if policy == "lru-unified":
         assert s.kv_token_hit_rate == 0
+
+
+# ---- device placement and pins ----------------------------------------------------------------------------------
+
+
+def test_pool_places_adapters_in_the_lowest_free_slot():
+    pool = pool_of("tree-cost", num_gpu_blocks=16, max_resident_adapters=2)
+    for i in (1, 2, 3):
+        pool.register_adapter(i, 0, 200)
+    adm1 = pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0)
+    adm2 = pool.admit(PrefixKey("chat", "", 2, 0), [1, 2, 3], 1.0)
+    assert (adm1.adapter_slot, adm2.adapter_slot) == (0, 1)
+    assert pool.resident_adapters() == {AdapterKey(1, 0): 0, AdapterKey(2, 0): 1}
+    pool.release(adm1, [], list(adm1.blocks), 2.0)
+    pool.take_copy_ops()
+    adm3 = pool.admit(PrefixKey("chat", "", 3, 0), [1, 2, 3], 3.0)  # the cap of 2: adapter 1 leaves slot 0
+    assert adm3.adapter_slot == 0
+    ops = [(op.kind, op.adapter, op.slot) for op in pool.take_copy_ops()]
+    assert ops == [(OpKind.ADAPTER_UNLOAD, AdapterKey(1, 0), 0), (OpKind.ADAPTER_LOAD, AdapterKey(3, 0), 0)]
+    base = pool.admit(PrefixKey("chat", "", BASE_ADAPTER_ID, 0), [1, 2, 3], 3.0)
+    assert base.adapter_slot == -1
+    for adm in (adm2, adm3, base):
+        pool.release(adm, [], list(adm.blocks), 4.0)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["tree-cost", "lru-unified", "lru-separate"])
+def test_pinned_adapter_is_loaded_when_there_is_room_and_never_evicted(policy):
+    pool = pool_of(policy, num_gpu_blocks=16, adapter_slots=2, max_resident_adapters=2)
+    pool.register_adapter(1, 0, 200, pinned=True)
+    for i in (2, 3):
+        pool.register_adapter(i, 0, 200)
+    pool.tick(0.0)
+    assert pool.resident_adapters() == {AdapterKey(1, 0): 0}  # loaded before any request asked for it
+    for t, i in enumerate((2, 3, 2, 3), start=1):  # two unpinned adapters take turns in the one place left
+        adm = pool.admit(PrefixKey("chat", "", i, 0), [1, 2, 3], float(t))
+        assert adm is not None and adm.adapter_slot == 1
+        pool.release(adm, [], list(adm.blocks), float(t))
+        pool.check_integrity()
+        assert AdapterKey(1, 0) in pool.resident_adapters()
+    # pressure on KV does not move it either: one request takes every block but the pinned adapter's (2 of 16;
+    # the slot policy keeps 2 slots x 2 blocks), and not one more
+    adm = pool.admit(PrefixKey("chat", "", BASE_ADAPTER_ID, 0), [1], 9.0)
+    most = (16 - 4 if pool.policy.adapter_slots else 16 - 2) - len(adm.blocks)
+    table = list(adm.blocks) + pool.allocate(most, 9.0)
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1, 9.0)
+    assert pool.resident_adapters()[AdapterKey(1, 0)] == 0
+    pool.release(adm, [], table, 9.0)
+    pool.check_integrity()

@@ -30,11 +30,11 @@ from admin.errors import ApiError
 from admin.keys import API_KEY_PREFIX, constant_time_equals
 from admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
 from lora_server.engine import Engine
+from lora_server.engine.adapter_registry import UnknownAdapterError
 from lora_server.errors import LoraServerError
-from lora_server.lora import UnknownAdapterError
-from lora_server.metrics import Metrics
-from lora_server.openai_serving import ClientDisconnected, OpenAIServing, Prepared
-from lora_server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validation_message
+from lora_server.server.metrics import Metrics
+from lora_server.server.openai_serving import ClientDisconnected, OpenAIServing, Prepared
+from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validation_message
 
 log = logging.getLogger("lora_server")
 STORE_RETRY_AFTER_S = 2
@@ -57,9 +57,9 @@ class EngineAdapters:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+    def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]:
         try:
-            handle = self.engine.add_adapter(name, path)
+            handle = self.engine.add_adapter(name, path, pinned, version)
         except AdapterError as exc:
             raise ApiError(400, str(exc), param="path") from exc
         return {"name": name, "adapter_id": handle.adapter_id, **(self.adapter_info(name) or {})}

@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.quant import resident_bytes
 from lora_server.sampling_params import SamplingParams
 
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,8 +58,8 @@ def _sync(device: torch.device) -> None:
 def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: int = 0,
                           targets: tuple[str, ...] = PEFT_TARGETS) -> list[str]:
     """n PEFT adapter directories with random weights on `targets` (PEFT module names) of every layer."""
-    arch = engine.core.arch
-    shapes = engine.core.adapters.shapes.features
+    info = engine.describe()
+    arch, shapes = info.arch, info.adapter_features
     gen = torch.Generator().manual_seed(seed)
     names = []
     for i in range(n):
@@ -85,34 +84,32 @@ def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: i
 
 def run_point(engine: Engine, batch: int, adapter_names: list[str], prompt_len: int, output_len: int,
               bandwidth: float, adapter_bytes: int) -> BenchPoint:
-    core = engine.core
+    info = engine.describe()
     gen = torch.Generator().manual_seed(batch * 1000 + prompt_len)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for i in range(batch):
-        prompt = torch.randint(10, core.arch.vocab_size, (prompt_len,), generator=gen).tolist()
+        prompt = torch.randint(10, info.arch.vocab_size, (prompt_len,), generator=gen).tolist()
         adapter = adapter_names[i % len(adapter_names)] if adapter_names else None
-        core.add(core.make_request(f"bench-{batch}-{i}", prompt, params, adapter))
+        engine.add(engine.make_request(prompt, params, adapter, request_id=f"bench-{batch}-{i}"))
     decode_times: list[float] = []
     contexts: list[float] = []
     prefill_time = 0.0
-    while core.has_work():
-        work_decodes = all(r.num_uncomputed_tokens == 1 for r in core.scheduler.running) and not core.scheduler.waiting
-        context = sum(r.num_tokens for r in core.scheduler.running)
-        _sync(core.runner.device)
+    while engine.has_work():
+        before = engine.snapshot()
+        _sync(info.device)
         start = time.perf_counter()
-        core.step()
-        _sync(core.runner.device)
+        engine.step()
+        _sync(info.device)
         elapsed = time.perf_counter() - start
-        if work_decodes and core.scheduler.running:
+        if before.decoding:
             decode_times.append(elapsed)
-            contexts.append(context)
+            contexts.append(before.context_tokens)
         else:
             prefill_time += elapsed
-    core.check_integrity()
+    engine.check_integrity()
     step = sum(decode_times) / max(1, len(decode_times))
-    kv_per_token = core.runner.kv_bytes_per_block / core.runner.block_size
     mean_context = sum(contexts) / max(1, len(contexts))
-    floor_bytes = resident_bytes(core.runner.model) + adapter_bytes * len(adapter_names) + kv_per_token * mean_context
+    floor_bytes = info.weight_bytes + adapter_bytes * len(adapter_names) + info.kv_bytes_per_token * mean_context
     floor = floor_bytes / (bandwidth * 1e9)
     return BenchPoint(batch, len(adapter_names), prompt_len, round(step * 1e3, 3), round(batch / step, 1),
                       round(floor * 1e3, 3), round(floor / step, 3), round(batch * prompt_len / prefill_time, 1))
@@ -125,7 +122,8 @@ def bench(args) -> dict:
                           max_lora_rank=args.rank, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
                           max_model_len=max(args.prompt_len) + args.output_len)
     engine = Engine(config)
-    device = engine.core.runner.device
+    info = engine.describe()
+    device = info.device
     bandwidth = copy_bandwidth_gbps(device, 256 << 20 if device.type == "cpu" else 2 << 30)
     points = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +131,7 @@ def bench(args) -> dict:
         for name in names:
             engine.add_adapter(name, Path(tmp) / name)
         # an adapter's bytes as held on the device (model dtype; the host copy is fp32)
-        adapter_bytes = engine.core.adapters.nbytes(names[0]) * engine.core.runner.dtype.itemsize // 4 if names else 0
+        adapter_bytes = engine.adapter_info(names[0])["device_bytes"] if names else 0
         for prompt_len in args.prompt_len:
             for batch in args.batch:
                 for n in args.adapters:
@@ -142,8 +140,8 @@ def bench(args) -> dict:
                     points.append(point)
                     print(_row(point), flush=True)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  model=args.model, quantization=args.quantization, dtype=str(engine.core.runner.dtype),
-                  copy_bandwidth_GBps=round(bandwidth, 1), weight_bytes=resident_bytes(engine.core.runner.model),
+                  model=args.model, quantization=args.quantization, dtype=str(info.dtype),
+                  copy_bandwidth_GBps=round(bandwidth, 1), weight_bytes=info.weight_bytes,
                   rank=args.rank, output_len=args.output_len, points=[asdict(p) for p in points])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lora_server.tokenizer import Tokenizer
+from lora_server.engine.tokenizer import Tokenizer
 
 # Prompt tokens decoded ahead of the output, so that the first output token decodes as it does in context.
 _PROMPT_CONTEXT_TOKENS = 5

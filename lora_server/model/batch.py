@@ -1,12 +1,39 @@
-"""The per-step batch description the model runner builds and the model reads."""
+"""What the model runner is handed (scheduled sequences) and the per-step batch description it builds for the
+model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from lora_server.lora import LoraBatch
+from lora_server.model.lora import LoraBatch
+from lora_server.sampling_params import SamplingParams
+
+
+class Sequence(Protocol):
+    """What the runner and the sampler read of a scheduled request (the engine's Request is one); they never
+    change it."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    block_table: list[int]  # its KV blocks, in order
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def lora_slot(self) -> int: ...  # its adapter's device slot, -1 = no adapter
 
 
 @dataclass(slots=True)

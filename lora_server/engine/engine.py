@@ -19,10 +19,15 @@ from typing import Any
 
 import torch
 
-from kv_pool.policies import PolicyParams
-from kv_pool.unified_pool import PoolConfig, UnifiedPool
+from adapters.peft_format import LoraAdapter
+from kv_pool import AdapterKey, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.config import EngineConfig
-from lora_server.detokenizer import IncrementalDetokenizer
+from lora_server.engine.adapter_registry import AdapterHandle, AdapterRegistry, UnknownAdapterError
+from lora_server.engine.detokenizer import IncrementalDetokenizer
+from lora_server.engine.outputs import Completion, RequestOutput, TokenLogprob
+from lora_server.engine.request import FinishReason, Request
+from lora_server.engine.scheduler import Scheduler, SchedulerConfig
+from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
     ContextLengthExceededError,
     EngineDeadError,
@@ -31,15 +36,12 @@ from lora_server.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from lora_server.loader import open_checkpoint
-from lora_server.lora import AdapterHandle, UnknownAdapterError
-from lora_server.model_runner import ModelRunner
-from lora_server.outputs import Completion, RequestOutput, TokenLogprob
-from lora_server.request import FinishReason, Request
-from lora_server.sampler import NON_FINITE, SampleResult
+from lora_server.model.arch import ModelArch
+from lora_server.model.loader import open_checkpoint
+from lora_server.model.quant import resident_bytes
+from lora_server.model.runner import ModelRunner
+from lora_server.model.sampler import NON_FINITE, SampleResult
 from lora_server.sampling_params import SamplingParams
-from lora_server.scheduler import Scheduler, SchedulerConfig
-from lora_server.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Sampled = tuple[int, list[TokenLogprob] | None]  # a sampled token and its logprobs entry, if asked for
@@ -78,14 +80,15 @@ class EngineCore:
         self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path)
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, checkpoint, wanted_len)
-        self.adapters = self.runner.lora
-        self.pool = UnifiedPool(self._pool_config())
-        # one request must fit the blocks left beside the fixed slots' reserve; make_request checks that an adapter
-        # request also fits beside its adapter
-        pc = self.pool.config
-        self._request_blocks = pc.num_gpu_blocks - (pc.adapter_slots * pc.adapter_slot_blocks
-                                                    if self.pool.policy.adapter_slots else 0)
-        self.max_model_len = min(wanted_len, self._request_blocks * config.block_size)
+        roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
+        self.adapters = AdapterRegistry(self.runner.adapter_shapes, config.max_lora_rank, self.runner.dtype, roots,
+                                        max_pinned=config.max_loras - 1)
+        runner = self.runner
+        self.pool = UnifiedPool(PoolConfig.for_budget(
+            runner.num_blocks, runner.num_host_blocks, config.block_size, runner.kv_bytes_per_block,
+            config.pool_policy, PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()), config.max_loras,
+            runner.lora.slot_nbytes))
+        self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
@@ -95,24 +98,6 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
-
-    def _pool_config(self) -> PoolConfig:
-        """The pool's budget in blocks of the KV cache: adapters are charged ceil(bytes / block bytes) blocks of
-        it while resident (their weights sit in the LoRA slot buffers the kernels read, at most max_loras of them).
-        Restore costs: the host-to-device bandwidth measured now; recompute time per token from observed steps."""
-        runner, config = self.runner, self.config
-        block_bytes = runner.kv_bytes_per_block
-        slot_blocks = -(-self.adapters.slot_nbytes // block_bytes)
-        if config.pool_policy == "lru-separate" and config.max_loras * slot_blocks >= runner.num_blocks:
-            raise ValueError(f"lru-separate reserves {config.max_loras} adapter slots of {slot_blocks} KV blocks "
-                             f"each, more than the {runner.num_blocks} blocks of the KV budget: raise "
-                             "kv_cache_bytes or lower max_loras / max_lora_rank")
-        return PoolConfig(
-            num_gpu_blocks=runner.num_blocks, num_host_blocks=runner.num_host_blocks, block_size=config.block_size,
-            block_bytes=block_bytes, policy=config.pool_policy,
-            params=PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()),
-            adapter_slots=config.max_loras, adapter_slot_blocks=slot_blocks,
-            free_watermark_blocks=runner.num_blocks // 32, max_resident_adapters=config.max_loras)
 
     # ---- admission -----------------------------------------------------------------------------------------
 
@@ -144,17 +129,12 @@ class EngineCore:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
                 f"completion). Please reduce the prompt or max_tokens.")
-        if adapter is not None and not self.pool.policy.adapter_slots:
-            try:
-                adapter_bytes = self.adapters.device_nbytes(self.adapters.get(adapter).adapter_id)
-            except KeyError:  # unloaded meanwhile
-                raise UnknownAdapterError(adapter) from None
-            pool = self.pool
-            need = pool.gpu.blocks_for_tokens(len(ids) + params.max_tokens) + pool.config.adapter_blocks(adapter_bytes)
-            if need > self._request_blocks:
+        if adapter is not None:
+            need = self.pool.blocks_needed(len(ids) + params.max_tokens, self.adapters.get(adapter).device_nbytes)
+            if need > self.pool.request_blocks:
                 raise ContextLengthExceededError(
                     f"{len(ids)} prompt tokens and max_tokens {params.max_tokens} with adapter `{adapter}` need "
-                    f"{need} KV blocks (the adapter's weights included); the pool has {self._request_blocks}. "
+                    f"{need} KV blocks (the adapter's weights included); the pool has {self.pool.request_blocks}. "
                     "Please reduce the prompt or max_tokens.")
         handle = None if adapter is None else self.adapters.acquire(adapter)  # last: nothing raises after it
         return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle,
@@ -212,7 +192,7 @@ class EngineCore:
         carrying RequestFailedError; its blocks are freed, the rest of the batch goes on); a device fault, or a
         fault in the scheduler or the pool (shared state), propagates and stops the engine."""
         work = self.scheduler.schedule()
-        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops())
+        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._weights)
         if not work.items:
             return []
         for request, _ in work.items:
@@ -238,6 +218,9 @@ class EngineCore:
                     raise
                 outputs.append(self._fail(request, _describe(exc)))
         return outputs
+
+    def _weights(self, key: AdapterKey) -> LoraAdapter:
+        return self.adapters.weights(key.adapter_id)
 
     def _execute(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
         """Run the batch; returns each sampling request's (token, logprobs) and the requests that failed, with
@@ -365,15 +348,30 @@ def _open_tokenizer(fmt: str, path: Path | None) -> Tokenizer | None:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What an engine serves, as plain values (for benchmarks and the start-up summary)."""
+
+    arch: ModelArch
+    adapter_features: dict[str, tuple[int, int]]  # canonical module (q, k, v, o, gate, up, down) -> (in, out)
+    device: torch.device
+    dtype: torch.dtype
+    weight_bytes: int  # resident base weights, quantized as they are held
+    kv_bytes_per_token: int  # K and V of one token in every layer
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """What the engine thread publishes for other threads: plain values, at most ~0.1 s old while it runs."""
 
     running: int
     waiting: int
+    decoding: bool  # something runs, nothing waits, and every running request computes one token next step
+    context_tokens: int  # tokens (prompt + output so far) of the running requests
     num_preemptions: int
     running_adapters: tuple[str, ...]  # adapter names of running requests (sorted, distinct)
     waiting_adapters: tuple[str, ...]
-    resident_slots: dict[int, int]  # adapter version id -> its device slot
+    resident_slots: dict[int, int]  # adapter version (adapter_id) -> its device slot
     pool: dict[str, Any]  # EngineCore.pool_figures()
 
 
@@ -422,14 +420,24 @@ class Engine:
         def names(requests) -> tuple[str, ...]:
             return tuple(sorted({r.adapter.name for r in requests if r.adapter is not None}))
 
-        return EngineSnapshot(len(scheduler.running), len(scheduler.waiting), scheduler.num_preemptions,
+        running = scheduler.running
+        decoding = bool(running) and not scheduler.waiting and all(r.num_uncomputed_tokens == 1 for r in running)
+        return EngineSnapshot(len(running), len(scheduler.waiting), decoding, sum(r.num_tokens for r in running),
+                              scheduler.num_preemptions,
                               names(scheduler.running), names(scheduler.waiting),
-                              self.core.adapters.resident_slots(), self.core.pool_figures())
+                              {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
+                              self.core.pool_figures())
 
     def _publish(self) -> None:
         now = time.monotonic()
         if now - self._snapshot_time >= 0.1:
             self._snapshot, self._snapshot_time = self._take_snapshot(), now
+
+    def describe(self) -> ModelInfo:
+        runner = self.core.runner
+        return ModelInfo(self.core.arch, dict(runner.adapter_shapes.features), runner.device, runner.dtype,
+                         resident_bytes(runner.model), runner.kv_bytes_per_block // runner.block_size,
+                         self.max_model_len)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -445,10 +453,13 @@ class Engine:
 
     # ---- adapters (any thread) -------------------------------------------------------------------------------
 
-    def add_adapter(self, name: str, path: str | Path) -> AdapterHandle:
-        """Register a PEFT LoRA directory under ``name`` (a new version if the name exists); raises AdapterError
-        with the reason when it cannot be served. Safe while serving: running requests are not stalled."""
-        return self.core.adapters.register(name, path)
+    def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
+                    version: int | None = None) -> AdapterHandle:
+        """Register a PEFT LoRA directory under ``name`` (a new version if the name exists; ``version``: at least
+        the one given); raises AdapterError with the reason when it cannot be served. A pinned adapter is loaded
+        onto the device as soon as there is room and never evicted. Safe while serving: running requests are not
+        stalled, and those that hold an older version keep it."""
+        return self.core.adapters.register(name, path, pinned, version)
 
     def remove_adapter(self, name: str) -> None:
         """New requests for ``name`` fail (UnknownAdapterError); in-flight ones finish, then its memory is freed."""
@@ -465,8 +476,9 @@ class Engine:
         except UnknownAdapterError:
             return None
         slot = self.snapshot().resident_slots.get(handle.adapter_id)
-        return {"path": str(path), "state": "resident" if slot is not None else "registered", "slot": slot,
-                "bytes": nbytes}
+        return {"path": str(path), "version": handle.version, "pinned": handle.pinned,
+                "state": "resident" if slot is not None else "registered", "slot": slot, "bytes": nbytes,
+                "device_bytes": handle.device_nbytes}
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt (blocking; see EngineCore.encode)."""
@@ -486,8 +498,7 @@ class Engine:
         """Run all prompts to completion in continuous batches; results in prompt order. ``adapters`` names one
         adapter for all prompts or one per prompt (None: the base model); ``cache_salt`` as in make_request. A
         request whose serving failed comes back with finish_reason "error" and ``error`` set."""
-        if self._thread is not None:
-            raise RuntimeError("generate() cannot run while the async loop is running; use submit()")
+        self._offline()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         alist = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
         requests: list[Request] = []
@@ -501,12 +512,29 @@ class Engine:
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids, "", [], None, None, None)
                    for r in requests}
         pending = list(requests)
-        while pending or self.core.has_work():
+        while pending or self.has_work():
             while pending and len(self.core.scheduler.waiting) < self.config.max_waiting_requests:
-                self.core.add(pending.pop(0))
-            for out in self.core.step():
+                self.add(pending.pop(0))
+            for out in self.step():
                 _accumulate(results[out.request_id], out)
         return [results[r.request_id] for r in requests]
+
+    def add(self, request: Request) -> None:
+        """Queue a made request for ``step`` (offline; QueueFullError when the waiting queue is at its bound)."""
+        self._offline()
+        self.core.add(request)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step, offline: the outputs of the requests that advanced or ended."""
+        self._offline()
+        return self.core.step()
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def _offline(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is running: use submit(), or shutdown() first")
 
     # ---- async ---------------------------------------------------------------------------------------------
 

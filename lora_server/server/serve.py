@@ -18,8 +18,8 @@ from admin.store import open_store
 from lora_server import envs
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.loader import default_model_path
-from lora_server.server import ServerSettings, build_app
+from lora_server.model.loader import default_model_path
+from lora_server.server.app import ServerSettings, build_app
 
 log = logging.getLogger("lora_server")
 DEAD_EXIT_S = 5.0
@@ -49,7 +49,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         engine.add_adapter(name, path or demo_adapters()[name])
     for record in store.list_adapters():  # registered through the admin API earlier, or by another replica
         try:
-            engine.add_adapter(record.name, record.path)
+            engine.add_adapter(record.name, record.path, record.pinned, record.version)
         except AdapterError as exc:
             log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
     admin_key = args.admin_key or envs.admin_key()

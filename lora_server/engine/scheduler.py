@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from kv_pool import OutOfBlocksError
 from kv_pool.tree import BASE_ADAPTER_ID, PrefixKey
 from kv_pool.unified_pool import UnifiedPool
+from lora_server.engine.adapter_registry import AdapterRegistry
+from lora_server.engine.request import FinishReason, Request, RequestStatus
 from lora_server.errors import QueueFullError
-from lora_server.lora import LoraManager
-from lora_server.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -52,13 +52,12 @@ KV_DOMAIN = "text"  # the domain tag of prefix keys: token KV of this model
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: UnifiedPool, adapters: LoraManager | None = None,
+    def __init__(self, config: SchedulerConfig, pool: UnifiedPool, adapters: AdapterRegistry | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.pool = pool
         self.adapters = adapters
         self.clock = clock
-        self._in_pool: set[int] = set()  # adapter versions registered with the pool
         self._last_tick = float("-inf")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -114,27 +113,27 @@ class Scheduler:
         return work
 
     def _sync_adapters(self) -> None:
-        """Drop unloaded or replaced adapter versions from the pool, with their KV."""
+        """Tell the pool of adapter versions registered (pinned ones are loaded as room allows) and retired (they
+        go with their KV) since the last step."""
         if self.adapters is None:
             return
-        for adapter_id in self.adapters.take_retired():
-            if adapter_id in self._in_pool:
-                self._in_pool.discard(adapter_id)
-                self.pool.drop_adapter(adapter_id)
+        changes = self.adapters.take_changes()
+        retired = set(changes.retired)
+        for handle in changes.added:
+            if handle.adapter_id not in retired:
+                self.pool.register_adapter(handle.adapter_id, handle.version, handle.device_nbytes, handle.pinned)
+        for adapter_id in retired:
+            self.pool.drop_adapter(adapter_id)
 
     def prefix_key(self, request: Request) -> PrefixKey:
-        adapter_id = BASE_ADAPTER_ID if request.adapter is None else request.adapter.adapter_id
-        return PrefixKey(KV_DOMAIN, request.cache_salt, adapter_id)
+        if request.adapter is None:
+            return PrefixKey(KV_DOMAIN, request.cache_salt, BASE_ADAPTER_ID)
+        return PrefixKey(KV_DOMAIN, request.cache_salt, request.adapter.adapter_id, request.adapter.version)
 
     def _admit(self, request: Request, budget: int, now: float) -> int | None:
         """Take the request into the pool: its cached prefix counts as computed, and the blocks of its first
         chunk (at most `budget` tokens; the whole rest without chunked prefill) are allocated. Returns the chunk's
         size, or None when the pool cannot take it now (it stays first in line)."""
-        if request.adapter is not None and request.adapter.adapter_id not in self._in_pool:
-            assert self.adapters is not None
-            adapter_id = request.adapter.adapter_id
-            self.pool.register_adapter(adapter_id, 0, self.adapters.device_nbytes(adapter_id))
-            self._in_pool.add(adapter_id)
         admission = self.pool.admit(self.prefix_key(request), request.token_ids, now, token_budget=budget,
                                     partial=self.config.enable_chunked_prefill)
         if admission is None:
@@ -182,7 +181,6 @@ class Scheduler:
         work.items = [(r, n) for r, n in work.items if r is not request]
         self._release(request)
         request.num_computed_tokens = 0
-        request.lora_slot = -1
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -222,7 +220,7 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End a request (stop, length, abort, error) and free its blocks; a no-op if it already ended. The adapter
-        version the request held (taken when it was made, see LoraManager.acquire) is let go here."""
+        version the request held (taken when it was made, see AdapterRegistry.acquire) is let go here."""
         if request.finished:
             return
         if request in self.running:
@@ -230,7 +228,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request, cache=reason is not FinishReason.ERROR)
-        request.lora_slot = -1
         if request.adapter is not None and self.adapters is not None:
             self.adapters.drop(request.adapter)
         request.status = RequestStatus.FINISHED

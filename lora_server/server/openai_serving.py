@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from lora_server.engine import Engine, Prompt
+from lora_server.engine.outputs import RequestOutput, TokenLogprob
+from lora_server.engine.request import Request
 from lora_server.errors import LoraServerError
-from lora_server.metrics import Metrics
-from lora_server.outputs import RequestOutput, TokenLogprob
-from lora_server.protocol import ChatCompletionRequest, CompletionRequest
-from lora_server.request import Request
 from lora_server.sampling_params import SamplingParams
+from lora_server.server.metrics import Metrics
+from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are written as (JSON has no infinities), as vLLM does
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kv_pool.unified_pool import Admission
-from lora_server.lora import AdapterHandle
+from lora_server.engine.adapter_registry import AdapterHandle
 from lora_server.sampling_params import SamplingParams
 
 
@@ -33,7 +33,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     adapter: AdapterHandle | None = None  # None: the base model
     cache_salt: str = ""  # KV is shared only between requests with the same salt (the server's per-tenant salt)
-    lora_slot: int = -1  # the adapter's device slot while running, -1 = none
     admission: Admission | None = None  # its hold on the pool while running
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt + output
@@ -71,6 +70,11 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def lora_slot(self) -> int:
+        """Its adapter's device slot while admitted (the pool's placement), -1 = no adapter."""
+        return -1 if self.admission is None else self.admission.adapter_slot
 
     @property
     def finished(self) -> bool:

@@ -13,11 +13,11 @@ from tqdm import tqdm
 
 from kernels import reference
 from lora_server.errors import ModelLoadError
-from lora_server.forward_batch import ForwardBatch
-from lora_server.loader import Checkpoint
-from lora_server.lora import LoraBatch, LoraLinear
-from lora_server.model_arch import ModelArch
-from lora_server.quant import QuantLinear, cat_linears, swap_for_cpu
+from lora_server.model.arch import ModelArch
+from lora_server.model.batch import ForwardBatch
+from lora_server.model.loader import Checkpoint
+from lora_server.model.lora import LoraBatch, LoraLinear
+from lora_server.model.quant import QuantLinear, cat_linears, swap_for_cpu
 
 
 class RMSNorm(nn.Module):

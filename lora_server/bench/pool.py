@@ -22,12 +22,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lora_server.bench_engine import write_random_adapters
+from lora_server.bench.engine import write_random_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.loader import open_checkpoint
-from lora_server.model_runner import kv_bytes_per_block
-from lora_server.request import Request
+from lora_server.engine.request import Request
+from lora_server.model.loader import open_checkpoint
+from lora_server.model.runner import kv_bytes_per_block
 from lora_server.sampling_params import SamplingParams
 
 POLICIES = ("tree-cost", "lru-separate", "lru-unified")
@@ -97,7 +97,6 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
     config = engine.config
     for name in names:
         engine.add_adapter(name, adapter_dir / name)
-    core = engine.core
     params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
     engine.generate([list(systems[0]) + [11] * 8], SamplingParams(max_tokens=2), adapters=None)  # warm-up
     history = {i: list(systems[s.adapter]) for i, s in enumerate(sessions)}
@@ -110,23 +109,24 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
     t0 = time.monotonic()
     next_sample = 0.0
     idle_steps = 0
-    while arrivals or core.has_work():
+    while arrivals or engine.has_work():
         now = time.monotonic() - t0
         while arrivals and arrivals[0][0] <= now:
             at, i, turn = heapq.heappop(arrivals)
             history[i] += sessions[i].user[turn]
-            request = core.make_request(f"{i}/{turn}", list(history[i]), params, names[sessions[i].adapter])
+            request = engine.make_request(list(history[i]), params, names[sessions[i].adapter],
+                                          request_id=f"{i}/{turn}")
             request.arrival_time = t0 + at
             requests[request.request_id] = request
-            core.add(request)
+            engine.add(request)
         if now >= next_sample:
-            invalid.append(core.pool.stats().invalid_kv_ratio)
+            invalid.append(engine.snapshot().pool["invalid_kv_ratio"])
             next_sample = now + 0.25
-        if not core.has_work():
+        if not engine.has_work():
             time.sleep(max(0.0, min(0.05, arrivals[0][0] - now)))
             continue
-        outs = core.step()
-        idle_steps = 0 if outs or core.scheduler.running else idle_steps + 1
+        outs = engine.step()
+        idle_steps = 0 if outs or engine.snapshot().running else idle_steps + 1
         if idle_steps > 1000:
             raise RuntimeError("the engine admits nothing: the trace does not fit the pool")
         for out in outs:
@@ -141,8 +141,8 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
             if turn + 1 < spec.turns:
                 heapq.heappush(arrivals, (time.monotonic() - t0 + spec.think_s, i, turn + 1))
     duration = time.monotonic() - t0
-    core.check_integrity()
-    stats = core.pool.stats()
+    engine.check_integrity()
+    stats = engine.snapshot().pool
     engine.shutdown()
     ttfts = sorted(r.first_token_time - r.arrival_time for r in done)  # type: ignore[operator]
     n = len(done)
@@ -160,8 +160,8 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
         queueing_mean_s=mean(queueing), adapter_loading_mean_s=mean(adapter), prefill_mean_s=mean(prefill),
         adapter_hit_rate=sum(not r.adapter_loaded for r in done) / max(1, n),
         kv_token_hit_rate=sum(r.num_cached_tokens for r in done) / max(1, sum(r.num_prompt_tokens for r in done)),
-        invalid_kv_ratio=mean(invalid), bytes_to_gpu=stats.bytes_to_gpu, bytes_to_host=stats.bytes_to_host,
-        evicted_blocks=stats.evicted_blocks, duration_s=duration, outputs=outputs)
+        invalid_kv_ratio=mean(invalid), bytes_to_gpu=stats["bytes_to_gpu"], bytes_to_host=stats["bytes_to_host"],
+        evicted_blocks=stats["evicted_blocks"], duration_s=duration, outputs=outputs)
 
 
 def bench(args) -> dict:

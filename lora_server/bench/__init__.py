@@ -1,0 +1,1 @@
+"""Benchmarks run by ``lora-server bench-engine`` and ``lora-server bench-pool``."""

@@ -1,0 +1,1 @@
+"""Model execution: the architecture, loading, quantization, LoRA application, the runner and the sampler."""
