@@ -4,7 +4,7 @@ one Redis prefix, by several server processes.
 It holds adapters registered through the admin API, tenants (API keys stored only hashed, up to two per tenant so
 that a key can be rotated without downtime), fixed one-minute rate-limit windows and usage counters. ``RegistryStore``
 validates its arguments and states the contract; a backend implements the ``_``-prefixed storage hooks atomically.
-``open_store`` picks the backend.
+``admin.open_store`` picks the backend.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 from admin.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
@@ -441,16 +440,3 @@ def _holds(record: TenantRecord, api_key: str) -> bool:
     """Whether ``api_key`` is one of the tenant's keys; every hash is compared, each in constant time."""
     return any([verify_api_key(api_key, h) for h in record.key_hashes])
 
-
-def open_store(data_dir: str | Path, redis_url: str | None = None, *,
-               redis_prefix: str = DEFAULT_REDIS_PREFIX) -> RegistryStore:
-    """The registry store of a server: Redis at ``redis_url`` under ``redis_prefix`` when a URL is given (replicas
-    sharing it share state), else the SQLite file ``data_dir/registry.sqlite3`` (created with its directory)."""
-    # The backends import this module, hence the imports here; the redis package is needed only with a URL.
-    if redis_url:
-        from admin.redis_store import RedisStore
-
-        return RedisStore(redis_url, prefix=redis_prefix)
-    from admin.sqlite_store import SQLiteStore
-
-    return SQLiteStore(Path(data_dir) / SQLITE_FILENAME)

@@ -1,16 +1,23 @@
-"""The ``lora-server`` command: one sub-command per job, each registered with its own arguments."""
+"""``lora-server``: serve many LoRA adapters of one quantized base model behind an OpenAI-compatible API (``serve``),
+or run the engine offline (``generate``) and its benchmarks (``bench-engine``, ``bench-pool``).
+
+Every engine and server flag comes from a field of lora_server.config (its help, unit and default live there)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from collections.abc import Callable
+from typing import Any
 
-from kv_pool.policies import POLICIES
-from lora_server.config import DEVICES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
+from lora_server.config import EngineConfig, ServerConfig
 
-POOL_POLICIES = tuple(POLICIES)
-
+DESCRIPTION = ("Serve many LoRA adapters of one quantized base model behind an OpenAI-compatible API (serve), or run "
+               "the engine offline (generate) and its benchmarks (bench-engine, bench-pool). "
+               "Run 'lora-server COMMAND --help' for a command's options.")
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
 
@@ -21,45 +28,60 @@ def command(name: str, help_text: str, add_args: Callable[[argparse.ArgumentPars
     return register
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF dir, .gguf file, or dummy preset (default: embedded SmolLM2)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
-    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES))
-    p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0,
-                   help="the pool's device budget for KV blocks and resident adapters")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="on CUDA, use this share of the memory left after loading as the budget instead")
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--pool-policy", default="tree-cost", choices=POOL_POLICIES,
-                   help="what the unified pool keeps on the device (default: tree-cost, FastLibra's cost model)")
-    p.add_argument("--host-kv-gb", type=float, default=1.0, help="host tier for KV swapped out of the device")
-    p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
-    p.add_argument("--max-lora-rank", type=int, default=16)
+def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> None:
+    """A flag for every field of ``cls`` with flag metadata (lora_server.config.flag): its type, choices, unit and
+    help from the field; its default the field's, or ``defaults[field]`` (in the flag's unit) for this command."""
+    group = p.add_argument_group("engine" if cls is EngineConfig else "server")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        name = meta["flag"] or "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        value = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+        if kind is bool:
+            if meta["negate"]:
+                group.add_argument(meta["negate"], dest=f.name, action="store_false", help=f"{meta['help']}: off")
+            else:
+                group.add_argument(name, dest=f.name, action="store_true", help=meta["help"])
+            continue
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        if typing.get_origin(base) is tuple:  # list-valued: commas and repetition
+            group.add_argument(name, dest=f.name, action="append", default=None, metavar="VALUE[,VALUE...]",
+                               help=meta["help"])
+            continue
+        unit = meta["unit"]
+        shown = value if value is None or unit == 1 or isinstance(value, float) else value / unit
+        unit_text = f" {meta['unit_name']}" if meta["unit_name"] else ""
+        help_text = meta["help"] if "default:" in meta["help"] else \
+            f"{meta['help']} (default: {'none' if shown is None else shown}{unit_text})"
+        group.add_argument(name, dest=f.name, type=float if unit != 1 else base, default=shown,
+                           choices=meta["choices"] or None, help=help_text,
+                           metavar=meta["unit_name"] or (None if meta["choices"] else _METAVARS.get(base, "TEXT")))
 
 
-def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    values = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
-                  device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                  enable_chunked_prefill=not args.no_chunked_prefill, pool_policy=args.pool_policy,
-                  host_kv_bytes=int(args.host_kv_gb * 2**30), max_loras=args.max_loras,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  max_lora_rank=args.max_lora_rank)
-    values.update(overrides)
-    return EngineConfig(**values)
+def config_from_flags(cls: type, args: argparse.Namespace, **values: Any) -> Any:
+    """``cls`` built from the flags ``add_config_flags`` added (units converted, lists split on commas), plus
+    ``values``."""
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or f.name in values or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if isinstance(value, list):
+            value = tuple(v for item in value for v in item.split(",") if v)
+        elif f.metadata["unit"] != 1 and value is not None:
+            value = int(value * f.metadata["unit"])
+        values[f.name] = value
+    return cls(**values)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=256)
+    add_config_flags(p, EngineConfig)
+    p.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1, off)")
+    p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: none)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--adapter", default=None,
                    help="a demo adapter's NAME, or NAME=PATH of any PEFT LoRA directory (default: the base model)")
@@ -71,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
     from lora_server.engine import Engine
     from lora_server.sampling_params import SamplingParams
 
-    engine = Engine(engine_config(args))
+    engine = Engine(config_from_flags(EngineConfig, args))
     adapter = _register_adapter(engine, args.adapter) if args.adapter else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompt = args.prompt if args.raw else engine.chat_prompt([{"role": "user", "content": args.prompt}])
@@ -85,21 +107,17 @@ def _ints(text: str) -> list[int]:
 
 
 def _bench_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="dummy preset or config.json (default llama-3-8b), or with --load-format auto a model path "
-                        "(default: the embedded SmolLM2)")
-    p.add_argument("--load-format", default="dummy", choices=LOAD_FORMATS)
-    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
-    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES))
-    p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--batch", type=_ints, default=[1, 16, 64, 128])
-    p.add_argument("--adapters", type=_ints, default=[0, 1, 16, 64], help="distinct adapters in the batch")
-    p.add_argument("--prompt-len", type=_ints, default=[128, 1024])
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-cache-gb", type=float, default=16.0)
-    p.add_argument("--json", default=None, help="write the figures to this path")
+    add_config_flags(p, EngineConfig, load_format="dummy", quantization="none", max_num_batched_tokens=8192,
+                     kv_cache_bytes=16)
+    p.add_argument("--batch", type=_ints, default=[1, 16, 64, 128],
+                   help="batch sizes; takes commas (default: 1,16,64,128)")
+    p.add_argument("--adapters", type=_ints, default=[0, 1, 16, 64],
+                   help="distinct adapters in the batch; takes commas (default: 0,1,16,64)")
+    p.add_argument("--prompt-len", type=_ints, default=[128, 1024],
+                   help="prompt lengths; takes commas (default: 128,1024)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
+    p.add_argument("--rank", type=int, default=16, help="the benchmark adapters' rank (default: 16)")
+    p.add_argument("--json", default=None, help="write the figures to this path (default: none)")
     p.add_argument("--quick", action="store_true", help="tiny shapes that run on the CPU in seconds")
 
 
@@ -109,10 +127,10 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.model, args.load_format, args.batch, args.adapters = "tiny-llama", "dummy", [1, 4], [0, 2]
-        args.prompt_len, args.output_len, args.kv_cache_gb, args.rank = [16], 8, 0.05, 8
+        args.prompt_len, args.output_len, args.kv_cache_bytes, args.rank = [16], 8, 0.05, 8
     elif args.load_format == "dummy" and args.model is None:
         args.model = "llama-3-8b"
-    bench(args)
+    bench(args, config_from_flags(EngineConfig, args))
     return 0
 
 
@@ -121,33 +139,31 @@ def _floats(text: str) -> list[float]:
 
 
 def _bench_pool_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model path, or a dummy preset with --load-format dummy "
-                   "(default: the embedded SmolLM2)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                   help="none (default): fp32 on the CPU, so every policy must give the same tokens (the CPU int4 "
-                        "kernel rounds activations to bf16, which makes greedy tokens depend on the batch)")
-    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES))
-    p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--policies", type=lambda t: t.split(","), default=["tree-cost", "lru-separate", "lru-unified"])
-    p.add_argument("--adapters", type=_ints, default=[20, 100], help="adapters in the trace (N)")
-    p.add_argument("--alpha", type=_floats, default=[0.5, 1.0, 1.5], help="Zipf exponents of adapter popularity")
-    p.add_argument("--rate", type=_floats, default=[0.3, 0.6], help="session arrivals per second (Poisson)")
-    p.add_argument("--sessions", type=int, default=24)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=32)
-    p.add_argument("--user-tokens", type=int, default=48)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--think-s", type=float, default=2.0)
-    p.add_argument("--kv-blocks", type=int, default=112, help="the device budget in KV blocks (adapters included)")
-    p.add_argument("--host-blocks", type=int, default=640, help="host-tier KV blocks")
-    p.add_argument("--max-loras", type=int, default=4)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the figures to this path")
-    p.add_argument("--plot", default="bench-pool.png", help="PNG of TTFT and hit rates ('' for none)")
+    add_config_flags(p, EngineConfig, quantization="none", max_loras=4, max_num_seqs=16, max_num_batched_tokens=256,
+                     num_kv_blocks=112)
+    p.add_argument("--kv-blocks", dest="num_kv_blocks", type=int,
+                   help="the device budget in KV blocks, adapters included (the same as --num-kv-blocks)")
+    p.add_argument("--policies", type=lambda t: t.split(","), default=["tree-cost", "lru-separate", "lru-unified"],
+                   help="pool policies to compare; takes commas (default: all three)")
+    p.add_argument("--adapters", type=_ints, default=[20, 100],
+                   help="adapters in the trace (N); takes commas (default: 20,100)")
+    p.add_argument("--alpha", type=_floats, default=[0.5, 1.0, 1.5],
+                   help="Zipf exponents of adapter popularity; takes commas (default: 0.5,1.0,1.5)")
+    p.add_argument("--rate", type=_floats, default=[0.3, 0.6],
+                   help="session arrivals per second (Poisson); takes commas (default: 0.3,0.6)")
+    p.add_argument("--sessions", type=int, default=24, help="sessions per setting (default: 24)")
+    p.add_argument("--turns", type=int, default=3, help="turns per session (default: 3)")
+    p.add_argument("--system-tokens", type=int, default=32, help="each adapter's system prompt (default: 32)")
+    p.add_argument("--user-tokens", type=int, default=48, help="new tokens per turn (default: 48)")
+    p.add_argument("--output-tokens", type=int, default=16, help="answer tokens per turn (default: 16)")
+    p.add_argument("--think-s", type=float, default=2.0, help="seconds between a turn's answer and the next turn "
+                   "(default: 2)")
+    p.add_argument("--host-blocks", type=int, default=640, help="host-tier KV blocks (default: 640)")
+    p.add_argument("--rank", type=int, default=8, help="the trace adapters' rank (default: 8)")
+    p.add_argument("--trace-seed", type=int, default=0, help="the trace's random seed (default: 0)")
+    p.add_argument("--json", default=None, help="write the figures to this path (default: none)")
+    p.add_argument("--plot", default="bench-pool.png", help="PNG of TTFT and hit rates, '' for none "
+                   "(default: bench-pool.png)")
     p.add_argument("--quick", action="store_true", help="one small setting: under two minutes on the CPU")
 
 
@@ -157,42 +173,34 @@ def _bench_pool(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.adapters, args.alpha, args.rate, args.sessions, args.turns = [20], [1.0], [0.5], 8, 3
-    bench(args)
+    bench(args, config_from_flags(EngineConfig, args, show_progress=False))
     return 0
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the base model's id (default: from the model file)")
-    p.add_argument("--adapter", action="append", default=None,
-                   help="NAME=PATH (or a demo NAME) to load at start; may repeat (default: every demo adapter)")
-    p.add_argument("--adapter-root", action="append", default=[],
-                   help="a directory the admin API may load adapters from; may repeat (the demo adapters' always)")
-    p.add_argument("--admin-key", default=None, help="admin API key (default: $LORA_SERVER_ADMIN_KEY, else random)")
-    p.add_argument("--api-key", default=None,
-                   help="a key that grants the global /v1 endpoints (tenants' keys act as their tenant there too)")
-    p.add_argument("--allow-anonymous", action="store_true",
-                   help="keep /v1 open to callers without a key once tenants exist (without this flag and without "
-                        "--api-key, /v1 is open only while no tenant exists)")
-    p.add_argument("--max-request-mb", type=float, default=4.0,
-                   help="request bodies above this size get 413 (default: 4)")
-    p.add_argument("--data-dir", default=None, help="registry directory (default: $LORA_SERVER_DATA_DIR)")
-    p.add_argument("--redis-url", default=None, help="keep the registry in Redis (several replicas share it)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain in-flight requests")
+    add_config_flags(p, EngineConfig)
+    add_config_flags(p, ServerConfig)
 
 
-@command("serve", "the OpenAI-compatible HTTP server", _serve_args)
+@command("serve", "the OpenAI-compatible HTTP server (the main job)", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
+    from lora_server.server.serve import serve
+
+    return serve(server_config(args))
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from its flags. Adapter roots: the ones given, the shipped demo adapters', and
+    the directories of adapters given with --adapter NAME=PATH (the operator's own choice)."""
     from pathlib import Path
 
     from adapters import DEMO_DIR
-    from lora_server.server.serve import serve
 
-    preloaded = [spec.partition("=")[2] for spec in args.adapter or [] if "=" in spec]  # the operator's own choice
-    roots = tuple(str(Path(r).expanduser().resolve()) for r in [*args.adapter_root, DEMO_DIR, *preloaded])
-    return serve(args, engine_config(args, adapter_roots=roots))
+    server = config_from_flags(ServerConfig, args, engine=EngineConfig())
+    preloaded = [spec.partition("=")[2] for spec in server.adapters or () if "=" in spec]
+    given = config_from_flags(EngineConfig, args).adapter_roots or ()
+    roots = tuple(dict.fromkeys(str(Path(r).expanduser().resolve()) for r in [*given, DEMO_DIR, *preloaded]))
+    return dataclasses.replace(server, engine=config_from_flags(EngineConfig, args, adapter_roots=roots))
 
 
 def _register_adapter(engine, spec: str) -> str:
@@ -211,12 +219,16 @@ def _register_adapter(engine, spec: str) -> str:
     return name
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lora-server", description=__doc__)
+def main_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-server", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text))
-    args = parser.parse_args(argv)
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = main_parser().parse_args(argv)
     from adapters.peft_format import AdapterError
     from lora_server.errors import LoraServerError
 

@@ -1,8 +1,12 @@
-"""The one configuration object of an engine, validated once and passed down."""
+"""The configuration objects: ``EngineConfig`` (what an engine needs to be built) and ``ServerConfig`` (what
+``lora-server serve`` needs beside it). Each is validated once in ``__post_init__`` and passed down. Every field
+that has a command-line flag carries its help text, unit and choices in ``metadata`` (see ``flag``): the CLI
+builds its flags and defaults from here, so no default is written twice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,39 +16,64 @@ LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def flag(help: str, *, name: str | None = None, unit: int = 1, unit_name: str = "", choices: tuple[str, ...] = (),
+         negate: str | None = None) -> dict[str, Any]:
+    """A field's command-line flag: ``--field-name`` unless ``name``; the value given is in ``unit`` (e.g. GiB for
+    a bytes field); ``negate``: a boolean whose default is True gets this flag to turn it off."""
+    return {"help": help, "flag": name, "unit": unit, "unit_name": unit_name, "choices": choices, "negate": negate}
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs to be built.
 
-    model: an HF directory (config.json + safetensors), a .gguf file, or with load_format="dummy" a preset name
-    or a directory/file holding config.json; None means the embedded SmolLM2-135M-Instruct GGUF.
     quantization "auto" keeps a GGUF's own blocks (Q4_1 -> int4, Q8_0 -> int8) and leaves HF weights unquantized.
     """
 
-    model: str | None = None
-    load_format: str = "auto"
-    quantization: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0  # for dummy weights
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30  # the device budget of the pool: KV blocks and the adapters it keeps resident
-    gpu_memory_utilization: float | None = None  # on CUDA: the budget is this share of the memory left free after
-    # the weights and adapter slots load (replaces kv_cache_bytes); leave room for activations
-    host_kv_bytes: int = 1 << 30  # the host tier for KV swapped out of the device (pinned on CUDA); 0: none
-    pool_policy: str = "tree-cost"  # tree-cost | lru-separate | lru-unified (kv_pool.policies)
-    max_model_len: int | None = None  # None: the model's own context length
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    max_waiting_requests: int = 1024
-    max_loras: int = 8  # device slots for adapters used by running requests
-    max_lora_rank: int = 16
-    adapter_roots: tuple[str, ...] | None = None  # directories adapters may be loaded from; None = anywhere
-    show_progress: bool = True
+    model: str | None = field(default=None, metadata=flag(
+        "the base model: an HF directory (config.json + safetensors) or a .gguf file; with --load-format dummy a "
+        "preset (llama-3-8b, tiny-llama) or a config.json; default: the embedded SmolLM2-135M-Instruct"))
+    load_format: str = field(default="auto", metadata=flag("how to read --model", choices=LOAD_FORMATS))
+    quantization: str = field(default="auto", metadata=flag(
+        "how the base weights are held: auto keeps a GGUF's blocks (Q4_1 -> int4, Q8_0 -> int8) and HF weights "
+        "as they are", choices=QUANTIZATIONS))
+    dtype: str = field(default="auto", metadata=flag(
+        "activations and unquantized weights: auto is float32 on the CPU, bfloat16 on CUDA", choices=tuple(DTYPES)))
+    device: str = field(default="auto", metadata=flag("auto: CUDA when torch sees a GPU", choices=DEVICES))
+    seed: int = field(default=0, metadata=flag("the seed of dummy weights", name="--dummy-seed"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV block"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag(
+        "KV blocks of the device budget (default: as many as --kv-cache-gb holds)"))
+    kv_cache_bytes: int = field(default=GIB, metadata=flag(
+        "the pool's device budget for KV blocks and resident adapters", name="--kv-cache-gb", unit=GIB,
+        unit_name="GiB"))
+    gpu_memory_utilization: float | None = field(default=None, metadata=flag(
+        "on CUDA: the budget is this share of the memory left once the weights and adapter slots are loaded "
+        "(instead of --kv-cache-gb); leave room for activations"))
+    host_kv_bytes: int = field(default=GIB, metadata=flag(
+        "the host tier for KV swapped out of the device (pinned memory on CUDA); 0: none", name="--host-kv-gb",
+        unit=GIB, unit_name="GiB"))
+    pool_policy: str = field(default="tree-cost", metadata=flag(
+        "what the pool keeps on the device: tree-cost (FastLibra's cost model), lru-separate (vLLM-like), "
+        "lru-unified (S-LoRA-like)", choices=tuple(POLICIES)))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "the longest sequence, prompt and output (default: the model's context, capped by the pool)"))
+    max_num_seqs: int = field(default=64, metadata=flag("the most requests running at once"))
+    max_num_batched_tokens: int = field(default=512, metadata=flag("the token budget of one engine step"))
+    enable_chunked_prefill: bool = field(default=True, metadata=flag(
+        "split long prompts across steps", negate="--no-chunked-prefill"))
+    max_waiting_requests: int = field(default=1024, metadata=flag(
+        "requests that may wait beyond the running ones; more get 429"))
+    max_loras: int = field(default=8, metadata=flag(
+        "device slots for adapters: the most distinct adapters resident (and in one batch) at once"))
+    max_lora_rank: int = field(default=16, metadata=flag("the largest adapter rank accepted"))
+    adapter_roots: tuple[str, ...] | None = field(default=None, metadata=flag(
+        "directories adapters may be loaded from (the shipped demo adapters' is always one); takes commas, may "
+        "repeat", name="--adapter-root"))  # None: anywhere (offline use)
+    show_progress: bool = True  # a progress bar while loading weights
 
     def __post_init__(self) -> None:
         _choice("load_format", self.load_format, LOAD_FORMATS)
@@ -80,6 +109,42 @@ class EngineConfig:
         if chosen is not None:
             return chosen
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """What ``lora-server serve`` needs beside its engine. Keys and directories left None come from the
+    environment (lora_server.envs) at start."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = field(default="127.0.0.1", metadata=flag("the address to listen on"))
+    port: int = field(default=8000, metadata=flag("the port to listen on"))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "the base model's id in the API (default: the model file's name)"))
+    adapters: tuple[str, ...] | None = field(default=None, metadata=flag(
+        "adapters to load at start, NAME=PATH or a shipped demo NAME; takes commas, may repeat (default: the "
+        "shipped demo adapters)", name="--adapter"))
+    admin_key: str | None = field(default=None, metadata=flag(
+        "the admin API's key (default: $LORA_SERVER_ADMIN_KEY, else a random one printed at start)"))
+    api_key: str | None = field(default=None, metadata=flag(
+        "a key that grants the global /v1 endpoints (a tenant's key acts as its tenant there too)"))
+    allow_anonymous: bool = field(default=False, metadata=flag(
+        "keep /v1 open to callers without a key once tenants exist (without it and without --api-key, /v1 is "
+        "open only while no tenant exists)"))
+    max_request_bytes: int = field(default=4 * MIB, metadata=flag(
+        "request bodies above this size get 413", name="--max-request-mb", unit=MIB, unit_name="MiB"))
+    data_dir: str | None = field(default=None, metadata=flag(
+        "where the embedded registry (SQLite) lives (default: $LORA_SERVER_DATA_DIR, else ./lora-server-data)"))
+    redis_url: str | None = field(default=None, metadata=flag(
+        "keep the registry in Redis instead, so that several replicas share it (redis://HOST:PORT/DB)"))
+    shutdown_timeout: float = field(default=30.0, metadata=flag(
+        "seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"))
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
+            raise ValueError("max_request_bytes must be >= 1 and shutdown_timeout >= 0")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -25,3 +25,42 @@ def test_defaults_and_good_values():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             EngineConfig(device="cuda")
+
+
+def _parse(*argv: str):
+    from lora_server.cli import main_parser
+
+    return main_parser().parse_args(["serve", *argv])
+
+
+def test_flags_without_values_give_the_configs_own_defaults():
+    """The CLI writes no default of its own: every flag left out leaves the dataclass default."""
+    from lora_server.cli import config_from_flags
+    from lora_server.config import ServerConfig
+
+    args = _parse()
+    assert config_from_flags(EngineConfig, args) == EngineConfig()
+    assert config_from_flags(ServerConfig, args, engine=EngineConfig()) == ServerConfig()
+
+
+def test_flags_convert_units_and_lists():
+    from pathlib import Path
+
+    from adapters import DEMO_DIR
+    from lora_server.cli import server_config
+
+    config = server_config(_parse("--kv-cache-gb", "0.5", "--max-request-mb", "2", "--adapter-root", "/a,/b",
+                                  "--adapter-root", "/c", "--adapter", "x=/d/x,upper", "--no-chunked-prefill",
+                                  "--allow-anonymous", "--port", "9001"))
+    assert config.engine.kv_cache_bytes == 2**29 and config.max_request_bytes == 2 * 2**20
+    assert config.engine.adapter_roots == ("/a", "/b", "/c", str(DEMO_DIR.resolve()), str(Path("/d/x")))
+    assert config.adapters == ("x=/d/x", "upper") and config.port == 9001
+    assert config.engine.enable_chunked_prefill is False and config.allow_anonymous is True
+
+
+@pytest.mark.parametrize("argv", [["--port", "0"], ["--max-loras", "0"], ["--pool-policy", "fifo"]])
+def test_bad_flags_are_refused(argv):
+    from lora_server.cli import server_config
+
+    with pytest.raises((ValueError, SystemExit)):
+        server_config(_parse(*argv))

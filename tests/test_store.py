@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
+from admin.open_store import open_store
 from admin.sqlite_store import SQLiteStore
 from admin.store import (
     SQLITE_FILENAME,
@@ -38,7 +39,6 @@ from admin.store import (
     UnknownTenantError,
     Usage,
     key_id,
-    open_store,
 )
 
 # -- fixtures --------------------------------------------------------------------------------------------------------

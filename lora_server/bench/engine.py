@@ -7,6 +7,7 @@ bandwidth measured in the same run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -115,12 +116,10 @@ def run_point(engine: Engine, batch: int, adapter_names: list[str], prompt_len: 
                       round(floor * 1e3, 3), round(floor / step, 3), round(batch * prompt_len / prefill_time, 1))
 
 
-def bench(args) -> dict:
-    config = EngineConfig(model=args.model, load_format=args.load_format, quantization=args.quantization,
-                          dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch),
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_loras=max(1, max(args.adapters)),
-                          max_lora_rank=args.rank, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                          max_model_len=max(args.prompt_len) + args.output_len)
+def bench(args, base: EngineConfig) -> dict:
+    """Every (prompt length, batch, distinct adapters) point on an engine built from ``base``, sized for them."""
+    config = dataclasses.replace(base, max_num_seqs=max(args.batch), max_loras=max(1, max(args.adapters)),
+                                 max_lora_rank=args.rank, max_model_len=max(args.prompt_len) + args.output_len)
     engine = Engine(config)
     info = engine.describe()
     device = info.device
@@ -131,7 +130,8 @@ def bench(args) -> dict:
         for name in names:
             engine.add_adapter(name, Path(tmp) / name)
         # an adapter's bytes as held on the device (model dtype; the host copy is fp32)
-        adapter_bytes = engine.adapter_info(names[0])["device_bytes"] if names else 0
+        first = engine.adapter_info(names[0]) if names else None
+        adapter_bytes = first["device_bytes"] if first else 0
         for prompt_len in args.prompt_len:
             for batch in args.batch:
                 for n in args.adapters:
@@ -140,7 +140,7 @@ def bench(args) -> dict:
                     points.append(point)
                     print(_row(point), flush=True)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  model=args.model, quantization=args.quantization, dtype=str(info.dtype),
+                  model=config.model, quantization=config.quantization, dtype=str(info.dtype),
                   copy_bandwidth_GBps=round(bandwidth, 1), weight_bytes=info.weight_bytes,
                   rank=args.rank, output_len=args.output_len, points=[asdict(p) for p in points])
     if args.json:

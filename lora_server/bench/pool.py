@@ -14,6 +14,7 @@ bytes moved each way and evictions by kind."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import random
@@ -164,15 +165,11 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
         evicted_blocks=stats["evicted_blocks"], duration_s=duration, outputs=outputs)
 
 
-def bench(args) -> dict:
-    """Every (adapters, alpha, rate) setting, each policy on the same trace; prints a table, writes --json and
-    --plot."""
+def bench(args, base: EngineConfig) -> dict:
+    """Every (adapters, alpha, rate) setting, each policy on the same trace, on engines built from ``base`` (its
+    num_kv_blocks the device budget); prints a table, writes --json and --plot."""
     settings = [(n, a, r) for n in args.adapters for a in args.alpha for r in args.rate]
-    base = dict(model=args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype,
-                device=args.device, max_loras=args.max_loras, max_lora_rank=args.rank,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                show_progress=False)
-    probe = EngineConfig(**base)
+    probe = dataclasses.replace(base, max_lora_rank=args.rank)
     arch = open_checkpoint(probe).arch  # reads the file's metadata; weights load lazily
     block_bytes, device = kv_bytes_per_block(arch, probe.block_size, probe.torch_dtype), str(probe.torch_device)
     results = []
@@ -180,12 +177,12 @@ def bench(args) -> dict:
         names: list[str] = []
         for n, alpha, rate in settings:
             spec = TraceSpec(n, alpha, rate, args.sessions, args.turns, args.system_tokens, args.user_tokens,
-                             args.output_tokens, args.think_s, args.seed)
+                             args.output_tokens, args.think_s, args.trace_seed)
             systems, sessions = make_trace(spec, arch.vocab_size)
             row = {"adapters": n, "alpha": alpha, "rate": rate, "policies": {}}
             for policy in args.policies:
-                engine = Engine(EngineConfig(**base, pool_policy=policy, num_kv_blocks=args.kv_blocks,
-                                             host_kv_bytes=args.host_blocks * block_bytes))
+                engine = Engine(dataclasses.replace(probe, pool_policy=policy,
+                                                    host_kv_bytes=args.host_blocks * block_bytes))
                 if not names:
                     names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
                 res = run_policy(engine, Path(tmp), names[:n], spec, systems, sessions)
@@ -199,8 +196,9 @@ def bench(args) -> dict:
                 print(f"  tree-cost mean TTFT / lru-separate: {row['ttft_ratio_tree_cost_vs_lru_separate']:.3f}; "
                       f"same tokens under every policy: {row['same_tokens']}", flush=True)
             results.append(row)
-    report = {"device": device, "model": args.model or "SmolLM2-135M-Instruct (embedded)", "kv_blocks": args.kv_blocks,
-              "host_blocks": args.host_blocks, "block_bytes": block_bytes, "max_loras": args.max_loras,
+    report = {"device": device, "model": base.model or "SmolLM2-135M-Instruct (embedded)",
+              "kv_blocks": base.num_kv_blocks,
+              "host_blocks": args.host_blocks, "block_bytes": block_bytes, "max_loras": base.max_loras,
               "rank": args.rank, "targets": list(TARGETS), "sessions": args.sessions, "turns": args.turns,
               "settings": [{**row, "policies": {p: {k: v for k, v in asdict(r).items() if k != "outputs"}
                                                 for p, r in row["policies"].items()}} for row in results]}

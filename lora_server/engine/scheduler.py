@@ -78,12 +78,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledWork:
+    def tick(self) -> float:
+        """Adapter changes into the pool, and the pool's policy at most every pool_tick_s (also while idle: pinned
+        adapters load, host KV comes back). Returns the clock's time."""
         now = self.clock()
         self._sync_adapters()
         if now - self._last_tick >= self.config.pool_tick_s:
             self.pool.tick(now, len(self.running))
             self._last_tick = now
+        return now
+
+    def schedule(self) -> ScheduledWork:
+        now = self.tick()
         work = ScheduledWork()
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]

@@ -8,6 +8,7 @@ o, gate, up, down, q_bias, k_bias, v_bias. Weights are [out_features, in_feature
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -148,8 +149,12 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
         for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
             canonical = _canonical_hf_name(name)
             if canonical is not None:
-                weights[canonical] = FloatWeight(lambda h=handle, n=name: h.get_tensor(n))
+                weights[canonical] = FloatWeight(functools.partial(handle.get_tensor, name))
     return Checkpoint(arch, weights, "hf", path)
+
+
+def _tensor_copy(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(array))
 
 
 # ---- GGUF -------------------------------------------------------------------------------------------------
@@ -176,7 +181,7 @@ def gguf_arch(reader) -> ModelArch:
     hidden = f("embedding_length")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
-    scaling = ()
+    scaling: tuple[tuple[str, object], ...] = ()
     if f("rope.scaling.type") == "linear":
         scaling = (("factor", f("rope.scaling.factor")), ("rope_type", "linear"))
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
@@ -234,7 +239,7 @@ def _gguf_checkpoint(path: Path) -> Checkpoint:
             array = np.asarray(data, dtype=np.float32)
             if heads:
                 array = unpermute_rope_rows(array, heads)
-            source = FloatWeight(lambda a=array: torch.from_numpy(np.array(a)))
+            source = FloatWeight(functools.partial(_tensor_copy, array))
         weights[canonical] = source
     return Checkpoint(arch, weights, "gguf", path)
 

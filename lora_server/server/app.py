@@ -3,7 +3,7 @@ and /metrics, on FastAPI. Built around one Engine and one registry store; ``buil
 
 Who a request acts as: on ``/t/{tenant}/v1`` the tenant whose key it presents; on ``/v1`` a tenant's key also acts
 as that tenant (its allow-list, limits, usage and cache salt), ``--api-key`` grants the whole server, and anonymous
-callers are let in only while the operator allows it (``ServerSettings.anonymous_open``).
+callers are let in only while the operator allows it (``TenantPresence``).
 
 Nothing here blocks the event loop: bodies are parsed, prompts templated and tokenized, and the store is called in
 worker threads; engine state is read from the snapshot the engine thread publishes."""
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from admin.api import admin_router
 from admin.errors import ApiError
 from admin.keys import API_KEY_PREFIX, constant_time_equals
 from admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
+from lora_server.config import ServerConfig
 from lora_server.engine import Engine
 from lora_server.engine.adapter_registry import UnknownAdapterError
 from lora_server.errors import LoraServerError
@@ -39,16 +40,6 @@ from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger("lora_server")
 STORE_RETRY_AFTER_S = 2
 TENANTS_CHECK_S = 1.0  # how long "are there tenants?" is trusted for anonymous /v1 access (other replicas)
-
-
-@dataclass
-class ServerSettings:
-    model_id: str
-    admin_key: str
-    adapter_roots: list[Path] = field(default_factory=list)
-    api_key: str | None = None  # grants the global /v1 endpoints (tenant keys act as their tenant there too)
-    allow_anonymous: bool = False  # /v1 without a key even when tenants exist (see ``anonymous_open``)
-    max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
 
 
 class EngineAdapters:
@@ -151,9 +142,13 @@ class RefuseWhileDraining:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="lora-server")
-    metrics = Metrics(settings.model_id)
+def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, model_id: str,
+              admin_key: str) -> FastAPI:
+    """The app of one engine and one registry store; ``model_id`` is the base model's id in the API, ``admin_key``
+    the admin API's key."""
+    app = FastAPI(title="lora-server", description="Many LoRA adapters of one base model behind an OpenAI-compatible "
+                  "API, with an admin API for adapters and tenants.")
+    metrics = Metrics(model_id)
     serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
     tenants = TenantPresence(store)
@@ -231,19 +226,19 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
     def models(allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
         served = engine.adapter_names()
         names = served if allowed is None else [a for a in allowed if a in served]
-        base = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "lora-server",
-                "root": settings.model_id, "parent": None, "max_model_len": engine.max_model_len}
+        base = {"id": model_id, "object": "model", "created": 0, "owned_by": "lora-server",
+                "root": model_id, "parent": None, "max_model_len": engine.max_model_len}
         data = [base]
         for name in names:
             info = engine.adapter_info(name) if show_paths else None
             data.append({"id": name, "object": "model", "created": 0, "owned_by": "lora-server",
-                         "root": info["path"] if info else name, "parent": settings.model_id})
+                         "root": info["path"] if info else name, "parent": model_id})
         return {"object": "list", "data": data}
 
     # ---- who is asking ------------------------------------------------------------------------------------
 
     def is_admin(request: Request) -> bool:
-        return constant_time_equals(_bearer(request), settings.admin_key)
+        return constant_time_equals(_bearer(request), admin_key)
 
     async def caller(request: Request) -> TenantRecord | None:
         """Who a /v1 request acts as: the tenant whose key it presents, else None (the --api-key, or anonymous
@@ -273,7 +268,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
         """The adapter a request's ``model`` names (None: the base model); 404 unknown, 403 not allowed."""
         if tenant is not None and not model:
             model = tenant.default_adapter
-        if not model or model == settings.model_id:
+        if not model or model == model_id:
             return None
         if tenant is not None and model not in tenant.adapters:
             raise ApiError(403, f"model {model!r} is not available to tenant {tenant.name!r}", "permission_error",
@@ -299,7 +294,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
             serving.discard(prepared.requests)
             raise
         try:
-            result = await serving.run(prepared, req.model or adapter or settings.model_id, meter,
+            result = await serving.run(prepared, req.model or adapter or model_id, meter,
                                        _disconnected(request))
         except ClientDisconnected:
             return Response(status_code=499)
@@ -334,8 +329,8 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerSettings) ->
     async def tenant_completions(tenant: str, request: Request) -> Response:
         return await complete("completion", request, await tenant_of(tenant, request))
 
-    app.include_router(admin_router(store, control, settings.admin_key, settings.adapter_roots,
-                                    settings.model_id, tenants.changed))
+    roots = [Path(r) for r in engine.config.adapter_roots or ()]
+    app.include_router(admin_router(store, control, admin_key, roots, model_id, tenants.changed))
     _add_body_schemas(app, (ChatCompletionRequest, CompletionRequest))
     return app
 

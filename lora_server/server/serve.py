@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
@@ -14,12 +13,12 @@ from pathlib import Path
 
 from adapters import demo_adapters
 from adapters.peft_format import AdapterError
-from admin.store import open_store
+from admin.open_store import open_store
 from lora_server import envs
-from lora_server.config import EngineConfig
+from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
 from lora_server.model.loader import default_model_path
-from lora_server.server.app import ServerSettings, build_app
+from lora_server.server.app import build_app
 
 log = logging.getLogger("lora_server")
 DEAD_EXIT_S = 5.0
@@ -31,36 +30,36 @@ def model_id(config: EngineConfig) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", path.stem if path.suffix == ".gguf" else path.name)
 
 
-def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+def serve(config: ServerConfig) -> int:
     """Run the server until it is stopped (0) or its engine dies of a fault it cannot recover from (1, within
     a few seconds, so that a supervisor restarts the process)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = Engine(config)
-    store = open_store(args.data_dir or envs.data_dir(), args.redis_url)
+    engine = Engine(config.engine)
+    store = open_store(config.data_dir or envs.data_dir(), config.redis_url)
     status = store.status()
     if status.persistent is False:
         log.warning("the registry's Redis keeps nothing on disk (no AOF, no RDB): every tenant and adapter is lost "
                     "when it restarts; enable appendonly or save")
-    preload = args.adapter if args.adapter is not None else list(demo_adapters())
-    for spec in preload:
+    demos = demo_adapters()
+    for spec in config.adapters if config.adapters is not None else list(demos):
         name, _, path = spec.partition("=")
-        engine.add_adapter(name, path or demo_adapters()[name])
+        if not path and name not in demos:
+            raise AdapterError(f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); "
+                               "use NAME=PATH")
+        engine.add_adapter(name, path or demos[name])
     for record in store.list_adapters():  # registered through the admin API earlier, or by another replica
         try:
             engine.add_adapter(record.name, record.path, record.pinned, record.version)
         except AdapterError as exc:
             log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
-    admin_key = args.admin_key or envs.admin_key()
+    admin_key = config.admin_key or envs.admin_key()
     if admin_key is None:
         admin_key = secrets.token_urlsafe(24)
         print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
-    roots = [Path(r) for r in config.adapter_roots or ()]
-    settings = ServerSettings(args.served_model_name or model_id(config), admin_key, roots, args.api_key,
-                              args.allow_anonymous, int(args.max_request_mb * 2**20))
-    app = build_app(engine, store, settings)
-    server = _draining_server(uvicorn, app, engine, args.host, args.port, args.shutdown_timeout)
+    app = build_app(engine, store, config, config.served_model_name or model_id(config.engine), admin_key)
+    server = _draining_server(uvicorn, app, engine, config.host, config.port, config.shutdown_timeout)
     engine.start()
     threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
     try:

@@ -1,0 +1,344 @@
+"""The engine's single-threaded core: admission and validation, then the step loop (schedule -> copy -> run ->
+update -> detokenize). One request's failure is that request's alone; device faults and broken shared state
+propagate. Only the engine thread (or the offline caller) touches it."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapters.peft_format import LoraAdapter
+from kv_pool import AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from lora_server.config import EngineConfig
+from lora_server.engine.adapter_registry import AdapterRegistry
+from lora_server.engine.detokenizer import IncrementalDetokenizer
+from lora_server.engine.outputs import RequestOutput, TokenLogprob
+from lora_server.engine.request import FinishReason, Request
+from lora_server.engine.scheduler import Scheduler, SchedulerConfig
+from lora_server.engine.tokenizer import Tokenizer
+from lora_server.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    RequestFailedError,
+)
+from lora_server.model.loader import open_checkpoint
+from lora_server.model.runner import ModelRunner
+from lora_server.model.sampler import NON_FINITE, SampleResult
+from lora_server.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Sampled = tuple[int, list[TokenLogprob] | None]  # a sampled token and its logprobs entry, if asked for
+_DEVICE_FAULTS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "CUDNN_STATUS", "illegal memory access",
+                  "unspecified launch failure")
+log = logging.getLogger("lora_server")
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether an exception means the device (or the host's memory) can no longer be trusted: the engine stops
+    instead of failing one request."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if isinstance(exc, MemoryError) and not isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _DEVICE_FAULTS)
+
+
+def _describe(exc: BaseException) -> str:
+    """Why a request failed, for its error message; the log gets the innermost frame too."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    if frame:
+        log.error("serving a request raised %s at %s:%d", type(exc).__name__, frame[0].filename, frame[0].lineno)
+    return f"{type(exc).__name__}: {exc}"
+
+
+class EngineCore:
+    """Single-threaded core: owns the scheduler, the runner and each request's detokenizer."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        checkpoint = open_checkpoint(config)
+        self.arch = checkpoint.arch
+        self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path)
+        wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
+        self.runner = ModelRunner(config, checkpoint, wanted_len)
+        roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
+        self.adapters = AdapterRegistry(self.runner.adapter_shapes, config.max_lora_rank, self.runner.dtype, roots,
+                                        max_pinned=config.max_loras - 1)
+        runner = self.runner
+        self.pool = UnifiedPool(PoolConfig.for_budget(
+            runner.num_blocks, runner.num_host_blocks, config.block_size, runner.kv_bytes_per_block,
+            config.pool_policy, PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()), config.max_loras,
+            runner.lora.slot_nbytes))
+        self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
+                                                   config.enable_chunked_prefill, config.max_waiting_requests),
+                                   self.pool, self.adapters)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.ttft = TtftSplit()
+
+    # ---- admission -----------------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     adapter: str | None = None, cache_salt: str = "") -> Request:
+        """Validate and tokenize (safe from any thread); raises InvalidRequestError (ContextLengthExceededError,
+        UnknownAdapterError) and changes nothing. ``adapter`` names a registered adapter; None is the base model.
+        Requests share cached KV only when their adapter version and ``cache_salt`` are equal.
+
+        The returned request holds its adapter's current version: pass it to the scheduler (which lets go when it
+        ends) or to ``discard``."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            ids = self.encode(prompt, param="prompt")
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})", param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        self._check_vocab_bounds(params)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the prompt or max_tokens.")
+        if adapter is not None:
+            need = self.pool.blocks_needed(len(ids) + params.max_tokens, self.adapters.get(adapter).device_nbytes)
+            if need > self.pool.request_blocks:
+                raise ContextLengthExceededError(
+                    f"{len(ids)} prompt tokens and max_tokens {params.max_tokens} with adapter `{adapter}` need "
+                    f"{need} KV blocks (the adapter's weights included); the pool has {self.pool.request_blocks}. "
+                    "Please reduce the prompt or max_tokens.")
+        handle = None if adapter is None else self.adapters.acquire(adapter)  # last: nothing raises after it
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle,
+                       cache_salt=cache_salt)
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt's text; a text too long for the context by its length alone (at least
+        len / max_token_chars tokens) is refused without tokenizing it."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send token ids", param=param)
+        if len(text) > self.max_model_len * self.tokenizer.max_token_chars:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt's "
+                f"{len(text)} characters need more.", param=param)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def _check_vocab_bounds(self, params: SamplingParams) -> None:
+        """Sampling fields that name tokens or count them must stay inside the vocabulary."""
+        vocab = self.arch.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k must be at most the vocabulary size ({vocab})", param="top_k")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be inside the vocabulary", param="stop_token_ids")
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+
+    def discard(self, request: Request) -> None:
+        """Let go of a request that was made but never added (its adapter hold)."""
+        if request.adapter is not None:
+            self.adapters.drop(request.adapter)
+
+    def add(self, request: Request) -> None:
+        """Queue a made request (QueueFullError, or ValueError for a duplicate id: then nothing changed)."""
+        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params.stop, request.params.skip_special_tokens,
+            request.params.include_stop_str_in_output)
+        self.scheduler.add(request)
+        if detokenizer is not None:
+            self._detokenizers[request.request_id] = detokenizer
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self._detokenizers.pop(request_id, None)
+        return _output(request, "", [], None)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+
+    def idle(self) -> None:
+        """What an idle engine still does: let the pool act on adapter changes and its policy, and execute the
+        copies it decides (pinned adapters loading, host KV coming back)."""
+        self.scheduler.tick()
+        self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._weights)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. An exception raised while serving one request fails that request alone (an output
+        carrying RequestFailedError; its blocks are freed, the rest of the batch goes on); a device fault, or a
+        fault in the scheduler or the pool (shared state), propagates and stops the engine."""
+        work = self.scheduler.schedule()
+        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._weights)
+        if not work.items:
+            return []
+        for request, _ in work.items:
+            if request.adapter_loaded and request.first_token_time is None:
+                request.adapter_load_s += adapter_s
+        start = time.perf_counter()
+        sampled, failed = self._execute(work.items)
+        num_tokens = work.num_tokens
+        if num_tokens >= 16 and not failed:  # prefill-sized steps: what recomputing a token costs, for the policy
+            self.pool.observe_recompute(num_tokens, time.perf_counter() - start)
+        outputs = [self._fail(request, reason) for request, reason in failed.items()]
+        work.items = [(r, n) for r, n in work.items if r not in failed]
+        advanced = self.scheduler.update(work, {rid: token for rid, (token, _) in sampled.items()})
+        for request in advanced:
+            try:
+                if request.num_output_tokens == 1:
+                    self.ttft.add(request)
+                token = request.token_ids[-1]
+                text = self._detokenize(request, token)
+                outputs.append(_output(request, text, [token], sampled[request.request_id][1]))
+            except Exception as exc:  # noqa: BLE001 (this request's detokenizing or stop handling: it alone fails)
+                if is_device_fault(exc):
+                    raise
+                outputs.append(self._fail(request, _describe(exc)))
+        return outputs
+
+    def _weights(self, key: AdapterKey) -> LoraAdapter:
+        return self.adapters.weights(key.adapter_id)
+
+    def _execute(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
+        """Run the batch; returns each sampling request's (token, logprobs) and the requests that failed, with
+        why. When the batched run raises, each request runs alone to find the one(s) at fault: re-running a chunk
+        rewrites the same KV slots with the same values, and nothing else of the step has changed yet."""
+        try:
+            return self._run(items)
+        except Exception as exc:  # noqa: BLE001 (sorted out below: device faults propagate)
+            if is_device_fault(exc):
+                raise
+            if len(items) == 1:
+                return {}, {items[0][0]: _describe(exc)}
+        sampled: dict[str, Sampled] = {}
+        failed: dict[Request, str] = {}
+        for item in items:
+            try:
+                one, bad = self._run([item])
+            except Exception as exc:  # noqa: BLE001
+                if is_device_fault(exc):
+                    raise
+                failed[item[0]] = _describe(exc)
+                continue
+            sampled.update(one)
+            failed.update(bad)
+        return sampled, failed
+
+    def _run(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
+        sampling, result = self.runner.execute(items)
+        if result is None:
+            return {}, {}
+        logprobs = _logprobs_by_request(sampling, result)
+        sampled, failed = {}, {}
+        for request, token in zip(sampling, result.token_ids, strict=True):
+            if token == NON_FINITE:
+                failed[request] = "the model produced non-finite logits (NaN or Inf) for this request"
+            else:
+                sampled[request.request_id] = (token, logprobs.get(request.request_id))
+        return sampled, failed
+
+    def _fail(self, request: Request, reason: str) -> RequestOutput:
+        """End a request whose serving raised; its KV is not cached and its blocks are freed."""
+        log.error("request %s failed: %s", request.request_id, reason)
+        self.scheduler.finish(request, FinishReason.ERROR)
+        self._detokenizers.pop(request.request_id, None)
+        out = _output(request, "", [], None)
+        out.error = RequestFailedError(f"request {request.request_id} failed: {reason}")
+        return out
+
+    def _detokenize(self, request: Request, token: int) -> str:
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None:
+            return ""
+        text, stop = detok.add_tokens([token])
+        if stop is not None:
+            self.scheduler.finish(request, FinishReason.STOP, stop)
+        elif request.finished:
+            text += detok.flush()
+        if request.finished:
+            del self._detokenizers[request.request_id]
+        return text
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def pool_figures(self) -> dict[str, Any]:
+        """The pool's figures and the TTFT split, as plain data (engine thread)."""
+        stats = self.pool.stats()
+        figures: dict[str, Any] = {name: getattr(stats, name) for name in stats.__slots__}
+        figures["kv_tokens_by_salt"] = {salt: {"prompt_tokens": p, "cached_tokens": c}
+                                        for salt, (p, c) in stats.kv_tokens_by_salt.items()}
+        return {"policy": self.pool.config.policy, "block_size": self.config.block_size,
+                "gpu_blocks": self.pool.config.num_gpu_blocks, "host_blocks": self.pool.config.num_host_blocks,
+                "block_bytes": self.pool.config.block_bytes, "request_blocks": len(self.pool.held_blocks()),
+                **figures, "ttft": self.ttft.figures()}
+
+
+@dataclass(slots=True)
+class TtftSplit:
+    """Time to first token split into queueing (arrival to first admission), adapter loading (copy operations
+    of steps that loaded its adapter) and prefill (the rest); sums over requests that got a first token."""
+
+    count: int = 0
+    queueing_s: float = 0.0
+    adapter_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def add(self, request: Request) -> None:
+        assert request.first_token_time is not None and request.scheduled_time is not None
+        queueing = request.scheduled_time - request.arrival_time
+        self.count += 1
+        self.queueing_s += queueing
+        self.adapter_s += request.adapter_load_s
+        self.prefill_s += request.first_token_time - request.scheduled_time - request.adapter_load_s
+
+    def figures(self) -> dict[str, float]:
+        n = max(1, self.count)
+        return {"requests": self.count, "mean_s": (self.queueing_s + self.adapter_s + self.prefill_s) / n,
+                "queueing_mean_s": self.queueing_s / n, "adapter_loading_mean_s": self.adapter_s / n,
+                "prefill_mean_s": self.prefill_s / n}
+
+
+def _output(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id, text=text, token_ids=token_ids, logprobs=logprobs,
+        finished=request.finished,
+        finish_reason=None if request.finish_reason is None else request.finish_reason.value,
+        stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
+
+
+def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:
+    if result is None or result.logprobs is None or result.top_logprobs is None:
+        return {}
+    return {r.request_id: [TokenLogprob(tok, lp, top)]
+            for r, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
+            if r.params.logprobs is not None}
+
+
+def _open_tokenizer(fmt: str, path: Path | None) -> Tokenizer | None:
+    if fmt == "gguf" and path is not None:
+        return Tokenizer.from_gguf(path)
+    if fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
+        return Tokenizer.from_hf_dir(path)
+    return None
+
+

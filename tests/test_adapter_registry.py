@@ -1,0 +1,66 @@
+"""The registry and the pool each own their facts: versions count a name's registrations, a request keeps the
+version it resolved while the name is replaced or unloaded, a pinned adapter goes to the device before anyone asks
+for it and stays there while others churn through the remaining slot, and pins beyond the slots are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.peft_format import AdapterError
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.engine.adapter_registry import UnknownAdapterError
+from lora_server.sampling_params import SamplingParams
+from tests.servers import write_adapter
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_loras=2, show_progress=False))
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("registry")
+    return {name: write_adapter(root / name, seed=i) for i, name in enumerate(("pin", "a", "b", "x1", "x2"))}
+
+
+def _resident(engine: Engine) -> set[str]:
+    return {n for n in engine.adapter_names() if engine.adapter_info(n)["state"] == "resident"}
+
+
+def test_pinned_adapter_loads_first_and_stays_while_others_churn(engine, paths):
+    engine.add_adapter("pin", paths["pin"], pinned=True)
+    engine.add_adapter("a", paths["a"])
+    engine.add_adapter("b", paths["b"])
+    with pytest.raises(AdapterError, match="at most 1 adapters can be pinned"):  # 2 slots: one stays free
+        engine.add_adapter("a", paths["a"], pinned=True)
+    prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
+    engine.generate([prompt], GREEDY)  # a base-model request: the pool loads the pinned adapter meanwhile
+    assert _resident(engine) == {"pin"}
+    for name in ("a", "b", "a", "b"):  # one slot left: a and b take turns in it
+        engine.generate([prompt], GREEDY, adapters=name)
+        assert _resident(engine) == {"pin", name}
+    assert engine.adapter_info("pin")["pinned"] is True and engine.adapter_info("pin")["slot"] == 0
+    engine.check_integrity()
+
+
+def test_versions_count_registrations_and_a_request_keeps_its_version(engine, paths):
+    first = engine.add_adapter("x", paths["x1"])
+    prompt = engine.chat_prompt([{"role": "user", "content": "Tell me a fun fact."}])
+    v1_alone = engine.generate([prompt], GREEDY, adapters="x")[0].token_ids
+    held = engine.make_request(prompt, GREEDY, adapter="x")  # resolves version 1 now
+    second = engine.add_adapter("x", paths["x2"])
+    assert (first.version, second.version) == (1, 2) and engine.adapter_info("x")["version"] == 2
+    assert engine.add_adapter("x", paths["x2"], version=7).version == 7  # the registry store's, when reloading
+    engine.remove_adapter("x")
+    with pytest.raises(UnknownAdapterError):
+        engine.make_request(prompt, GREEDY, adapter="x")
+    engine.add(held)  # made before the replacement and the unload: still served by version 1
+    tokens = []
+    while engine.has_work():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+    assert tokens == v1_alone
+    engine.check_integrity()
