@@ -400,7 +400,8 @@ def test_adapter_whose_files_vanished_can_be_deleted(server, roots):
 
 def test_infinite_logprobs_are_written_as_finite_numbers():
     """JSON has no infinities: -inf and NaN logprobs become -9999.0 (vLLM's choice), so the body is strict JSON."""
-    serving = OpenAIServing(SimpleNamespace(tokenizer=None), Metrics(BASE))
+    engine = SimpleNamespace(tokenizer=None)
+    serving = OpenAIServing(engine, Metrics(BASE, engine))
     entries = [TokenLogprob(5, float("-inf"), [(5, float("-inf")), (6, float("nan"))]), TokenLogprob(7, -0.5, [])]
     for kind in ("chat", "completion"):
         text = json.dumps(serving._logprobs(kind, entries), allow_nan=False)

@@ -78,10 +78,6 @@ class EngineAdapters:
         self.engine.check_integrity()
 
 
-POOL_GAUGES = ("adapter_hit_rate", "kv_token_hit_rate", "invalid_kv_ratio", "bytes_to_gpu", "bytes_to_host",
-               "gpu_free", "gpu_cached", "gpu_in_use", "host_free", "host_cached")
-
-
 class BodyLimit:
     """ASGI middleware: a request body above ``max_bytes`` is answered 413 in OpenAI's shape before it is read
     whole (Content-Length is checked first; a chunked body is counted as it arrives). The body read is handed on
@@ -148,7 +144,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     the admin API's key."""
     app = FastAPI(title="lora-server", description="Many LoRA adapters of one base model behind an OpenAI-compatible "
                   "API, with an admin API for adapters and tenants.")
-    metrics = Metrics(model_id)
+    metrics = Metrics(model_id, engine)
     serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
     tenants = TenantPresence(store)
@@ -203,25 +199,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        snap = engine.snapshot()
-        pool = snap.pool
-        salts = pool["kv_tokens_by_salt"].values()
-        gauges = {"vllm:num_requests_running": snap.running,
-                  "vllm:num_requests_waiting": snap.waiting,
-                  "vllm:kv_cache_usage_perc": pool["request_blocks"] / pool["gpu_blocks"],
-                  "vllm:num_preemptions_total": snap.num_preemptions,
-                  "lora_server:adapters_resident": pool["resident_adapters"],
-                  "lora_server:adapters_registered": len(engine.adapter_names()),
-                  **{f"lora_server:pool_{name}": pool[name] for name in POOL_GAUGES},
-                  **{f"lora_server:pool_evicted_blocks_{kind}": n for kind, n in pool["evicted_blocks"].items()},
-                  **{f"lora_server:ttft_{part}_mean_seconds": pool["ttft"][f"{part}_mean_s"]
-                     for part in ("queueing", "adapter_loading", "prefill")}}
-        metrics.set_counter("vllm:prefix_cache_queries_total", sum(s["prompt_tokens"] for s in salts))
-        metrics.set_counter("vllm:prefix_cache_hits_total", sum(s["cached_tokens"] for s in salts))
-        info = {"running_lora_adapters": ",".join(snap.running_adapters),
-                "waiting_lora_adapters": ",".join(snap.waiting_adapters),
-                "max_lora": str(engine.config.max_loras)}
-        return PlainTextResponse(metrics.render(gauges, info, dict), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
     def models(allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
         served = engine.adapter_names()

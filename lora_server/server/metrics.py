@@ -1,72 +1,101 @@
-"""Prometheus metrics under vLLM's names, rendered by hand in the text exposition format (the event loop thread
-records; /metrics renders)."""
+"""Prometheus metrics under vLLM's names, through ``prometheus_client``, in one registry per app (several apps can
+live in one process). Request metrics (latency histograms, token and request counters) are recorded by
+OpenAIServing on the event loop; the engine's state is read from its published snapshot at scrape time by
+``EngineCollector``, so nothing is copied ahead of a scrape and nothing goes stale between scrapes."""
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections.abc import Callable
+import time
+from collections.abc import Iterator
+from typing import Any
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
 
+from lora_server.engine import Engine
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def render(self, model: str) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{model_name="{model}",le="{le}"}} {cumulative}')
-        lines += [f'{self.name}_sum{{model_name="{model}"}} {self.total}',
-                  f'{self.name}_count{{model_name="{model}"}} {self.n}']
-        return lines
+# vLLM's bucket edges (vllm/v1/metrics/loggers.py), so dashboards and routers built for vLLM read ours unchanged
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+POOL_FIGURES = ("adapter_hit_rate", "kv_token_hit_rate", "invalid_kv_ratio", "bytes_to_gpu", "bytes_to_host",
+                "gpu_free", "gpu_cached", "gpu_in_use", "host_free", "host_cached")
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self.lock = threading.Lock()
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.")
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens in seconds.")
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.")
-        self.counters: dict[str, float] = {"vllm:prompt_tokens_total": 0, "vllm:generation_tokens_total": 0,
-                                           "vllm:request_success_total": 0}
+    """One app's metrics. OpenAIServing calls ``ttft``/``itl``/``e2e``.observe and the counters' ``inc``; the
+    /metrics route serves ``render()`` as ``content_type``."""
 
-    def add(self, name: str, value: float) -> None:
-        with self.lock:
-            self.counters[name] = self.counters.get(name, 0) + value
+    content_type = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes; every Prometheus scraper reads it
 
-    def set_counter(self, name: str, value: float) -> None:
-        """A counter whose total is kept elsewhere (the pool's), copied in before rendering."""
-        with self.lock:
-            self.counters[name] = value
+    def __init__(self, model_name: str, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
 
-    def observe(self, histogram: Histogram, value: float) -> None:
-        with self.lock:
-            histogram.observe(value)
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(name, help_text, ["model_name"], registry=self.registry, buckets=buckets)
+            return family.labels(model_name)
 
-    def render(self, gauges: dict[str, float], lora_info: dict[str, str], extra: Callable[[], dict[str, float]]) -> str:
-        m = self.model_name
-        lines: list[str] = []
-        with self.lock:
-            for name, value in {**gauges, **extra()}.items():
-                lines += [f"# TYPE {name} gauge", f'{name}{{model_name="{m}"}} {value}']
-            for name, value in self.counters.items():
-                lines += [f"# TYPE {name} counter", f'{name}{{model_name="{m}"}} {value}']
-            for h in (self.ttft, self.itl, self.e2e):
-                lines += h.render(m)
-        labels = ",".join(f'{k}="{v}"' for k, v in lora_info.items())
-        lines += ["# TYPE vllm:lora_requests_info gauge", f"vllm:lora_requests_info{{{labels}}} 1"]
-        return "\n".join(lines) + "\n"
+        def counter(name: str, help_text: str) -> Counter:
+            return Counter(name, help_text, ["model_name"], registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Output tokens of finished requests.")
+        self.request_success = counter("vllm:request_success", "Finished requests.")
+        self.registry.register(EngineCollector(engine, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Gauges and the pool's own running totals from the engine's last published snapshot (at most ~0.1 s old),
+    read when the registry is collected. ``vllm:lora_requests_info`` thus carries only the current label set, its
+    value the wall-clock time of that reading (vLLM's convention: routers take the newest series)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.engine.snapshot()
+        pool: dict[str, Any] = snap.pool
+        salts = pool["kv_tokens_by_salt"].values()
+        counters = {"vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
+                    "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                                  sum(s["prompt_tokens"] for s in salts)),
+                    "vllm:prefix_cache_hits": ("Prompt tokens served from the prefix cache.",
+                                               sum(s["cached_tokens"] for s in salts))}
+        gauges = {"vllm:num_requests_running": ("Requests in the running batch.", snap.running),
+                  "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", snap.waiting),
+                  "vllm:kv_cache_usage_perc": ("Fraction of GPU KV blocks held by requests.",
+                                               pool["request_blocks"] / pool["gpu_blocks"]),
+                  "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
+                  "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
+                  **{f"lora_server:pool_{name}": (f"Pool figure {name} (see /admin/pool).", pool[name])
+                     for name in POOL_FIGURES},
+                  **{f"lora_server:pool_evicted_blocks_{kind}": (f"Blocks evicted so far by {kind}.", n)
+                     for kind, n in pool["evicted_blocks"].items()},
+                  **{f"lora_server:ttft_{part}_mean_seconds": (f"Mean {part} share of TTFT in seconds.",
+                                                               pool["ttft"][f"{part}_mean_s"])
+                     for part in ("queueing", "adapter_loading", "prefill")}}
+        for kind, figures in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
+            for name, (help_text, value) in figures.items():
+                family = kind(name, help_text, labels=["model_name"])
+                family.add_metric([self.model_name], value)
+                yield family
+        cache = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (value 1).",
+                                  labels=["block_size", "num_gpu_blocks"])
+        cache.add_metric([str(pool["block_size"]), str(pool["gpu_blocks"])], 1)
+        yield cache
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting adapters (value: wall-clock time).",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        lora.add_metric([",".join(snap.running_adapters), ",".join(snap.waiting_adapters),
+                         str(self.engine.config.max_loras)], time.time())
+        yield lora

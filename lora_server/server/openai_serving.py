@@ -156,13 +156,13 @@ class OpenAIServing:
         async for out in stream:
             now = time.monotonic()
             if out.token_ids:
-                self.metrics.observe(self.metrics.ttft if first else self.metrics.itl, now - (start if first else last))
+                (self.metrics.ttft if first else self.metrics.itl).observe(now - (start if first else last))
                 first, last = False, now
             if out.finished:
-                self.metrics.observe(self.metrics.e2e, now - start)
-                self.metrics.add("vllm:prompt_tokens_total", out.num_prompt_tokens)
-                self.metrics.add("vllm:generation_tokens_total", out.num_output_tokens)
-                self.metrics.add("vllm:request_success_total", 1)
+                self.metrics.e2e.observe(now - start)
+                self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+                self.metrics.generation_tokens.inc(out.num_output_tokens)
+                self.metrics.request_success.inc()
             yield index, out
 
     async def _merged(self, streams: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
