@@ -4,6 +4,7 @@ so this package does not import the engine."""
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -33,7 +34,8 @@ class AdapterControl(Protocol):
     def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]: ...
     # serves it as its version `version` or later (the "version" of the answer); ApiError(400) with the reason
     def unload_adapter(self, name: str) -> bool: ...  # False when the engine does not serve it
-    def adapter_info(self, name: str) -> dict[str, Any] | None: ...
+    def served_adapters(self) -> list[str]: ...  # every adapter the engine serves: demo, command line and API
+    def adapter_info(self, name: str) -> dict[str, Any] | None: ...  # path, source, version, state...; None: not served
     def pool_figures(self) -> dict[str, Any]: ...
     def check_integrity(self) -> None: ...  # AssertionError when the pool's invariants are broken
 
@@ -43,12 +45,14 @@ class AdapterBody(BaseModel):
     name: str
     path: str
     pinned: bool = False
+    replace: bool = False  # serve the new weights under a name already served (a new version); else 409
 
 
 class LoadLoraBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's name for replace
 
 
 class UnloadLoraBody(BaseModel):
@@ -70,6 +74,27 @@ class TenantBody(BaseModel):
     rate_limits: RateLimitsBody | None = None
 
 
+def presented_key(request: Request) -> str:
+    """The key of ``Authorization: Bearer KEY``, or the password of HTTP Basic (how a browser presents the admin key
+    for the status page: it asks for it once and sends it with every /admin request)."""
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return ""
+    return ""
+
+
+def require_admin_key(request: Request, admin_key: str) -> None:
+    """401 in OpenAI's shape (with a Basic challenge, so a browser asks) unless the request presents the admin key."""
+    if not constant_time_equals(presented_key(request), admin_key):
+        raise ApiError(401, "a valid admin key is required (Authorization: Bearer ...)", "authentication_error",
+                       headers={"WWW-Authenticate": 'Basic realm="lora-server admin", charset="UTF-8"'})
+
+
 def tenant_json(t: TenantRecord) -> dict[str, Any]:
     return {"name": t.name, "adapters": list(t.adapters), "default_adapter": t.default_adapter,
             "rate_limits": {"requests_per_minute": t.rate_limits.requests_per_minute,
@@ -83,18 +108,19 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
     deleted (anonymous /v1 access depends on whether tenants exist)."""
 
     def require_admin(request: Request) -> None:
-        auth = request.headers.get("authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not constant_time_equals(key.strip(), admin_key):
-            raise ApiError(401, "a valid admin key is required (Authorization: Bearer ...)", "authentication_error")
+        require_admin_key(request, admin_key)
 
     router = APIRouter(dependencies=[Depends(require_admin)])
 
-    def register(name: str, path: str, pinned: bool) -> dict[str, Any]:
+    def register(name: str, path: str, pinned: bool, replace: bool) -> dict[str, Any]:
         if not is_valid_name(name):
             raise ApiError(400, f"invalid adapter name {name!r}: use letters, digits, '.', '_' or '-'", param="name")
         if name == base_model_id:
             raise ApiError(400, f"{name!r} is the base model's id; choose another adapter name", param="name")
+        if not replace and name in control.served_adapters():
+            raise ApiError(409, f"an adapter named {name!r} is already served; send \"replace\": true (vLLM: "
+                           "\"load_inplace\") to serve new weights under it as a new version", param="name",
+                           code="adapter_exists")
         resolved = Path(path).expanduser().resolve()
         if not any(resolved.is_relative_to(r) for r in allowed_roots):
             raise ApiError(400, f"adapter path {path} is outside the allowed adapter roots "
@@ -104,20 +130,34 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
         record = store.put_adapter(AdapterRecord(name, str(resolved), info["version"], pinned, time.time()))
         return {**info, "version": record.version, "pinned": record.pinned}
 
+    def describe(name: str, record: AdapterRecord | None) -> dict[str, Any] | None:
+        """An adapter as the engine serves it, or as the store recorded it ("not loaded": its files failed)."""
+        info = control.adapter_info(name)
+        if info is not None:
+            return {"name": name, **info, "created_at": None if record is None else record.created_at}
+        if record is None:
+            return None
+        return {"name": name, "path": record.path, "source": "api", "version": record.version,
+                "pinned": record.pinned, "state": "not loaded", "created_at": record.created_at}
+
     @router.post("/admin/adapters")
     def add_adapter(body: AdapterBody) -> dict[str, Any]:
-        return register(body.name, body.path, body.pinned)
+        return register(body.name, body.path, body.pinned, body.replace)
 
     @router.get("/admin/adapters")
     def list_adapters() -> dict[str, Any]:
-        return {"data": [_adapter_json(r, control) for r in store.list_adapters()]}
+        """Every served adapter (demo, command line, API) and every recorded one that could not be loaded."""
+        records = {r.name: r for r in store.list_adapters()}
+        names = sorted(set(control.served_adapters()) | set(records))
+        return {"data": [d for n in names if (d := describe(n, records.get(n))) is not None]}
 
     @router.get("/admin/adapters/{name}")
     def get_adapter(name: str) -> dict[str, Any]:
-        record = store.get_adapter(name)
-        if record is None:
-            raise ApiError(404, f"adapter {name!r} does not exist", param="name", code="model_not_found")
-        return _adapter_json(record, control)
+        found = describe(name, store.get_adapter(name))
+        if found is None:
+            raise ApiError(404, f"adapter {name!r} does not exist", "not_found_error", param="name",
+                           code="model_not_found")
+        return found
 
     @router.delete("/admin/adapters/{name}")
     def delete_adapter(name: str) -> dict[str, Any]:
@@ -130,7 +170,7 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
 
     @router.post("/v1/load_lora_adapter")
     def load_lora(body: LoadLoraBody) -> dict[str, Any]:
-        return register(body.lora_name, body.lora_path, False)
+        return register(body.lora_name, body.lora_path, False, body.load_inplace)
 
     @router.post("/v1/unload_lora_adapter")
     def unload_lora(body: UnloadLoraBody) -> dict[str, Any]:
@@ -147,7 +187,11 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         tenants_changed()
-        return {**tenant_json(record), "api_key": key}
+        served = set(control.served_adapters())
+        missing = [a for a in record.adapters if a not in served]
+        warnings = [f"adapter {a!r} is not registered: the tenant's requests for it get 404 until it is"
+                    for a in missing]
+        return {**tenant_json(record), "api_key": key, "warnings": warnings}
 
     @router.get("/admin/tenants")
     def list_tenants() -> dict[str, Any]:
@@ -213,9 +257,3 @@ def _no_tenant(name: str) -> ApiError:
 
 def _usage_json(u: Any) -> dict[str, int]:
     return {"requests": u.requests, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
-
-
-def _adapter_json(record: AdapterRecord, control: AdapterControl) -> dict[str, Any]:
-    info = control.adapter_info(record.name) or {"state": "not loaded"}
-    return {"name": record.name, "path": record.path, "version": record.version, "pinned": record.pinned,
-            "created_at": record.created_at, **info}

@@ -5,7 +5,7 @@ to; callers hold ``Admission`` handles and block ids under a lock/unlock contrac
 from kv_pool.block_pool import BlockPool, OutOfBlocksError
 from kv_pool.policies import POLICIES, PolicyParams
 from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, CopyOp, OpKind, PrefixKey, Tier
-from kv_pool.unified_pool import Admission, PoolConfig, PoolStats, UnifiedPool
+from kv_pool.unified_pool import AdapterPlacement, Admission, PoolConfig, PoolStats, UnifiedPool
 
-__all__ = ["BASE_ADAPTER_ID", "POLICIES", "AdapterKey", "Admission", "BlockPool", "CopyOp", "OpKind",
-           "OutOfBlocksError", "PolicyParams", "PoolConfig", "PoolStats", "PrefixKey", "Tier", "UnifiedPool"]
+__all__ = ["BASE_ADAPTER_ID", "POLICIES", "AdapterKey", "AdapterPlacement", "Admission", "BlockPool", "CopyOp",
+           "OpKind", "OutOfBlocksError", "PolicyParams", "PoolConfig", "PoolStats", "PrefixKey", "Tier", "UnifiedPool"]

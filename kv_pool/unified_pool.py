@@ -97,6 +97,19 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterPlacement:
+    """Where one adapter version and its cached KV are (UnifiedPool.adapter_placement)."""
+
+    key: AdapterKey
+    tier: str  # "gpu" or "host" (the base model: always "gpu")
+    slot: int  # its device slot while on the GPU, else -1
+    pinned: bool
+    weight_blocks: int  # GPU blocks charged to its weights while resident
+    kv_blocks_gpu: int  # KV blocks cached under it on the GPU
+    kv_blocks_host: int  # and in the host tier
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStats:
     adapter_hit_rate: float  # admissions whose adapter was already on the GPU
     kv_token_hit_rate: float  # prompt tokens served from cached KV (on the GPU or swapped in) at admission
@@ -403,6 +416,18 @@ class UnifiedPool:
             host_free=self.host.num_free if self.host else 0,
             host_cached=self.host.num_used if self.host else 0,
         )
+
+    def adapter_placement(self) -> list[AdapterPlacement]:
+        """Each known adapter version (the base model included): its tier, slot, pin, and the KV blocks cached
+        under it on each tier (what a status page draws)."""
+        out = []
+        for adapter in self.tree.adapters():
+            if adapter.dropped:
+                continue
+            kv = Counter(n.tier for n in self.tree.kv_nodes() if n.adapter is adapter for _ in n.blocks)
+            out.append(AdapterPlacement(adapter.key, adapter.tier.value, adapter.slot, adapter.pinned,
+                                        len(adapter.blocks), kv[Tier.GPU], kv[Tier.HOST]))
+        return out
 
     def check_integrity(self) -> None:
         """Assert, on each tier, free + cached + in use = total and every block's reference count = the tree's

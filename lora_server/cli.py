@@ -117,7 +117,9 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt lengths; takes commas (default: 128,1024)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
     p.add_argument("--rank", type=int, default=16, help="the benchmark adapters' rank (default: 16)")
-    p.add_argument("--json", default=None, help="write the figures to this path (default: none)")
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore "
+                   "covers)")
+    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-engine.json)")
     p.add_argument("--quick", action="store_true", help="tiny shapes that run on the CPU in seconds")
 
 
@@ -161,9 +163,11 @@ def _bench_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-blocks", type=int, default=640, help="host-tier KV blocks (default: 640)")
     p.add_argument("--rank", type=int, default=8, help="the trace adapters' rank (default: 8)")
     p.add_argument("--trace-seed", type=int, default=0, help="the trace's random seed (default: 0)")
-    p.add_argument("--json", default=None, help="write the figures to this path (default: none)")
-    p.add_argument("--plot", default="bench-pool.png", help="PNG of TTFT and hit rates, '' for none "
-                   "(default: bench-pool.png)")
+    p.add_argument("--out", default="results", help="where the JSON and the PNG go (default: results, which "
+                   ".gitignore covers)")
+    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-pool.json)")
+    p.add_argument("--plot", default=None, help="the PNG of TTFT and hit rates, '' for none "
+                   "(default: OUT/bench-pool.png)")
     p.add_argument("--quick", action="store_true", help="one small setting: under two minutes on the CPU")
 
 

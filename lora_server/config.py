@@ -134,7 +134,8 @@ class ServerConfig:
     max_request_bytes: int = field(default=4 * MIB, metadata=flag(
         "request bodies above this size get 413", name="--max-request-mb", unit=MIB, unit_name="MiB"))
     data_dir: str | None = field(default=None, metadata=flag(
-        "where the embedded registry (SQLite) lives (default: $LORA_SERVER_DATA_DIR, else ./lora-server-data)"))
+        "where the embedded registry (SQLite) lives (default: $LORA_SERVER_DATA_DIR, else "
+        "$XDG_DATA_HOME/lora-server, i.e. ~/.local/share/lora-server)"))
     redis_url: str | None = field(default=None, metadata=flag(
         "keep the registry in Redis instead, so that several replicas share it (redis://HOST:PORT/DB)"))
     shutdown_timeout: float = field(default=30.0, metadata=flag(

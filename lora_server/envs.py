@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def admin_key() -> str | None:
@@ -10,6 +11,11 @@ def admin_key() -> str | None:
     return os.environ.get("LORA_SERVER_ADMIN_KEY") or None
 
 
-def data_dir() -> str:
-    """LORA_SERVER_DATA_DIR: where the embedded registry (SQLite) lives; default ./lora-server-data."""
-    return os.environ.get("LORA_SERVER_DATA_DIR", "lora-server-data")
+def data_dir() -> tuple[str, str]:
+    """Where the embedded registry (SQLite) lives, and where that choice came from: LORA_SERVER_DATA_DIR, else the
+    user's data directory ($XDG_DATA_HOME/lora-server, by default ~/.local/share/lora-server)."""
+    chosen = os.environ.get("LORA_SERVER_DATA_DIR")
+    if chosen:
+        return chosen, "$LORA_SERVER_DATA_DIR"
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "lora-server"), "the user's data directory (XDG)"

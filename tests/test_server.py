@@ -269,7 +269,7 @@ def test_restart_keeps_adapters_and_tenants(dirs):
 
 
 def test_two_replicas_share_redis(dirs):
-    assert shutil.which("redis-server"), "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
+    assert shutil.which("redis-server"), "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, cwd=dirs)

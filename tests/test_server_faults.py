@@ -111,7 +111,7 @@ def _redis(port: int, data_dir, persistent: bool) -> subprocess.Popen:
 
 
 def test_redis_going_away_gives_503s_and_recovery(tmp_path):
-    assert shutil.which("redis-server"), "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
+    assert shutil.which("redis-server"), "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     port = free_port()
     redis = _redis(port, tmp_path, persistent=True)
     s = Server(tmp_path, [tmp_path], ["--redis-url", f"redis://127.0.0.1:{port}/0", "--api-key", "global-key"])

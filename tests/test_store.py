@@ -1,5 +1,5 @@
 """The registry store, one suite over both backends: SQLite on a temporary file, and Redis on a real
-``redis-server`` that this module starts (``.ci/redis.sh`` installs it; the tests fail without it). The fault and
+``redis-server`` that this module starts (``bash .ci/setup --tests`` installs it; the tests fail without it). The fault and
 persistence tests start, stop and freeze redis-servers of their own, on free ports."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _free_port() -> int:
 def _start_redis(workdir: Path, port: int, *options: str) -> subprocess.Popen:
     """A redis-server on 127.0.0.1:``port`` with its files in ``workdir`` and ``options``, once it answers PING."""
     binary = shutil.which("redis-server")
-    assert binary is not None, "redis-server is missing: .ci/setup installs it (.ci/redis.sh)"
+    assert binary is not None, "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     redis = pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     log_path = workdir / f"redis-{port}.log"
     with log_path.open("a") as log:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from lora_server.config import EngineConfig
-from lora_server.engine import Engine
+from lora_server.engine import Engine, ModelInfo
 from lora_server.sampling_params import SamplingParams
 
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,6 +124,7 @@ def bench(args, base: EngineConfig) -> dict:
     info = engine.describe()
     device = info.device
     bandwidth = copy_bandwidth_gbps(device, 256 << 20 if device.type == "cpu" else 2 << 30)
+    print(_header(info, config, bandwidth, args), flush=True)
     points = []
     with tempfile.TemporaryDirectory() as tmp:
         names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine)
@@ -143,9 +144,27 @@ def bench(args, base: EngineConfig) -> dict:
                   model=config.model, quantization=config.quantization, dtype=str(info.dtype),
                   copy_bandwidth_GBps=round(bandwidth, 1), weight_bytes=info.weight_bytes,
                   rank=args.rank, output_len=args.output_len, points=[asdict(p) for p in points])
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    json_path = Path(args.json) if args.json else Path(args.out) / "bench-engine.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    print(f"figures written to {json_path}")
     return result
+
+
+def _header(info: ModelInfo, config: EngineConfig, bandwidth: float, args) -> str:
+    a = info.arch
+    device = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
+    return "\n".join([
+        f"bench-engine: {config.model or 'the embedded SmolLM2-135M-Instruct'} ({config.load_format} weights, "
+        f"quantization {config.quantization}), {a.num_layers} layers, hidden {a.hidden_size}, "
+        f"{a.num_heads}/{a.num_kv_heads} heads, vocab {a.vocab_size}; dtype {info.dtype}, device {device}",
+        f"resident weights {info.weight_bytes / 2**30:.2f} GiB; rank-{args.rank} adapters on every projection; "
+        f"{args.output_len} tokens per request, EOS ignored",
+        f"device copy bandwidth measured now: {bandwidth:.1f} GB/s (reads + writes)",
+        "decode: mean time of the steps where every request decodes one token; floor: the bytes such a step must "
+        "read once (weights + the batch's distinct adapters + every sequence's KV) / that bandwidth; share: floor / "
+        "decode (1.0 = reading every byte once at copy speed); prefill: prompt tokens / time of the other steps",
+    ])
 
 
 def _row(p: BenchPoint) -> str:

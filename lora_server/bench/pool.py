@@ -185,9 +185,11 @@ def bench(args, base: EngineConfig) -> dict:
                                                     host_kv_bytes=args.host_blocks * block_bytes))
                 if not names:
                     names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
+                print(f"N={n} alpha={alpha} rate={rate}: running {policy} on {len(sessions)} sessions x "
+                      f"{spec.turns} turns ...", flush=True)
                 res = run_policy(engine, Path(tmp), names[:n], spec, systems, sessions)
                 row["policies"][policy] = res
-                print(_line(n, alpha, rate, res), flush=True)
+                print(_line(n, alpha, rate, res, "device" if device == "cpu" else "GPU"), flush=True)
             outs = [r.outputs for r in row["policies"].values()]
             row["same_tokens"] = all(o == outs[0] for o in outs)  # exact KV reuse (fp32; bf16 rounding may differ)
             if "tree-cost" in row["policies"] and "lru-separate" in row["policies"]:
@@ -202,19 +204,24 @@ def bench(args, base: EngineConfig) -> dict:
               "rank": args.rank, "targets": list(TARGETS), "sessions": args.sessions, "turns": args.turns,
               "settings": [{**row, "policies": {p: {k: v for k, v in asdict(r).items() if k != "outputs"}
                                                 for p, r in row["policies"].items()}} for row in results]}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    if args.plot:
-        plot(report, Path(args.plot))
+    out = Path(args.out)
+    json_path = Path(args.json) if args.json else out / "bench-pool.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
+    print(f"figures written to {json_path}")
+    if args.plot != "":
+        plot(report, Path(args.plot) if args.plot else out / "bench-pool.png")
     return report
 
 
-def _line(n: int, alpha: float, rate: float, r: PolicyResult) -> str:
+def _line(n: int, alpha: float, rate: float, r: PolicyResult, device: str) -> str:
+    """One policy's figures; ``device`` names the pool's device tier ("GPU", or "device" on the CPU, where both
+    tiers are host memory)."""
     return (f"N={n:<5d} alpha={alpha:<4} rate={rate:<5} {r.policy:<13} TTFT mean {r.ttft_mean_s * 1e3:8.1f} ms  "
             f"p99 {r.ttft_p99_s * 1e3:8.1f} ms  (queue {r.queueing_mean_s * 1e3:7.1f}, adapter "
             f"{r.adapter_loading_mean_s * 1e3:6.1f}, prefill {r.prefill_mean_s * 1e3:7.1f})  adapter hit "
             f"{r.adapter_hit_rate:5.1%}  KV hit {r.kv_token_hit_rate:5.1%}  invalid KV {r.invalid_kv_ratio:5.1%}  "
-            f"to GPU {r.bytes_to_gpu / 2**20:7.1f} MiB  to host {r.bytes_to_host / 2**20:7.1f} MiB  "
+            f"to {device} {r.bytes_to_gpu / 2**20:7.1f} MiB  to host {r.bytes_to_host / 2**20:7.1f} MiB  "
             f"{r.requests} requests in {r.duration_s:.1f} s")
 
 

@@ -32,6 +32,7 @@ class AdapterHandle:
     version: int
     device_nbytes: int  # its A and B in the device dtype: its share of the device budget
     pinned: bool = False  # kept on the device once loaded (see kv_pool)
+    source: str = "api"  # where it was registered from: "demo", "command line" or "api"
 
     @property
     def key(self) -> AdapterKey:
@@ -66,7 +67,8 @@ class AdapterRegistry:
 
     # ---- names (any thread) ---------------------------------------------------------------------------------
 
-    def register(self, name: str, path: str | Path, pinned: bool = False, version: int | None = None) -> AdapterHandle:
+    def register(self, name: str, path: str | Path, pinned: bool = False, version: int | None = None,
+                 source: str = "api") -> AdapterHandle:
         """Validate and read a PEFT directory (AdapterError with the reason) and make it the current version of
         ``name``; the old version lives on until its requests end. ``version``: at least one above the name's
         latest (the registry store's version when reloading); default the next one. A pin beyond ``max_pinned``
@@ -80,7 +82,7 @@ class AdapterRegistry:
                                    "the others); unpin one first")
             number = max(self._versions.get(name, 0) + 1, version or 0)
             handle = AdapterHandle(name, next(self._ids), number, adapter.nbytes * self.device_dtype.itemsize // 4,
-                                   pinned)
+                                   pinned, source)
             self._versions[name] = number
             self._current[name] = handle
             self._weights[handle.adapter_id] = adapter
@@ -107,6 +109,11 @@ class AdapterRegistry:
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._current)
+
+    def names_by_id(self) -> dict[int, str]:
+        """adapter_id -> name, for every version a name points to now."""
+        with self._lock:
+            return {h.adapter_id: name for name, h in self._current.items()}
 
     def path(self, name: str) -> Path:
         """The directory the name's current version was read from."""

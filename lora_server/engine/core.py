@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from adapters.peft_format import LoraAdapter
-from kv_pool import AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from kv_pool import BASE_ADAPTER_ID, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
@@ -66,6 +66,7 @@ class EngineCore:
         self.config = config
         checkpoint = open_checkpoint(config)
         self.arch = checkpoint.arch
+        self.source = (checkpoint.format, checkpoint.path)  # how and where the weights were read
         self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path)
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, checkpoint, wanted_len)
@@ -286,10 +287,15 @@ class EngineCore:
         figures: dict[str, Any] = {name: getattr(stats, name) for name in stats.__slots__}
         figures["kv_tokens_by_salt"] = {salt: {"prompt_tokens": p, "cached_tokens": c}
                                         for salt, (p, c) in stats.kv_tokens_by_salt.items()}
+        names = self.adapters.names_by_id()
+        placement = [{"name": "<base>" if p.key.adapter_id == BASE_ADAPTER_ID else names.get(p.key.adapter_id),
+                      "version": p.key.version, "tier": p.tier, "slot": p.slot, "pinned": p.pinned,
+                      "weight_blocks": p.weight_blocks, "kv_blocks_gpu": p.kv_blocks_gpu,
+                      "kv_blocks_host": p.kv_blocks_host} for p in self.pool.adapter_placement()]
         return {"policy": self.pool.config.policy, "block_size": self.config.block_size,
                 "gpu_blocks": self.pool.config.num_gpu_blocks, "host_blocks": self.pool.config.num_host_blocks,
                 "block_bytes": self.pool.config.block_bytes, "request_blocks": len(self.pool.held_blocks()),
-                **figures, "ttft": self.ttft.figures()}
+                **figures, "adapters": placement, "ttft": self.ttft.figures()}
 
 
 @dataclass(slots=True)

@@ -43,6 +43,8 @@ class ModelInfo:
     """What an engine serves, as plain values (for benchmarks and the start-up summary)."""
 
     arch: ModelArch
+    format: str  # how the weights were read: "gguf", "hf" or "dummy"
+    path: Path | None  # the checkpoint file or directory (None: dummy weights)
     adapter_features: dict[str, tuple[int, int]]  # canonical module (q, k, v, o, gate, up, down) -> (in, out)
     device: torch.device
     dtype: torch.dtype
@@ -126,7 +128,8 @@ class Engine:
 
     def describe(self) -> ModelInfo:
         runner = self.core.runner
-        return ModelInfo(self.core.arch, dict(runner.adapter_shapes.features), runner.device, runner.dtype,
+        return ModelInfo(self.core.arch, *self.core.source, dict(runner.adapter_shapes.features), runner.device,
+                         runner.dtype,
                          resident_bytes(runner.model), runner.kv_bytes_per_block // runner.block_size,
                          self.max_model_len)
 
@@ -144,13 +147,14 @@ class Engine:
 
     # ---- adapters (any thread) -------------------------------------------------------------------------------
 
-    def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
-                    version: int | None = None) -> AdapterHandle:
+    def add_adapter(self, name: str, path: str | Path, pinned: bool = False, version: int | None = None,
+                    source: str = "api") -> AdapterHandle:
         """Register a PEFT LoRA directory under ``name`` (a new version if the name exists; ``version``: at least
         the one given); raises AdapterError with the reason when it cannot be served. A pinned adapter is loaded
         onto the device as soon as there is room and never evicted. Safe while serving: running requests are not
-        stalled, and those that hold an older version keep it."""
-        return self.core.adapters.register(name, path, pinned, version)
+        stalled, and those that hold an older version keep it. ``source`` says where it came from ("demo",
+        "command line", "api")."""
+        return self.core.adapters.register(name, path, pinned, version, source)
 
     def remove_adapter(self, name: str) -> None:
         """New requests for ``name`` fail (UnknownAdapterError); in-flight ones finish, then its memory is freed."""
@@ -167,7 +171,7 @@ class Engine:
         except UnknownAdapterError:
             return None
         slot = self.snapshot().resident_slots.get(handle.adapter_id)
-        return {"path": str(path), "version": handle.version, "pinned": handle.pinned,
+        return {"path": str(path), "source": handle.source, "version": handle.version, "pinned": handle.pinned,
                 "state": "resident" if slot is not None else "registered", "slot": slot, "bytes": nbytes,
                 "device_bytes": handle.device_nbytes}
 

@@ -19,13 +19,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.peft_format import AdapterError
-from admin.api import admin_router
+from admin.api import admin_router, presented_key, require_admin_key
 from admin.errors import ApiError
 from admin.keys import API_KEY_PREFIX, constant_time_equals
 from admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
@@ -38,6 +38,7 @@ from lora_server.server.openai_serving import ClientDisconnected, OpenAIServing,
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validation_message
 
 log = logging.getLogger("lora_server")
+STATUS_PAGE = Path(__file__).with_name("status.html")
 STORE_RETRY_AFTER_S = 2
 TENANTS_CHECK_S = 1.0  # how long "are there tenants?" is trusted for anonymous /v1 access (other replicas)
 
@@ -62,9 +63,11 @@ class EngineAdapters:
             return False
         return True
 
+    def served_adapters(self) -> list[str]:
+        return self.engine.adapter_names()
+
     def adapter_info(self, name: str) -> dict[str, Any] | None:
-        info = self.engine.adapter_info(name)
-        return None if info is None else {k: v for k, v in info.items() if k != "path"}
+        return self.engine.adapter_info(name)
 
     def pool_figures(self) -> dict[str, Any]:
         """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
@@ -216,7 +219,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     # ---- who is asking ------------------------------------------------------------------------------------
 
     def is_admin(request: Request) -> bool:
-        return constant_time_equals(_bearer(request), admin_key)
+        return constant_time_equals(presented_key(request), admin_key)
 
     async def caller(request: Request) -> TenantRecord | None:
         """Who a /v1 request acts as: the tenant whose key it presents, else None (the --api-key, or anonymous
@@ -306,6 +309,13 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     @app.post("/t/{tenant}/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def tenant_completions(tenant: str, request: Request) -> Response:
         return await complete("completion", request, await tenant_of(tenant, request))
+
+    @app.get("/admin/ui", response_class=HTMLResponse)
+    async def status_page(request: Request) -> HTMLResponse:
+        """The pool as an operator sees it, refreshed by itself; the browser asks for the admin key (HTTP Basic,
+        any user name) and the page reads the admin API with it."""
+        require_admin_key(request, admin_key)
+        return HTMLResponse(STATUS_PAGE.read_text(), headers={"Cache-Control": "no-store"})
 
     roots = [Path(r) for r in engine.config.adapter_roots or ()]
     app.include_router(admin_router(store, control, admin_key, roots, model_id, tenants.changed))

@@ -14,6 +14,7 @@ from pathlib import Path
 from adapters import demo_adapters
 from adapters.peft_format import AdapterError
 from admin.open_store import open_store
+from admin.store import StoreStatus
 from lora_server import envs
 from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
@@ -37,7 +38,8 @@ def serve(config: ServerConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = Engine(config.engine)
-    store = open_store(config.data_dir or envs.data_dir(), config.redis_url)
+    data_dir, data_dir_source = (config.data_dir, "--data-dir") if config.data_dir else envs.data_dir()
+    store = open_store(data_dir, config.redis_url)
     status = store.status()
     if status.persistent is False:
         log.warning("the registry's Redis keeps nothing on disk (no AOF, no RDB): every tenant and adapter is lost "
@@ -48,17 +50,21 @@ def serve(config: ServerConfig) -> int:
         if not path and name not in demos:
             raise AdapterError(f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); "
                                "use NAME=PATH")
-        engine.add_adapter(name, path or demos[name])
+        engine.add_adapter(name, path or demos[name], source="command line" if path else "demo")
     for record in store.list_adapters():  # registered through the admin API earlier, or by another replica
         try:
             engine.add_adapter(record.name, record.path, record.pinned, record.version)
         except AdapterError as exc:
             log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
-    admin_key = config.admin_key or envs.admin_key()
+    admin_key, key_source = config.admin_key, "--admin-key"
     if admin_key is None:
-        admin_key = secrets.token_urlsafe(24)
+        admin_key, key_source = envs.admin_key(), "$LORA_SERVER_ADMIN_KEY"
+    if admin_key is None:
+        admin_key, key_source = secrets.token_urlsafe(24), "random, for this run"
         print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
-    app = build_app(engine, store, config, config.served_model_name or model_id(config.engine), admin_key)
+    base_id = config.served_model_name or model_id(config.engine)
+    log.info("%s", summary(config, engine, base_id, status, f"{data_dir} ({data_dir_source})", key_source))
+    app = build_app(engine, store, config, base_id, admin_key)
     server = _draining_server(uvicorn, app, engine, config.host, config.port, config.shutdown_timeout)
     engine.start()
     threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
@@ -68,6 +74,38 @@ def serve(config: ServerConfig) -> int:
         engine.shutdown()
         store.close()
     return 1 if engine.dead.is_set() else 0
+
+
+def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStatus, data_dir: str,
+            key_source: str) -> str:
+    """What the server serves, in a few lines for its log at start."""
+    info, pool = engine.describe(), engine.snapshot().pool
+    a = info.arch
+    blocks, block_size = pool["gpu_blocks"], pool["block_size"]
+    adapters = [(n, engine.adapter_info(n)) for n in engine.adapter_names()]
+    by_source: dict[str, list[str]] = {}
+    for name, adapter in adapters:
+        if adapter is not None:
+            by_source.setdefault(adapter["source"], []).append(name)
+    gib, dtype = 2**30, str(info.dtype).removeprefix("torch.")
+    return "\n".join([
+        f"serving {base_id}: {info.format} weights from {info.path or 'dummy weights'}",
+        f"  model: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_heads}/{a.num_kv_heads} heads, context "
+        f"{info.max_model_len}; quantization {config.engine.quantization}, dtype {dtype}, device {info.device}; "
+        f"resident weights {info.weight_bytes / 2**20:.0f} MiB",
+        f"  device budget: {blocks} KV blocks x {block_size} tokens = {blocks * block_size} tokens "
+        f"({blocks * pool['block_bytes'] / gib:.2f} GiB, adapters charged to it), {config.engine.max_loras} adapter "
+        f"slots, policy {pool['policy']}; host tier {pool['host_blocks']} blocks "
+        f"({pool['host_blocks'] * pool['block_bytes'] / gib:.2f} GiB)",
+        "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
+        f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
+        f"  registry: {store.backend} at {store.detail if store.backend == 'redis' else data_dir}",
+        f"  admin key: {key_source}; /v1 access: "
+        + ("--api-key or a tenant's key" if config.api_key else "anyone" if config.allow_anonymous
+           else "anyone while no tenant exists, then a tenant's key"),
+        f"  listening on http://{config.host}:{config.port} (OpenAI API at /v1, admin at /admin, status page at "
+        "/admin/ui)",
+    ])
 
 
 def _exit_when_dead(engine: Engine, server) -> None:
