@@ -1,5 +1,5 @@
 """Pure-torch twins of the LoRA kernels (sgmv_shrink, sgmv_expand, bgmv_shrink, bgmv_expand). They define what
-each kernel computes, run on any device, and are what the engine uses where a Triton kernel is not available (the
+each kernel computes, run on any device, and are what kernels.ops runs where use_kernels says no (the
 CPU). Same arguments and results as the kernel wrappers, less the block sizes.
 
 Layout: x [T, in]; lora_a [K, slots, R, in]; lora_b [slots, out_total, R] (slices concatenated along the rows,

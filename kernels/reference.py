@@ -1,5 +1,5 @@
-"""Pure-torch twins of the kernels. They define what each kernel computes, run on any device, and are what the
-engine uses where a Triton kernel is not available (the CPU)."""
+"""Pure-torch twins of the kernels. They define what each kernel computes, run on any device, and are what
+kernels.ops runs where use_kernels says no (the CPU)."""
 
 from __future__ import annotations
 

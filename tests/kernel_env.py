@@ -3,12 +3,13 @@ TRITON_INTERPRET=1 before triton is imported (torch does not import it), so the 
 interpreter on the CPU; with one, the same tests run compiled on it.
 
 Tolerances per dtype of a kernel against its torch twin (the twin rounds like the kernel), and of a result against
-an exact float64 computation (one rounding of the output)."""
+an exact float64 computation (one rounding of the output). ``force_path`` sends kernels.ops down one branch."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,3 +26,12 @@ TOL_VS_EXACT = {
     torch.float16: {"atol": 1e-3, "rtol": 1e-3},
     torch.bfloat16: {"atol": 8e-3, "rtol": 8e-3},
 }
+
+
+def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make kernels.ops take the Triton kernels (path "kernels"; on the CPU they run in the interpreter) or the
+    torch twins ("twins") on every device, for the rest of the test."""
+    from kernels import ops
+
+    assert path in ("kernels", "twins"), path
+    monkeypatch.setattr(ops, "use_kernels", lambda device: path == "kernels")

@@ -1,6 +1,6 @@
 """Paged attention (kernels/paged_attention.py) and the KV-cache write (kernels/write_kv.py), checked against their
 torch twins (kernels/reference.py), and each twin against a plain float64 loop written here from the contract (the
-independent reference).
+independent reference); then the dispatcher's attention ops (kernels/ops.py).
 
 The attention sweep covers dtype, block size, head dim, grouped-query ratio, how many queries each sequence brings
 (decode: 1; prefill: the whole context; chunk: any count up to the context) and the kernel's block sizes: every
@@ -25,10 +25,11 @@ import random
 import pytest
 import torch
 
+from kernels import ops
 from kernels import reference as ref
 from kernels.paged_attention import paged_attention
 from kernels.write_kv import write_kv_cache
-from tests.kernel_env import DEVICE, TOL_VS_TWIN
+from tests.kernel_env import DEVICE, TOL_VS_TWIN, force_path
 from tests.kernel_env import TOL_VS_EXACT as TOL_VS_LOOP
 
 CONTEXTS = (1, 5, 17, 40)
@@ -266,20 +267,26 @@ def test_write_kv_cache_matches_twin_and_loop(dtype: torch.dtype):
     assert torch.equal(padded, expected)
 
 
+def this_steps_kv(batch: Batch, contexts: list[int], counts: list[int], seed: int):
+    """(k, v [T, KVH, D], slot_mapping [T]): new keys and values for each sequence's last n positions (this
+    step's tokens), in q's dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = []
+    block_size = batch.k_cache.shape[1]
+    for b, (seq_len, n) in enumerate(zip(contexts, counts, strict=True)):
+        table = batch.block_tables[b].tolist()
+        slots += [table[j // block_size] * block_size + j % block_size for j in range(seq_len - n, seq_len)]
+    shape = (len(slots), *batch.k_cache.shape[2:])
+    k_new = torch.randn(shape, generator=gen).to(DEVICE, batch.q.dtype)
+    v_new = torch.randn(shape, generator=gen).to(DEVICE, batch.q.dtype)
+    return k_new, v_new, torch.tensor(slots, device=DEVICE)
+
+
 def test_write_then_attend_round_trip():
     """A prefill chunk written with write_kv_cache and attended with paged_attention gives the same result as the
     twins doing both."""
     batch = make_batch(torch.float16, 4, 32, 4, 2, [12, 7], [4, 7], seed=2)
-    gen = torch.Generator().manual_seed(4)
-    # overwrite each sequence's last n slots (this step's tokens) through the write kernel
-    slots = []
-    block_size = batch.k_cache.shape[1]
-    for b, (seq_len, n) in enumerate(zip([12, 7], [4, 7], strict=True)):
-        table = batch.block_tables[b].tolist()
-        slots += [table[j // block_size] * block_size + j % block_size for j in range(seq_len - n, seq_len)]
-    k_new = torch.randn(len(slots), 2, 32, generator=gen).to(DEVICE, torch.float16)
-    v_new = torch.randn(len(slots), 2, 32, generator=gen).to(DEVICE, torch.float16)
-    slot_mapping = torch.tensor(slots, device=DEVICE)
+    k_new, v_new, slot_mapping = this_steps_kv(batch, [12, 7], [4, 7], seed=4)
     twin_k, twin_v = batch.k_cache.clone(), batch.v_cache.clone()
     ref.write_kv_cache(k_new, v_new, twin_k, twin_v, slot_mapping)
     write_kv_cache(k_new, v_new, batch.k_cache, batch.v_cache, slot_mapping)
@@ -287,6 +294,42 @@ def test_write_then_attend_round_trip():
     out_twin = ref.paged_attention(batch.q, twin_k, twin_v, batch.block_tables, batch.seq_lens,
                                    batch.query_start_loc, batch.scale)
     torch.testing.assert_close(out, out_twin, **TOL_VS_TWIN[torch.float16])
+
+
+# ---- the dispatcher ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """ops.write_kv_cache and ops.paged_attention are the kernel wrappers where use_kernels says so and the twins
+    elsewhere, bit for bit (a decode, a chunk over a cached prefix and a whole prefill in one batch); the default
+    follows the device (the twins on the CPU tier)."""
+    contexts, counts = [9, 12, 7], [1, 4, 7]
+    batch = make_batch(dtype, 4, 32, 4, 2, contexts, counts, seed=12)
+    k_new, v_new, slot_mapping = this_steps_kv(batch, contexts, counts, seed=13)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # the caches hold NaN: compare raw bits
+
+    def step(write, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        write(k_new, v_new, k_cache, v_cache, slot_mapping)
+        out = attend(batch.q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                     batch.scale, batch.max_query_len)
+        return torch.stack([k_cache, v_cache]).view(bits), out
+
+    def twin_attend(*args) -> torch.Tensor:
+        return ref.paged_attention(*args[:-1])
+
+    default = step(ops.write_kv_cache, ops.paged_attention)
+    force_path(monkeypatch, "kernels")
+    via_kernels = step(ops.write_kv_cache, ops.paged_attention)
+    force_path(monkeypatch, "twins")
+    via_twins = step(ops.write_kv_cache, ops.paged_attention)
+    direct_kernels = step(write_kv_cache, paged_attention)
+    direct_twins = step(ref.write_kv_cache, twin_attend)
+    for got, want in ((via_kernels, direct_kernels), (via_twins, direct_twins),
+                      (default, via_kernels if ops.use_kernels(DEVICE) else via_twins)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(via_kernels[0], via_twins[0])
+    torch.testing.assert_close(via_kernels[1], via_twins[1], **TOL_VS_TWIN[dtype])
 
 
 # ---- real shapes, on the GPU -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Batched LoRA kernels (kernels/sgmv_*, kernels/bgmv_*), their torch twins (kernels/lora_reference.py) and the
-dispatcher (kernels/lora_ops.py).
+LoRA ops of the dispatcher (kernels/ops.py).
 
 Each kernel is checked against its twin, and each twin against a plain per-token float64 loop written here from the
 layout contract (the independent reference), over a seeded sweep: every value of every axis (dtype, max rank, token
@@ -31,13 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import lora_ops
 from kernels import lora_reference as ref
+from kernels import ops
 from kernels.bgmv_expand import bgmv_expand
 from kernels.bgmv_shrink import bgmv_shrink
 from kernels.sgmv_expand import sgmv_expand
 from kernels.sgmv_shrink import sgmv_shrink
-from tests.kernel_env import DEVICE, TOL_VS_TWIN
+from tests.kernel_env import DEVICE, TOL_VS_TWIN, force_path
 
 REPO = Path(__file__).resolve().parents[1]
 Y_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -294,7 +294,7 @@ def test_sweep_covers_every_axis_value():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("form", ["segmented", "per_row"])
-def test_minus_one_rows_bitwise_unchanged(dtype: torch.dtype, form: str):
+def test_minus_one_rows_bitwise_unchanged(dtype: torch.dtype, form: str, monkeypatch: pytest.MonkeyPatch):
     """Rows with slot -1 keep their exact bits, whatever they hold (NaN and inf included), through the kernels
     and through apply_lora."""
     batch = make_batch(Case(dtype=dtype, tokens=40, spread="uniform", minus_one_rows=True, seed=7))
@@ -305,8 +305,8 @@ def test_minus_one_rows_bitwise_unchanged(dtype: torch.dtype, form: str):
                                                        device=DEVICE)
     mapping = mapping_of(batch, form)
     out = batch.out.clone()
-    lora_ops.apply_lora(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, **mapping,
-                        use_kernels=True)
+    force_path(monkeypatch, "kernels")
+    ops.apply_lora(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, **mapping)
     assert_rows_unchanged(out, batch.out, rows)
     assert not torch.equal(out[~rows], batch.out[~rows])
 
@@ -326,24 +326,25 @@ def test_rank_zero_slot_is_a_no_op(form: str):
     assert_rows_unchanged(out, batch.out, torch.ones(batch.out.shape[0], dtype=torch.bool, device=DEVICE))
 
 
-def test_empty_batch():
+@pytest.mark.parametrize("path", ["kernels", "twins"])
+def test_empty_batch(path: str, monkeypatch: pytest.MonkeyPatch):
     batch = make_batch(Case(tokens=1, seed=5))
     x, out = batch.x[:0], batch.out[:0]
-    for use_kernels in (True, False):
-        y = lora_ops.lora_shrink(x, batch.lora_a, batch.ranks, slot_ids=batch.slot_ids[:0], use_kernels=use_kernels)
-        assert y.shape == (3, 0, batch.lora_a.shape[2])
-        no_segments = {"seg_starts": torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                       "seg_slots": torch.zeros(0, dtype=torch.int32, device=DEVICE)}
-        y = lora_ops.lora_shrink(x, batch.lora_a, batch.ranks, **no_segments, use_kernels=use_kernels)
-        assert y.shape == (3, 0, batch.lora_a.shape[2])
-        lora_ops.lora_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, out, **no_segments,
-                             use_kernels=use_kernels)
+    force_path(monkeypatch, path)
+    y = ops.lora_shrink(x, batch.lora_a, batch.ranks, slot_ids=batch.slot_ids[:0])
+    assert y.shape == (3, 0, batch.lora_a.shape[2])
+    no_segments = {"seg_starts": torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                   "seg_slots": torch.zeros(0, dtype=torch.int32, device=DEVICE)}
+    y = ops.lora_shrink(x, batch.lora_a, batch.ranks, **no_segments)
+    assert y.shape == (3, 0, batch.lora_a.shape[2])
+    ops.lora_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, out, **no_segments)
 
 
 @pytest.mark.parametrize("form", ["segmented", "per_row"])
-def test_slice_starts_as_list_or_tensor(form: str):
+def test_slice_starts_as_list_or_tensor(form: str, monkeypatch: pytest.MonkeyPatch):
     """A list, a CPU tensor and a device tensor (on the GPU tier: the no-copy path, whose grid assumes every slice
     may be out_total wide) give the same bits."""
+    force_path(monkeypatch, "kernels")
     batch = make_batch(Case(widths=(16, 64, 16), seed=11))
     _, _, shrink_twin, _, token_slots = run_form(batch, form, small_blocks=False)
     y = poison_unread_y(shrink_twin(), batch.ranks, token_slots)
@@ -351,7 +352,7 @@ def test_slice_starts_as_list_or_tensor(form: str):
     for starts in (batch.slice_starts, torch.tensor(batch.slice_starts),
                    torch.tensor(batch.slice_starts, dtype=torch.int32, device=DEVICE)):
         out = batch.out.clone()
-        lora_ops.lora_expand(y, batch.lora_b, batch.ranks, starts, out, **mapping_of(batch, form), use_kernels=True)
+        ops.lora_expand(y, batch.lora_b, batch.ranks, starts, out, **mapping_of(batch, form))
         results.append(out)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
@@ -366,43 +367,55 @@ def test_integer_tensors_may_be_int64():
 
 # ---- the dispatcher ----------------------------------------------------------------------------------------------
 
-def test_use_triton_reads_the_environment_at_call_time(monkeypatch: pytest.MonkeyPatch):
-    assert lora_ops.use_triton("cpu", interpret=True)
-    assert not lora_ops.use_triton("cpu", interpret=False)
-    assert lora_ops.use_triton("cuda", interpret=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not lora_ops.use_triton(torch.device("cpu"))
+def test_use_kernels_on_cuda_with_triton_only(monkeypatch: pytest.MonkeyPatch):
+    """The one switch: a device's type and whether triton is installed, nothing else (the interpreter the CPU
+    tier runs the kernel wrappers in does not send the ops to the kernels)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert lora_ops.use_triton(torch.device("cpu"))
+    assert ops.use_kernels("cuda") and ops.use_kernels(torch.device("cuda", 0))
+    assert not ops.use_kernels("cpu") and not ops.use_kernels(torch.device("cpu"))
+    assert not ops.use_kernels("meta")
+    monkeypatch.setitem(sys.modules, "triton", None)  # triton missing: twins on CUDA too
+    assert not ops.use_kernels("cuda")
 
 
 @pytest.mark.parametrize("form", ["segmented", "per_row"])
-def test_apply_lora_kernels_and_twins_agree(form: str):
+def test_apply_lora_dispatch(form: str, monkeypatch: pytest.MonkeyPatch):
+    """apply_lora is the kernel wrappers where use_kernels says so and the twins elsewhere, bit for bit; the
+    default follows the device (the twins on the CPU tier)."""
     batch = make_batch(Case(dtype=torch.float16, tokens=33, spread="zipf", seed=21))
     mapping = mapping_of(batch, form)
-    token_slots = ref.segment_slot_ids(batch.seg_starts, batch.seg_slots) if form == "segmented" else batch.slot_ids
+    shrink, expand, shrink_twin, expand_twin, token_slots = run_form(batch, form, small_blocks=False)
     _, out_loop = loop_lora(batch.x, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, token_slots,
                             batch.out)
-    results = {}
-    for use_kernels in (None, True, False):  # None, the default, takes the kernels on this tier
+
+    def dispatched() -> torch.Tensor:
         out = batch.out.clone()
-        lora_ops.apply_lora(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, **mapping,
-                            use_kernels=use_kernels)
-        results[use_kernels] = out
-    assert torch.equal(results[None], results[True])
-    torch.testing.assert_close(results[True], results[False], **OUT_TOL_VS_TWIN[torch.float16])
-    torch.testing.assert_close(results[False].double().cpu(), out_loop, **OUT_TOL_VS_LOOP[torch.float16])
+        ops.apply_lora(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, **mapping)
+        return out
+
+    default = dispatched()
+    force_path(monkeypatch, "kernels")
+    via_kernels = dispatched()
+    force_path(monkeypatch, "twins")
+    via_twins = dispatched()
+    direct_kernels, direct_twins = batch.out.clone(), batch.out.clone()
+    expand(shrink(), direct_kernels)
+    expand_twin(shrink_twin(), direct_twins)
+    assert torch.equal(via_kernels, direct_kernels) and torch.equal(via_twins, direct_twins)
+    assert torch.equal(default, via_kernels if ops.use_kernels(DEVICE) else via_twins)
+    torch.testing.assert_close(via_kernels, via_twins, **OUT_TOL_VS_TWIN[torch.float16])
+    torch.testing.assert_close(via_twins.double().cpu(), out_loop, **OUT_TOL_VS_LOOP[torch.float16])
 
 
 def test_exactly_one_mapping_is_given():
     batch = make_batch(Case(seed=2))
     with pytest.raises(AssertionError):
-        lora_ops.lora_shrink(batch.x, batch.lora_a, batch.ranks)
+        ops.lora_shrink(batch.x, batch.lora_a, batch.ranks)
     with pytest.raises(AssertionError):
-        lora_ops.lora_shrink(batch.x, batch.lora_a, batch.ranks, slot_ids=batch.slot_ids,
-                             seg_starts=batch.seg_starts, seg_slots=batch.seg_slots)
+        ops.lora_shrink(batch.x, batch.lora_a, batch.ranks, slot_ids=batch.slot_ids,
+                        seg_starts=batch.seg_starts, seg_slots=batch.seg_slots)
     with pytest.raises(AssertionError):
-        lora_ops.lora_shrink(batch.x, batch.lora_a, batch.ranks, seg_starts=batch.seg_starts)
+        ops.lora_shrink(batch.x, batch.lora_a, batch.ranks, seg_starts=batch.seg_starts)
 
 
 # ---- the GPU compiler, without a GPU -------------------------------------------------------------------------------

@@ -205,6 +205,21 @@ def test_int4_linear_random_matches_reference():
     torch.testing.assert_close(y, x @ torch.from_numpy(w).t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantized_linears_on_the_cpu_are_a_linear_over_the_dequantized_weight(dtype: torch.dtype):
+    """Without the Triton kernels (the CPU), Int8Linear and Int4Linear compute F.linear(x, dequantize(x.dtype),
+    bias), bit for bit, bias included (F.linear folds it into the product, which can differ from adding it after
+    in the last bit)."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    bias = nn.Parameter(torch.randn(24, generator=gen).to(dtype), requires_grad=False)
+    int4, *_ = random_int4(24, 96, seed=12)
+    for m in (Int8Linear(*quantize_int8(torch.randn(24, 96, generator=gen), 32)), int4):
+        for b in (None, bias):
+            m.bias = b
+            assert torch.equal(m(x), nn.functional.linear(x, m.dequantize(dtype), b))
+
+
 def test_dense_linear():
     w = torch.tensor([[1.0, 2.0], [3.0, -4.0], [0.5, 0.25]])
     m = DenseLinear(w, torch.tensor([0.0, 1.0, 2.0]))

@@ -1,6 +1,7 @@
 """Weight-only quantized matmuls (kernels/int8_matmul.py, kernels/int4_matmul.py), checked against their torch
 twins (kernels/quant_reference.py), and each twin against a float64 matmul with the weight dequantized here element
-by element from the format's contract (the independent reference).
+by element from the format's contract (the independent reference); then the dispatcher's quantized matmuls
+(kernels/ops.py).
 
 The sweep covers dtype, M, (N, K), the group (32, 64, per-channel), the kernel's block sizes (a K block inside one
 group, equal to it, or spanning several; K tails), split-K and strided activations: every value of every axis once
@@ -23,11 +24,13 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from kernels import ops
 from kernels import quant_reference as ref
 from kernels.int4_matmul import int4_matmul
 from kernels.int8_matmul import int8_matmul
-from tests.kernel_env import DEVICE, TOL_VS_TWIN
+from tests.kernel_env import DEVICE, TOL_VS_TWIN, force_path
 from tests.kernel_env import TOL_VS_EXACT as TOL_VS_FLOAT64
 
 PER_CHANNEL = 0  # group value meaning group == K
@@ -206,6 +209,28 @@ def test_twins_match_the_quantizer_layout():
                                atol=0, rtol=0)
 
 
+def test_dequantizers_in_a_dtype_and_over_leading_dims():
+    """dequantize_int8 in float16 rounds each exact product once (the float64 dequant rounded to float16); rows
+    picked first, or in a [2, N // 2] batch of rows, dequantize as those rows of the whole weight; unpack_int4
+    gives the nibbles in column order."""
+    gen = torch.Generator().manual_seed(8)
+    q, s = int8_weight(8, 64, 32, gen)
+    packed, s4, mn = int4_weight(8, 64, 32, gen)
+    assert torch.equal(ref.dequantize_int8(q, s, torch.float16), loop_dequant_int8(q, s).half())
+    ids = torch.tensor([5, 0, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        w8, w4 = ref.dequantize_int8(q, s, dtype), ref.dequantize_int4(packed, s4, mn, dtype)
+        assert w8.dtype == dtype and w4.dtype == dtype and w8.shape == w4.shape == (8, 64)
+        assert torch.equal(ref.dequantize_int8(q[ids], s[ids], dtype), w8[ids])
+        assert torch.equal(ref.dequantize_int4(packed[ids], s4[ids], mn[ids], dtype), w4[ids])
+        assert torch.equal(ref.dequantize_int8(q.unflatten(0, (2, 4)), s.unflatten(0, (2, 4)), dtype),
+                           w8.unflatten(0, (2, 4)))
+    codes = ref.unpack_int4(packed, 2)
+    assert codes.shape == (8, 64)
+    assert torch.equal(codes.double() * s4.double().repeat_interleave(32, 1) + mn.double().repeat_interleave(32, 1),
+                       loop_dequant_int4(packed, s4, mn))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_default_blocks_and_empty_input(fmt: str):
     gen = torch.Generator().manual_seed(5)
@@ -222,6 +247,35 @@ def test_misaligned_blocks_are_refused(fmt: str):
     x = torch.randn(2, 192).to(DEVICE)
     with pytest.raises(AssertionError, match="one must divide the other"):
         kernel(x, *weight, block_k=64)
+
+
+# ---- the dispatcher ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_dispatch(fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """ops.int8_matmul / int4_matmul are the kernel wrapper plus the bias where use_kernels says so, and elsewhere
+    F.linear over the twin's dequantization in x's dtype (for float32 x without a bias: the twin itself), bit for
+    bit; the default follows the device (the twins' path on the CPU tier)."""
+    gen = torch.Generator().manual_seed(9)
+    kernel, twin, _, weight = formats(48, 128, 32, gen)[fmt]
+    dispatch = {"int8": ops.int8_matmul, "int4": ops.int4_matmul}[fmt]
+    dequantize = {"int8": ref.dequantize_int8, "int4": ref.dequantize_int4}[fmt]
+    x = torch.randn(5, 128, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(48, generator=gen).to(DEVICE, dtype)
+
+    default = dispatch(x, *weight, bias)
+    force_path(monkeypatch, "kernels")
+    via_kernels = dispatch(x, *weight, bias)
+    assert torch.equal(via_kernels, kernel(x, *weight) + bias)
+    assert torch.equal(dispatch(x, *weight), kernel(x, *weight))
+    force_path(monkeypatch, "twins")
+    via_twins = dispatch(x, *weight, bias)
+    assert torch.equal(via_twins, F.linear(x, dequantize(*weight, dtype), bias))
+    if dtype == torch.float32:
+        assert torch.equal(dispatch(x, *weight), twin(x, *weight))
+    assert torch.equal(default, via_kernels if ops.use_kernels(DEVICE) else via_twins)
+    torch.testing.assert_close(via_kernels, via_twins, **TOL_VS_TWIN[dtype])
 
 
 # ---- real shapes, on the GPU -------------------------------------------------------------------------------------

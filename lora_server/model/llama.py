@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from kernels import reference
+from kernels import ops
 from lora_server.errors import ModelLoadError
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
@@ -92,17 +92,9 @@ class Attention(nn.Module):
         k = rotary(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), batch.positions)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         k_cache, v_cache = kv_cache
-        if q.is_cuda:  # the Triton kernels; their torch twins (kernels.reference) elsewhere
-            from kernels.paged_attention import paged_attention
-            from kernels.write_kv import write_kv_cache
-
-            write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                 self.scale, batch.max_query_len)  # [T, heads, head_dim]
-        else:
-            reference.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-            o = reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                          batch.query_start_loc, self.scale)
         return self.o_proj(o.flatten(1), batch.lora)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from adapters.peft_format import BaseShapes, LoraAdapter
-from kernels import lora_ops
+from kernels import ops
 
 # fused linear groups of a Llama layer and the canonical modules (output slices) of each, in order
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -18,12 +18,11 @@ GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down"
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Each token's adapter slot for one step, in the two forms the kernels take."""
+    """Each token's adapter slot for one step, in the two forms the LoRA ops take (per row where given)."""
 
     seg_starts: torch.Tensor  # [S + 1] int32, segment s is tokens seg_starts[s]:seg_starts[s+1]
     seg_slots: torch.Tensor  # [S] int32, slot of each segment, -1 = no adapter
     slot_ids: torch.Tensor | None  # [T] int32 per token (decode-only steps), else None
-    use_triton: bool
 
 
 class LoraSlots:
@@ -103,10 +102,9 @@ class LoraLinear(nn.Module):
         if lora is not None and self.lora_a is not None:
             assert self.lora_b is not None and self.ranks is not None
             if lora.slot_ids is not None:
-                lora_ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
-                                    slot_ids=lora.slot_ids, use_kernels=lora.use_triton)
+                ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
+                               slot_ids=lora.slot_ids)
             else:
-                lora_ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
-                                    seg_starts=lora.seg_starts, seg_slots=lora.seg_slots,
-                                    use_kernels=lora.use_triton)
+                ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
+                               seg_starts=lora.seg_starts, seg_slots=lora.seg_slots)
         return out

@@ -1,5 +1,7 @@
 """Weight-only quantization: an offline transform (float weight -> quantized tensors) plus the linear modules
-that keep the weights quantized in memory and dequantize on the fly.
+that keep the weights quantized in memory and dequantize on the fly. The matmuls go through kernels.ops (the Triton
+kernels or their twins); dequantizing and int4 unpacking are kernels.quant_reference's, the format's one
+implementation.
 
 Formats (rows = output features, columns = input features, groups run along the input):
 - dense: weight [out, in] in the model dtype.
@@ -16,6 +18,9 @@ import itertools
 
 import torch
 from torch import nn
+
+from kernels import ops
+from kernels.quant_reference import dequantize_int4, dequantize_int8, unpack_int4
 
 INT4_GROUP_SIZE = 32
 
@@ -56,24 +61,14 @@ class Int8Linear(nn.Module):
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
-    def _dequant(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        group = self.qweight.shape[1] // self.scales.shape[1]
-        w = q.to(dtype).unflatten(-1, (-1, group)) * scales.to(dtype).unsqueeze(-1)
-        return w.flatten(-2)
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._dequant(self.qweight, self.scales, dtype)
+        return dequantize_int8(self.qweight, self.scales, dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._dequant(self.qweight[ids], self.scales[ids], dtype)
+        return dequantize_int8(self.qweight[ids], self.scales[ids], dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # the Triton kernel dequantizes in registers; elsewhere dequantize, then matmul
-            from kernels.int8_matmul import int8_matmul
-
-            y = int8_matmul(x, self.qweight, self.scales)
-            return y if self.bias is None else y + self.bias
-        return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return ops.int8_matmul(x, self.qweight, self.scales, self.bias)
 
 
 class Int4Linear(nn.Module):
@@ -94,24 +89,14 @@ class Int4Linear(nn.Module):
     def out_features(self) -> int:
         return self.packed.shape[0]
 
-    def _dequant(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
-        q = unpack_int4(packed, scales.shape[-1]).to(dtype)  # [..., groups, group]
-        return (q * scales.to(dtype).unsqueeze(-1) + mins.to(dtype).unsqueeze(-1)).flatten(-2)
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._dequant(self.packed, self.scales, self.mins, dtype)
+        return dequantize_int4(self.packed, self.scales, self.mins, dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._dequant(self.packed[ids], self.scales[ids], self.mins[ids], dtype)
+        return dequantize_int4(self.packed[ids], self.scales[ids], self.mins[ids], dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from kernels.int4_matmul import int4_matmul
-
-            y = int4_matmul(x, self.packed, self.scales, self.mins)
-            return y if self.bias is None else y + self.bias
-        return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return ops.int4_matmul(x, self.packed, self.scales, self.mins, self.bias)
 
 
 class Int4CpuLinear(nn.Module):
@@ -127,7 +112,7 @@ class Int4CpuLinear(nn.Module):
         groups = source.scales.shape[1]
         self.group_size = source.packed.shape[1] * 2 // groups
         self.in_features = source.packed.shape[1] * 2
-        codes = unpack_int4(source.packed, groups).reshape(source.packed.shape[0], -1).to(torch.int32)
+        codes = unpack_int4(source.packed, groups).to(torch.int32)  # [out, in]
         self.register_buffer("cpu_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale: [groups, out, 2]
         scales, mins = source.scales.float(), source.mins.float()
@@ -172,12 +157,6 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
             setattr(module, name, Int4CpuLinear(child))
         else:
             swap_for_cpu(child, keep)
-
-
-def unpack_int4(packed: torch.Tensor, groups: int) -> torch.Tensor:
-    """[..., in // 2] uint8 -> [..., groups, group] uint8 codes in 0..15 (see the module docstring's layout)."""
-    p = packed.unflatten(-1, (groups, -1))
-    return torch.cat([p & 0x0F, p >> 4], dim=-1)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

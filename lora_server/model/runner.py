@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from adapters.peft_format import BaseShapes, LoraAdapter
-from kernels import lora_ops
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arch import ModelArch
@@ -164,7 +163,7 @@ class ModelRunner:
 
     def _lora_batch(self, items: list[tuple[Sequence, int]]) -> LoraBatch | None:
         """Segments of consecutive tokens that share an adapter slot (each request's tokens are contiguous);
-        decode-only steps on the GPU also get the per-token form for the BGMV kernels."""
+        decode-only steps also get the per-token form (BGMV)."""
         if all(r.lora_slot < 0 for r, _ in items):
             return None
         seg_starts, seg_slots = [0], list[int]()
@@ -174,14 +173,13 @@ class ModelRunner:
             else:
                 seg_slots.append(request.lora_slot)
                 seg_starts.append(seg_starts[-1] + n)
-        triton = lora_ops.use_triton(self.device, interpret=False)  # Triton on CUDA, the torch twin on the CPU
         decode_only = all(n == 1 for _, n in items)
-        slot_ids = [r.lora_slot for r, _ in items] if triton and decode_only else None
+        slot_ids = [r.lora_slot for r, _ in items] if decode_only else None
 
         def dev(data: list[int]) -> torch.Tensor:
             return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
 
-        return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids), triton)
+        return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids))
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:

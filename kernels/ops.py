@@ -1,0 +1,139 @@
+"""The one switch between the Triton kernels and their torch twins, and the ops the model calls through it.
+
+``use_kernels(device)`` decides: the Triton kernels for tensors on CUDA where triton is installed, the torch twins
+(kernels.reference, kernels.lora_reference, kernels.quant_reference) everywhere else, the CPU included. Each op
+below asks it for its tensors' device and returns what its kernel wrapper's docstring states; the twins compute the
+same thing. Callers never choose: the test tier runs the kernel wrappers themselves under the Triton interpreter.
+Kernel modules are imported on first use, so CPU machines need no triton.
+
+LoRA shapes: x [T, in]; out [T, out_total], x's dtype; lora_a [K, slots, R, in] and lora_b [slots, out_total, R],
+x's dtype, scaling folded into B, columns r >= ranks[s] zero and never read; ranks [slots]; y [K, T, R] float32;
+slice_starts [K + 1] (list or tensor), slice k = out columns slice_starts[k]:slice_starts[k + 1]. The token to
+slot mapping: either slot_ids [T] (per row, BGMV) or seg_starts [S + 1] with seg_slots [S] (contiguous segments,
+SGMV); -1 = no adapter; integer tensors int32 or int64, on x's device."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kernels import lora_reference, quant_reference, reference
+
+
+def use_kernels(device: torch.device | str) -> bool:
+    """True where the ops run the Triton kernels: a CUDA device, with triton installed. False elsewhere (the CPU,
+    or CUDA without triton): the torch twins run. Whatever TRITON_INTERPRET says."""
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _segments(slot_ids: torch.Tensor | None, seg_starts: torch.Tensor | None,
+              seg_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(seg_starts, seg_slots) for the segmented form, None for the per-row form; asserts exactly one is given."""
+    if slot_ids is not None:
+        assert seg_starts is None and seg_slots is None, "give slot_ids or (seg_starts, seg_slots), not both"
+        return None
+    assert seg_starts is not None and seg_slots is not None, "give slot_ids, or both seg_starts and seg_slots"
+    return seg_starts, seg_slots
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, *, slot_ids: torch.Tensor | None = None,
+                seg_starts: torch.Tensor | None = None, seg_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """y [K, T, R] float32: y[k, t, :r] = x[t].float() @ lora_a[k, s, :r].float().T for tokens with slot s >= 0
+    and r = ranks[s]; zeros elsewhere (kernels.sgmv_shrink / bgmv_shrink)."""
+    segments = _segments(slot_ids, seg_starts, seg_slots)
+    if segments is not None:
+        if use_kernels(x.device):
+            from kernels.sgmv_shrink import sgmv_shrink
+
+            return sgmv_shrink(x, lora_a, ranks, *segments)
+        return lora_reference.sgmv_shrink(x, lora_a, ranks, *segments)
+    assert slot_ids is not None
+    if use_kernels(x.device):
+        from kernels.bgmv_shrink import bgmv_shrink
+
+        return bgmv_shrink(x, lora_a, ranks, slot_ids)
+    return lora_reference.bgmv_shrink(x, lora_a, ranks, slot_ids)
+
+
+def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, slice_starts: Sequence[int] | torch.Tensor,
+                out: torch.Tensor, *, slot_ids: torch.Tensor | None = None, seg_starts: torch.Tensor | None = None,
+                seg_slots: torch.Tensor | None = None) -> None:
+    """In place: out[t, a:b] += y[k, t, :r].to(lora_b.dtype) @ lora_b[s, a:b, :r].T for every slice k = a:b and
+    token with slot s >= 0, r = ranks[s] (float32 accumulation, one rounding to out's dtype); rows with slot -1 are
+    not touched (kernels.sgmv_expand / bgmv_expand)."""
+    segments = _segments(slot_ids, seg_starts, seg_slots)
+    if segments is not None:
+        if use_kernels(out.device):
+            from kernels.sgmv_expand import sgmv_expand
+
+            sgmv_expand(y, lora_b, ranks, slice_starts, *segments, out)
+        else:
+            lora_reference.sgmv_expand(y, lora_b, ranks, slice_starts, *segments, out)
+        return
+    assert slot_ids is not None
+    if use_kernels(out.device):
+        from kernels.bgmv_expand import bgmv_expand
+
+        bgmv_expand(y, lora_b, ranks, slice_starts, slot_ids, out)
+    else:
+        lora_reference.bgmv_expand(y, lora_b, ranks, slice_starts, slot_ids, out)
+
+
+def apply_lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
+               slice_starts: Sequence[int] | torch.Tensor, *, slot_ids: torch.Tensor | None = None,
+               seg_starts: torch.Tensor | None = None, seg_slots: torch.Tensor | None = None) -> None:
+    """out += LoRA(x), in place: lora_expand(lora_shrink(x, ...), ...) with the same mapping."""
+    mapping = {"slot_ids": slot_ids, "seg_starts": seg_starts, "seg_slots": seg_slots}
+    lora_expand(lora_shrink(x, lora_a, ranks, **mapping), lora_b, ranks, slice_starts, out, **mapping)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """In place: k_cache.view(-1, KVH, D)[slot_mapping] = k, and v alike (kernels.write_kv; the twin needs every
+    slot >= 0)."""
+    if use_kernels(k.device):
+        from kernels.write_kv import write_kv_cache as kernel
+
+        kernel(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    max_query_len: int) -> torch.Tensor:
+    """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
+    steps and prefill chunks alike (kernels.paged_attention; the twin needs no max_query_len)."""
+    if use_kernels(q.device):
+        from kernels.paged_attention import paged_attention as kernel
+
+        return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int8 weights (kernels.int8_matmul). Without the
+    kernels: F.linear over the twin's dequantize_int8(qweight, scales, x.dtype), which for float32 x is bit for
+    bit the twin quant_reference.int8_matmul (and folds the bias in as F.linear does)."""
+    if use_kernels(x.device):
+        from kernels.int8_matmul import int8_matmul as kernel
+
+        y = kernel(x, qweight, scales)
+        return y if bias is None else y + bias
+    return F.linear(x, quant_reference.dequantize_int8(qweight, scales, x.dtype), bias)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int4 weights (kernels.int4_matmul). Without the
+    kernels: F.linear over the twin's dequantize_int4(packed, scales, mins, x.dtype), as int8_matmul."""
+    if use_kernels(x.device):
+        from kernels.int4_matmul import int4_matmul as kernel
+
+        y = kernel(x, packed, scales, mins)
+        return y if bias is None else y + bias
+    return F.linear(x, quant_reference.dequantize_int4(packed, scales, mins, x.dtype), bias)
