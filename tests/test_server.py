@@ -290,3 +290,67 @@ def test_two_replicas_share_redis(dirs):
     finally:
         redis.terminate()
         redis.wait(timeout=10)
+
+
+def test_first_hour(tmp_path):
+    """What a newcomer meets: the start-up summary, the registry in the user's data directory (nothing in the working
+    directory), every served adapter listed with its source and in agreement with /admin/pool, 409 for a name
+    already served unless replace, and a tenant warned about adapters that are not registered."""
+    xdg = tmp_path / "xdg"
+    work = tmp_path / "work"
+    work.mkdir()
+    roots = tmp_path / "adapters"
+    s = Server(tmp_path, [roots], ["--allow-anonymous", "--adapter", f"own={write_adapter(roots / 'own', 3)},upper"],
+               env={"XDG_DATA_HOME": str(xdg), "LORA_SERVER_DATA_DIR": ""}, data_dir_flag=False)
+    try:
+        log = s.log_text()
+        for line in ("serving SmolLM2-135M-Instruct: gguf weights from", "device budget:", "adapter slots",
+                     "adapters: command line: own; demo: upper", f"adapter roots: {roots}",
+                     f"registry: sqlite at {xdg / 'lora-server'} (the user's data directory (XDG))",
+                     "admin key: --admin-key", f"listening on http://127.0.0.1:{s.port}"):
+            assert line in log, line
+        assert (xdg / "lora-server" / "registry.sqlite3").is_file()
+        listed = {a["name"]: a for a in s.admin("GET", "/admin/adapters").json()["data"]}
+        assert {n: a["source"] for n, a in listed.items()} == {"own": "command line", "upper": "demo"}
+        assert listed["own"]["path"] == str(roots / "own")
+        pool = s.admin("GET", "/admin/pool").json()
+        assert sorted(listed) == pool["registered_adapters"]
+        assert sum(a["state"] == "resident" for a in listed.values()) == pool["resident_adapters"]
+        again = s.admin("POST", "/admin/adapters", json={"name": "own", "path": str(roots / "own")})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "adapter_exists"
+        replaced = s.admin("POST", "/admin/adapters", json={"name": "own", "path": str(roots / "own"),
+                                                             "replace": True})
+        assert replaced.status_code == 200 and replaced.json()["version"] == 2
+        vllm = s.admin("POST", "/v1/load_lora_adapter", json={"lora_name": "upper", "lora_path": str(roots / "own")})
+        assert vllm.status_code == 409
+        outside = s.admin("POST", "/admin/adapters", json={"name": "x", "path": str(tmp_path / "elsewhere")})
+        assert outside.status_code == 400 and str(roots) in outside.json()["error"]["message"]
+        tenant = s.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["own", "ghost"]}).json()
+        assert tenant["warnings"] == ["adapter 'ghost' is not registered: the tenant's requests for it get 404 "
+                                      "until it is"]
+    finally:
+        s.stop()
+
+
+def test_only_the_shipped_demo_adapters_are_served(tmp_path, monkeypatch):
+    import adapters
+
+    for name in ("upper", "dropped"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    monkeypatch.setattr(adapters, "DEMO_DIR", tmp_path)
+    assert adapters.demo_adapters() == {"upper": tmp_path / "upper"}
+
+
+def test_help_is_a_manual():
+    from lora_server.cli import main_parser
+
+    parser = main_parser()
+    assert "OpenAI-compatible" in parser.format_help()
+    sub = parser._subparsers._group_actions[0].choices  # the sub-commands' parsers
+    for name, command in sub.items():
+        for action in command._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help"
+                if action.default not in (None, False) and not isinstance(action.default, bool):
+                    assert "default" in action.help, f"{name} {action.option_strings[0]} does not say its default"

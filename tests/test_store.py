@@ -1,5 +1,6 @@
 """The registry store, one suite over both backends: SQLite on a temporary file, and Redis on a real
-``redis-server`` that this module starts (``bash .ci/setup --tests`` installs it; the tests fail without it). The fault and
+``redis-server`` that this module starts (``bash .ci/setup --tests`` installs it; the tests fail without it). The
+fault and
 persistence tests start, stop and freeze redis-servers of their own, on free ports."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from lora_server.model.lora import LoraBatch
 from lora_server.sampling_params import SamplingParams
 
 
-class Sequence(Protocol):
+class ScheduledSequence(Protocol):
     """What the runner and the sampler read of a scheduled request (the engine's Request is one); they never
     change it."""
 

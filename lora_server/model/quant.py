@@ -15,6 +15,7 @@ Formats (rows = output features, columns = input features, groups run along the 
 from __future__ import annotations
 
 import itertools
+from typing import cast
 
 import torch
 from torch import nn
@@ -205,12 +206,14 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
     kinds = {type(p) for p in parts}
     groups = {getattr(p, "scales", None).shape[1] for p in parts if hasattr(p, "scales")}  # type: ignore[union-attr]
     if kinds == {DenseLinear}:
-        return DenseLinear(torch.cat([p.weight for p in parts]), bias)  # type: ignore[union-attr]
+        return DenseLinear(torch.cat([cast(DenseLinear, p).weight for p in parts]), bias)
     if kinds == {Int8Linear} and len(groups) == 1:
-        return Int8Linear(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
+        int8 = [cast(Int8Linear, p) for p in parts]
+        return Int8Linear(torch.cat([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), bias)
     if kinds == {Int4Linear} and len(groups) == 1:
-        return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
-                          torch.cat([p.mins for p in parts]), bias)
+        int4 = [cast(Int4Linear, p) for p in parts]
+        return Int4Linear(torch.cat([p.packed for p in int4]), torch.cat([p.scales for p in int4]),
+                          torch.cat([p.mins for p in int4]), bias)
     w = torch.cat([p.dequantize(torch.float32) for p in parts])
     return Int8Linear(*quantize_int8(w), bias=bias)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -14,11 +15,13 @@ from adapters.peft_format import BaseShapes, LoraAdapter
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arch import ModelArch
-from lora_server.model.batch import ForwardBatch, Sequence
+from lora_server.model.batch import ForwardBatch, ScheduledSequence
 from lora_server.model.llama import LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraSlots
 from lora_server.model.sampler import Sampler, SampleResult
+
+S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -119,7 +122,7 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         return adapter_s
 
-    def prepare(self, items: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+    def prepare(self, items: Sequence[tuple[S, int]]) -> tuple[ForwardBatch, list[S]]:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
         sample a token this step (those whose chunk reaches their last token), in logits-row order."""
         input_ids: list[int] = []
@@ -128,7 +131,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         starts = [0]
         logits_rows: list[int] = []
-        sampling: list[Sequence] = []
+        sampling: list[S] = []
         bs = self.block_size
         for request, n in items:
             start = request.num_computed_tokens
@@ -161,7 +164,7 @@ class ModelRunner:
         )
         return batch, sampling
 
-    def _lora_batch(self, items: list[tuple[Sequence, int]]) -> LoraBatch | None:
+    def _lora_batch(self, items: Sequence[tuple[ScheduledSequence, int]]) -> LoraBatch | None:
         """Segments of consecutive tokens that share an adapter slot (each request's tokens are contiguous);
         decode-only steps also get the per-token form (BGMV)."""
         if all(r.lora_slot < 0 for r, _ in items):
@@ -182,7 +185,7 @@ class ModelRunner:
         return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids))
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
+    def execute(self, items: Sequence[tuple[S, int]]) -> tuple[list[S], SampleResult | None]:
         """Run one step; returns the requests that sampled and their tokens (None when nobody sampled)."""
         batch, sampling = self.prepare(items)
         hidden = self.model(batch, self._kv_caches())

@@ -6,11 +6,12 @@ other requests share the batch, nor on preemption."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lora_server.model.batch import Sequence
+from lora_server.model.batch import ScheduledSequence
 
 _NEG_INF = float("-inf")
 NON_FINITE = -1  # the token id of a row whose logits were not finite
@@ -27,7 +28,7 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, requests: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> SampleResult:
         """logits: [S, vocab] float32, row i belongs to requests[i] (whose token_ids do not yet hold the new token).
         A row whose logits are not all finite (an adapter's or the model's arithmetic overflowed) samples no token:
         its token id is NON_FINITE, and the engine fails that request alone."""
@@ -53,7 +54,7 @@ class Sampler:
                          strict=True)) for i, r in enumerate(requests)]
         return SampleResult(token_list, chosen, tops)
 
-    def _apply_penalties_and_masks(self, logits: torch.Tensor, requests: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties_and_masks(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> torch.Tensor:
         for i, r in enumerate(requests):
             p = r.params
             if p.repetition_penalty != 1.0:
@@ -74,7 +75,7 @@ class Sampler:
                 logits[i, banned] = _NEG_INF
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> torch.Tensor:
         """logits: [R, vocab] of the non-greedy rows -> [R] tokens."""
         device = logits.device
         temps = torch.tensor([r.params.temperature for r in requests], device=device)
