@@ -189,23 +189,46 @@ def test_abort_frees_blocks(prompts):
     assert not engine.core.pool.held_blocks()  # no request holds a block
 
 
-def test_quantized_modes_agree_and_shrink(prompts, capsys):
-    """Greedy agreement of int8 / int4 / the GGUF's own blocks with fp32, and resident weight bytes."""
-    ref = _engine(quantization="none")
-    ref_out = [c.token_ids for c in ref.generate(prompts, GREEDY)]
-    sizes = {"none": resident_bytes(ref.core.runner.model)}
-    agree = {}
-    for mode in ("int8", "int4", "auto"):
+# Greedy agreement with fp32 (the share of the 5 x 24 tokens generated before each prompt's first divergence) and,
+# at each first divergence, how far the fp32 model's own choice was ahead of the quantized model's choice (nats).
+# Weight-only quantization moves the logits a little, so greedy decoding can only switch where fp32 was nearly
+# undecided. The fp32 reference is engine_fp32, whose greedy tokens equal HF transformers' on these prompts
+# (test_model_vs_hf). The file holds the layers' linears in Q4_1 and the embedding (tied to the output head) in
+# Q8_0; a mode keeps the blocks already in its format. Bounds: measured on these prompts (x86 CPU, torch 2.13),
+# then loosened with margin:
+#   int8 (the Q4_1 linears re-quantized per output channel, fp32 activations): agreement 115/120 = 0.96,
+#        divergences at fp32's runner-up, at most 0.23 nats behind -> bound 0.85, runner-up within 0.5 nats;
+#   auto (the file's blocks, the numbers HF dequantizes; the CPU int4 kernel rounds activations to bf16):
+#        105/120 = 0.875, runner-up, at most 0.02 nats behind -> bound 0.75, runner-up within 0.5 nats;
+#   int4 (as auto, and the embedding / output head re-quantized from 8 to 4 bits, groups of 32): 32/120 = 0.27,
+#        divergences at fp32 ranks 1-2, at most 0.46 nats behind -> bound 0.12 (a broken int4 path agrees on ~0
+#        tokens), inside fp32's top 5 within 1.0 nats.
+QUANT_BOUNDS = {  # mode: (min agreement, max fp32 rank of the diverging token, max nats behind fp32's token)
+    "int8": (0.85, 1, 0.5),
+    "auto": (0.75, 1, 0.5),
+    "int4": (0.12, 4, 1.0),
+}
+
+
+def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
+    """Greedy agreement of int8 / int4 / the GGUF's own blocks with fp32 (bounds in QUANT_BOUNDS), divergences only
+    where fp32 was nearly undecided, and resident weight bytes (int8 one byte a weight, int4 half of that)."""
+    ref = engine_fp32.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5))
+    sizes = {"none": resident_bytes(engine_fp32.core.runner.model)}
+    for mode, (min_agree, max_rank, max_behind) in QUANT_BOUNDS.items():
         engine = _engine(quantization=mode)
         sizes[mode] = resident_bytes(engine.core.runner.model)
         outs = [c.token_ids for c in engine.generate(prompts, GREEDY)]
-        # agreement: the share of tokens before the first divergence, over all prompts
-        same = sum(next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(r))
-                   for o, r in zip(outs, ref_out, strict=True))
-        agree[mode] = same / sum(len(r) for r in ref_out)
-    with capsys.disabled():
-        print("\nresident weight bytes:", {k: f"{v / 1e6:.1f} MB" for k, v in sizes.items()},
-              "greedy agreement with fp32:", {k: f"{v:.0%}" for k, v in agree.items()})
-    assert sizes["int8"] < 0.3 * sizes["none"] and sizes["int4"] < 0.7 * sizes["int8"]
-    assert sizes["auto"] < sizes["int8"]
-    assert agree["auto"] >= 0.5 and agree["int8"] >= 0.5
+        same = 0
+        for out, r in zip(outs, ref, strict=True):
+            first = next((i for i, (a, b) in enumerate(zip(out, r.token_ids, strict=True)) if a != b), None)
+            same += len(out) if first is None else first
+            if first is not None:
+                top = [t for t, _ in r.logprobs[first].top]  # fp32's 5 best at the step, best first
+                assert out[first] in top[:max_rank + 1], (mode, first, top)
+                behind = r.logprobs[first].logprob - dict(r.logprobs[first].top)[out[first]]
+                assert behind <= max_behind, (mode, first, behind)
+        agreement = same / sum(len(r.token_ids) for r in ref)
+        assert agreement >= min_agree, (mode, agreement)
+    assert sizes["int8"] < 0.3 * sizes["none"] and sizes["int4"] < 0.7 * sizes["int8"], sizes
+    assert sizes["auto"] < sizes["int8"], sizes

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
 from admin.open_store import open_store
@@ -55,7 +56,6 @@ def _start_redis(workdir: Path, port: int, *options: str) -> subprocess.Popen:
     """A redis-server on 127.0.0.1:``port`` with its files in ``workdir`` and ``options``, once it answers PING."""
     binary = shutil.which("redis-server")
     assert binary is not None, "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
-    redis = pytest.importorskip("redis", reason="the redis Python package is not installed (pip install redis)")
     log_path = workdir / f"redis-{port}.log"
     with log_path.open("a") as log:
         server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
@@ -135,8 +135,6 @@ def _sqlite_backend(data_dir: Path, opened: list[RegistryStore]) -> Backend:
 
 
 def _redis_backend(url: str, opened: list[RegistryStore]) -> Backend:
-    import redis
-
     prefix = f"test-{uuid.uuid4().hex}:"  # a fresh namespace per test: tests share the server
 
     def open_() -> RegistryStore:

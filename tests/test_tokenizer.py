@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
+import transformers
 
 from lora_server.engine.tokenizer import Tokenizer
 
@@ -38,7 +40,6 @@ def ours(model_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref(model_dir: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF_NAME)
 
 
@@ -165,9 +166,7 @@ def hf_dir(ref: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_from_hf_dir_matches_transformers(ref: Any, hf_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    saved = AutoTokenizer.from_pretrained(hf_dir)
+    saved = transformers.AutoTokenizer.from_pretrained(hf_dir)
     tokenizer = Tokenizer.from_hf_dir(hf_dir)
     # The saved tokenizer.json carries transformers' pre-tokenizer, so here transformers is the reference
     # even for whitespace before digits.
@@ -232,7 +231,6 @@ def test_chat_template_errors(hf_dir: Path, tmp_path: Path) -> None:
 
 def _write_gguf(path: Path, model: str, pre: str) -> Path:
     """A tiny byte-level GGUF: specials <|end|> <|eot|> <|bos|>, then Ġ 1 2 a Ġ1 12 (merges 'Ġ 1', '1 2')."""
-    gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
