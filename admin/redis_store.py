@@ -108,9 +108,14 @@ def _tenant_to_json(record: TenantRecord) -> str:
 def _tenant_from_json(text: str) -> TenantRecord:
     fields = json.loads(text)
     key_hashes = fields["key_hashes"] if "key_hashes" in fields else [fields["key_hash"]]
-    return TenantRecord(name=fields["name"], adapters=tuple(fields["adapters"]),
-                        default_adapter=fields["default_adapter"], rate_limits=RateLimits(**fields["rate_limits"]),
-                        key_hashes=tuple(key_hashes), created_at=fields["created_at"])
+    return TenantRecord(
+        name=fields["name"],
+        adapters=tuple(fields["adapters"]),
+        default_adapter=fields["default_adapter"],
+        rate_limits=RateLimits(**fields["rate_limits"]),
+        key_hashes=tuple(key_hashes),
+        created_at=fields["created_at"],
+    )
 
 
 class RedisStore(RegistryStore):
@@ -119,8 +124,13 @@ class RedisStore(RegistryStore):
     def __init__(self, url: str, *, prefix: str = DEFAULT_REDIS_PREFIX, timeout: float = 2.0) -> None:
         self.prefix = prefix
         # redis-py's client draws connections from a thread-safe pool, so one client serves all threads.
-        self._redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout,
-                                           socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+        self._redis = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
         connection = self._redis.connection_pool.connection_kwargs
         self.address = connection.get("path") or f"{connection.get('host')}:{connection.get('port')}"
         self._take_script = self._redis.register_script(_TAKE_SCRIPT)
@@ -153,9 +163,12 @@ class RedisStore(RegistryStore):
 
         def index(pipe: redis.client.Pipeline) -> None:
             indexed = set(cast(list[str], pipe.hkeys(self._keys_key)))
-            missing = [(key_hash, record.name)
-                       for record in map(_tenant_from_json, cast(list[str], pipe.hvals(self._tenants_key)))
-                       for key_hash in record.key_hashes if key_hash not in indexed]
+            missing = [
+                (key_hash, record.name)
+                for record in map(_tenant_from_json, cast(list[str], pipe.hvals(self._tenants_key)))
+                for key_hash in record.key_hashes
+                if key_hash not in indexed
+            ]
             pipe.multi()
             if missing:
                 pipe.hset(self._keys_key, mapping=dict(missing))
@@ -309,8 +322,9 @@ class RedisStore(RegistryStore):
     # -- rate limits and usage ------------------------------------------------------------------------------------
 
     @_reachable
-    def _take(self, tenant: str, kind: str, window: int, amount: int, limit: int,
-              seconds_left: float) -> tuple[bool, int]:
+    def _take(
+        self, tenant: str, kind: str, window: int, amount: int, limit: int, seconds_left: float
+    ) -> tuple[bool, int]:
         # Kept one window past its end, so that a replica whose clock lags a little still finds the counter.
         expire_s = math.ceil(seconds_left) + RATE_WINDOW_SECONDS
         allowed, used = self._take_script(keys=[self._rate_key(tenant, kind, window)], args=[amount, limit, expire_s])

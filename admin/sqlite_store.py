@@ -54,8 +54,12 @@ _SCHEMA = (
 _ADAPTER_COLUMNS = "name, path, version, pinned, created_at"
 _TENANT_COLUMNS = "name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at"
 # The OperationalErrors that mean the file cannot be used now (busy, gone, unreadable), not that a statement is wrong.
-_UNAVAILABLE_MESSAGES = ("database is locked", "database table is locked", "unable to open database file",
-                         "disk I/O error")
+_UNAVAILABLE_MESSAGES = (
+    "database is locked",
+    "database table is locked",
+    "unable to open database file",
+    "disk I/O error",
+)
 
 
 def _adapter(row: tuple) -> AdapterRecord:
@@ -69,14 +73,22 @@ def _select_tenants(conn: sqlite3.Connection, where: str = "", params: tuple = (
     rows = conn.execute(f"SELECT {_TENANT_COLUMNS} FROM tenants {where} ORDER BY name", params).fetchall()
     key_hashes: dict[str, list[str]] = {}
     for tenant, key_hash in conn.execute(
-            f"SELECT tenant, key_hash FROM tenant_keys WHERE tenant IN (SELECT name FROM tenants {where}) "
-            "ORDER BY rowid", params):
+        f"SELECT tenant, key_hash FROM tenant_keys WHERE tenant IN (SELECT name FROM tenants {where}) ORDER BY rowid",
+        params,
+    ):
         key_hashes.setdefault(tenant, []).append(key_hash)
     records = []
     for name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at in rows:
-        records.append(TenantRecord(name=name, adapters=tuple(json.loads(adapters)), default_adapter=default_adapter,
-                                    rate_limits=RateLimits(requests_per_minute, tokens_per_minute),
-                                    key_hashes=tuple(key_hashes[name]), created_at=created_at))
+        records.append(
+            TenantRecord(
+                name=name,
+                adapters=tuple(json.loads(adapters)),
+                default_adapter=default_adapter,
+                rate_limits=RateLimits(requests_per_minute, tokens_per_minute),
+                key_hashes=tuple(key_hashes[name]),
+                created_at=created_at,
+            )
+        )
     return records
 
 
@@ -111,8 +123,10 @@ class SQLiteStore(RegistryStore):
         with self._transaction() as conn:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path} has schema version {version}, written by a newer lora-server; "
-                                   f"this one knows versions up to {SCHEMA_VERSION}")
+                raise RuntimeError(
+                    f"{self.path} has schema version {version}, written by a newer lora-server; "
+                    f"this one knows versions up to {SCHEMA_VERSION}"
+                )
             if version == 1:
                 _migrate_from_v1(conn)
             for statement in _SCHEMA:
@@ -163,8 +177,10 @@ class SQLiteStore(RegistryStore):
             row = conn.execute("SELECT version FROM adapters WHERE name = ?", (record.name,)).fetchone()
             if row is not None:
                 record = replace(record, version=max(record.version, row[0] + 1))
-            conn.execute(f"INSERT OR REPLACE INTO adapters ({_ADAPTER_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
-                         (record.name, record.path, record.version, int(record.pinned), record.created_at))
+            conn.execute(
+                f"INSERT OR REPLACE INTO adapters ({_ADAPTER_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                (record.name, record.path, record.version, int(record.pinned), record.created_at),
+            )
         return record
 
     def _get_adapter(self, name: str) -> AdapterRecord | None:
@@ -184,12 +200,21 @@ class SQLiteStore(RegistryStore):
         with self._transaction() as conn:
             cursor = conn.execute(
                 f"INSERT OR IGNORE INTO tenants ({_TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                (record.name, json.dumps(list(record.adapters)), record.default_adapter,
-                 record.rate_limits.requests_per_minute, record.rate_limits.tokens_per_minute, record.created_at))
+                (
+                    record.name,
+                    json.dumps(list(record.adapters)),
+                    record.default_adapter,
+                    record.rate_limits.requests_per_minute,
+                    record.rate_limits.tokens_per_minute,
+                    record.created_at,
+                ),
+            )
             if cursor.rowcount == 0:
                 return False
-            conn.executemany("INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)",
-                             [(key_hash, record.name) for key_hash in record.key_hashes])
+            conn.executemany(
+                "INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)",
+                [(key_hash, record.name) for key_hash in record.key_hashes],
+            )
             return True
 
     def _get_tenant(self, name: str) -> TenantRecord | None:
@@ -213,8 +238,9 @@ class SQLiteStore(RegistryStore):
 
     def _tenant_by_key_hash(self, key_hash: str) -> TenantRecord | None:
         with self._transaction(write=False) as conn:
-            records = _select_tenants(conn, "WHERE name = (SELECT tenant FROM tenant_keys WHERE key_hash = ?)",
-                                      (key_hash,))
+            records = _select_tenants(
+                conn, "WHERE name = (SELECT tenant FROM tenant_keys WHERE key_hash = ?)", (key_hash,)
+            )
             return records[0] if records else None
 
     def _add_key(self, name: str, key_hash: str) -> TenantRecord | None:
@@ -235,25 +261,31 @@ class SQLiteStore(RegistryStore):
 
     # -- rate limits and usage ------------------------------------------------------------------------------------
 
-    def _take(self, tenant: str, kind: str, window: int, amount: int, limit: int,
-              seconds_left: float) -> tuple[bool, int]:
+    def _take(
+        self, tenant: str, kind: str, window: int, amount: int, limit: int, seconds_left: float
+    ) -> tuple[bool, int]:
         key = (tenant, kind, window)
         with self._transaction() as conn:
             conn.execute("DELETE FROM rate_windows WHERE tenant = ? AND kind = ? AND window_index < ?", key)
-            row = conn.execute("SELECT used FROM rate_windows WHERE tenant = ? AND kind = ? AND window_index = ?",
-                               key).fetchone()
+            row = conn.execute(
+                "SELECT used FROM rate_windows WHERE tenant = ? AND kind = ? AND window_index = ?", key
+            ).fetchone()
             used = 0 if row is None else row[0]
             if used + amount > limit:
                 return False, used
-            conn.execute("INSERT INTO rate_windows (tenant, kind, window_index, used) VALUES (?, ?, ?, ?) "
-                         "ON CONFLICT (tenant, kind, window_index) DO UPDATE SET used = used + excluded.used",
-                         (*key, amount))
+            conn.execute(
+                "INSERT INTO rate_windows (tenant, kind, window_index, used) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (tenant, kind, window_index) DO UPDATE SET used = used + excluded.used",
+                (*key, amount),
+            )
             return True, used + amount
 
     def _give_back(self, tenant: str, kind: str, window: int, amount: int) -> None:
         with self._transaction() as conn:
-            conn.execute("UPDATE rate_windows SET used = MAX(0, used - ?) "
-                         "WHERE tenant = ? AND kind = ? AND window_index = ?", (amount, tenant, kind, window))
+            conn.execute(
+                "UPDATE rate_windows SET used = MAX(0, used - ?) WHERE tenant = ? AND kind = ? AND window_index = ?",
+                (amount, tenant, kind, window),
+            )
 
     def _add_usage(self, tenant: str, adapter: str, delta: Usage) -> None:
         with self._transaction() as conn:
@@ -262,9 +294,11 @@ class SQLiteStore(RegistryStore):
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, adapter) DO UPDATE SET "
                 "requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
                 "completion_tokens = completion_tokens + excluded.completion_tokens",
-                (tenant, adapter, delta.requests, delta.prompt_tokens, delta.completion_tokens))
+                (tenant, adapter, delta.requests, delta.prompt_tokens, delta.completion_tokens),
+            )
 
     def _usage(self, tenant: str) -> dict[str, Usage]:
-        rows = self._query("SELECT adapter, requests, prompt_tokens, completion_tokens FROM usage WHERE tenant = ?",
-                           (tenant,))
+        rows = self._query(
+            "SELECT adapter, requests, prompt_tokens, completion_tokens FROM usage WHERE tenant = ?", (tenant,)
+        )
         return {adapter: Usage(requests, prompt, completion) for adapter, requests, prompt, completion in rows}

@@ -68,8 +68,9 @@ def validate_name(name: object, what: str) -> str:
     """``name`` itself if it is a valid tenant or adapter name, else ValueError saying why."""
     if isinstance(name, str) and NAME_PATTERN.fullmatch(name):
         return name
-    raise ValueError(f"invalid {what} {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', "
-                     f"starting with a letter or digit")
+    raise ValueError(
+        f"invalid {what} {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    )
 
 
 def key_id(key_hash: str) -> str:
@@ -210,8 +211,13 @@ class RegistryStore(ABC):
 
     # -- tenants --------------------------------------------------------------------------------------------------
 
-    def create_tenant(self, name: str, adapters: Sequence[str], default_adapter: str | None = None,
-                      rate_limits: RateLimits | None = None) -> tuple[TenantRecord, str]:
+    def create_tenant(
+        self,
+        name: str,
+        adapters: Sequence[str],
+        default_adapter: str | None = None,
+        rate_limits: RateLimits | None = None,
+    ) -> tuple[TenantRecord, str]:
         """Create a tenant with a new API key; returns the record and the plaintext key, which is stored nowhere
         and cannot be read back. Raises TenantExistsError if the name is taken, ValueError on invalid arguments."""
         validate_name(name, "tenant name")
@@ -224,8 +230,14 @@ class RegistryStore(ABC):
         if not isinstance(rate_limits, RateLimits):
             raise ValueError(f"rate_limits must be a RateLimits, got {type(rate_limits).__name__}")
         api_key = generate_api_key()
-        record = TenantRecord(name=name, adapters=allowed, default_adapter=default_adapter, rate_limits=rate_limits,
-                              key_hashes=(hash_api_key(api_key),), created_at=time.time())
+        record = TenantRecord(
+            name=name,
+            adapters=allowed,
+            default_adapter=default_adapter,
+            rate_limits=rate_limits,
+            key_hashes=(hash_api_key(api_key),),
+            created_at=time.time(),
+        )
         if not self._insert_tenant(record):
             raise TenantExistsError(name)
         return record, api_key
@@ -343,14 +355,17 @@ class RegistryStore(ABC):
 
     # -- usage ----------------------------------------------------------------------------------------------------
 
-    def add_usage(self, tenant: str, adapter: str | None, prompt_tokens: int, completion_tokens: int,
-                  requests: int = 1) -> None:
+    def add_usage(
+        self, tenant: str, adapter: str | None, prompt_tokens: int, completion_tokens: int, requests: int = 1
+    ) -> None:
         """Add to the tenant's counters for ``adapter`` (None: the base model). Atomic."""
         validate_name(tenant, "tenant name")
         adapter_key = BASE_ADAPTER if adapter is None else validate_name(adapter, "adapter name")
-        delta = Usage(requests=_check_count(requests, "requests"),
-                      prompt_tokens=_check_count(prompt_tokens, "prompt_tokens"),
-                      completion_tokens=_check_count(completion_tokens, "completion_tokens"))
+        delta = Usage(
+            requests=_check_count(requests, "requests"),
+            prompt_tokens=_check_count(prompt_tokens, "prompt_tokens"),
+            completion_tokens=_check_count(completion_tokens, "completion_tokens"),
+        )
         self._add_usage(tenant, adapter_key, delta)
 
     def usage(self, tenant: str) -> dict[str, Usage]:
@@ -370,8 +385,9 @@ class RegistryStore(ABC):
     def __enter__(self) -> RegistryStore:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # -- storage hooks: arguments are validated; each call is atomic -----------------------------------------------
@@ -420,8 +436,9 @@ class RegistryStore(ABC):
         record afterwards (still with ``key_hash`` if it was the last), None if no such tenant."""
 
     @abstractmethod
-    def _take(self, tenant: str, kind: str, window: int, amount: int, limit: int,
-              seconds_left: float) -> tuple[bool, int]:
+    def _take(
+        self, tenant: str, kind: str, window: int, amount: int, limit: int, seconds_left: float
+    ) -> tuple[bool, int]:
         """Add ``amount`` to counter (tenant, kind, window) unless that would exceed ``limit``; returns (allowed,
         the counter afterwards). ``seconds_left`` is the window's remaining time, for expiring the counter."""
 
@@ -439,4 +456,3 @@ class RegistryStore(ABC):
 def _holds(record: TenantRecord, api_key: str) -> bool:
     """Whether ``api_key`` is one of the tenant's keys; every hash is compared, each in constant time."""
     return any([verify_api_key(api_key, h) for h in record.key_hashes])
-

@@ -14,12 +14,23 @@ from kernels.sgmv_expand import slice_table
 
 @triton.jit
 def _bgmv_expand_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, slice_starts_ptr, slot_ids_ptr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    ranks_ptr,
+    slice_starts_ptr,
+    slot_ids_ptr,
     max_rank,
-    stride_yk, stride_yt, stride_yr,
-    stride_bs, stride_bn, stride_br,
-    stride_ot, stride_on,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    stride_yk,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """Program (token, k, n_block): out[token, slice k's columns n_block * BLOCK_N ...] += B[slot, those columns,
     :rank] @ y[k, token, :rank], summing over rank blocks of BLOCK_R. Tokens with slot -1, column blocks past the
@@ -50,8 +61,9 @@ def _bgmv_expand_kernel(
         y_vec = tl.load(y_ptr + k * stride_yk + t * stride_yt + rcols * stride_yr, mask=r_mask, other=0.0)
         # y is rounded to B's dtype, as in the SGMV kernel's tensor-core product (the twin does the same)
         y_vec = y_vec.to(b_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
-        b_tile = tl.load(b_rows + rcols[None, :] * stride_br,
-                         mask=col_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+        b_tile = tl.load(
+            b_rows + rcols[None, :] * stride_br, mask=col_mask[:, None] & r_mask[None, :], other=0.0
+        )  # [BLOCK_N, BLOCK_R]
         acc += tl.sum(b_tile.to(tl.float32) * y_vec[None, :], axis=1)
 
     out_ptrs = out_ptr + t * stride_ot + cols * stride_on
@@ -59,9 +71,17 @@ def _bgmv_expand_kernel(
     tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-                slice_starts: Sequence[int] | torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor, *,
-                block_n: int = 128, block_r: int = 16) -> None:
+def bgmv_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_starts: Sequence[int] | torch.Tensor,
+    slot_ids: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_n: int = 128,
+    block_r: int = 16,
+) -> None:
     """Adds the LoRA B product of every slice into out, in place, in one launch, with one slot per token.
 
     y: [K, T, R] float32 (lora shrink's result); lora_b: [slots, out_total, R], out's dtype; out: [T, out_total];
@@ -93,10 +113,21 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
         return
     grid = (num_tokens, num_slices, triton.cdiv(max_width, block_n))
     _bgmv_expand_kernel[grid](
-        y, lora_b, out, ranks, starts, slot_ids,
+        y,
+        lora_b,
+        out,
+        ranks,
+        starts,
+        slot_ids,
         max_rank,
-        y.stride(0), y.stride(1), y.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_R=block_r,
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        lora_b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
     )

@@ -10,12 +10,25 @@ import triton.language as tl
 
 @triton.jit
 def _bgmv_shrink_kernel(
-    x_ptr, a_ptr, y_ptr, ranks_ptr, slot_ids_ptr,
-    in_features, max_rank,
-    stride_xt, stride_xi,
-    stride_ak, stride_as, stride_ar, stride_ai,
-    stride_yk, stride_yt, stride_yr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    ranks_ptr,
+    slot_ids_ptr,
+    in_features,
+    max_rank,
+    stride_xt,
+    stride_xi,
+    stride_ak,
+    stride_as,
+    stride_ar,
+    stride_ai,
+    stride_yk,
+    stride_yt,
+    stride_yr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """Program (token, k, r_block * SPLIT_K + split): y[k, token, r_block cols] as a matrix-vector product over
     in-features split, split + SPLIT_K, ... (blocks of BLOCK_K). Tokens with slot -1, and rank columns >= the slot's
@@ -41,8 +54,9 @@ def _bgmv_shrink_kernel(
         cols = i0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         col_mask = cols < in_features
         x_vec = tl.load(x_ptr + t * stride_xt + cols * stride_xi, mask=col_mask, other=0.0)  # [BLOCK_K]
-        a_tile = tl.load(a_rows + cols[None, :] * stride_ai,
-                         mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K]
+        a_tile = tl.load(
+            a_rows + cols[None, :] * stride_ai, mask=r_mask[:, None] & col_mask[None, :], other=0.0
+        )  # [BLOCK_R, BLOCK_K]
         acc += tl.sum(a_tile.to(tl.float32) * x_vec.to(tl.float32)[None, :], axis=1)
 
     y_ptrs = y_ptr + k * stride_yk + t * stride_yt + rcols * stride_yr
@@ -52,8 +66,16 @@ def _bgmv_shrink_kernel(
         tl.atomic_add(y_ptrs, acc, mask=r_mask)
 
 
-def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, slot_ids: torch.Tensor, *,
-                block_r: int = 16, block_k: int = 256, split_k: int = 1) -> torch.Tensor:
+def bgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    slot_ids: torch.Tensor,
+    *,
+    block_r: int = 16,
+    block_k: int = 256,
+    split_k: int = 1,
+) -> torch.Tensor:
     """The LoRA A product of every slice with one slot per token, in one launch.
 
     x: [T, in]; lora_a: [K, slots, R, in], x's dtype; ranks: [slots]; slot_ids: [T] (-1 = no adapter); integer
@@ -81,11 +103,24 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, slot
         return y
     grid = (num_tokens, num_slices, triton.cdiv(max_rank, block_r) * split_k)
     _bgmv_shrink_kernel[grid](
-        x, lora_a, y, ranks, slot_ids,
-        in_features, max_rank,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
-        y.stride(0), y.stride(1), y.stride(2),
-        BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        x,
+        lora_a,
+        y,
+        ranks,
+        slot_ids,
+        in_features,
+        max_rank,
+        x.stride(0),
+        x.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        lora_a.stride(2),
+        lora_a.stride(3),
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
     )
     return y

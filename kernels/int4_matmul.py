@@ -26,11 +26,33 @@ def _dequant_nibbles(codes, s, mn, GROUPS_PER_TILE: tl.constexpr, ROWS: tl.const
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, packed_ptr, scales_ptr, mins_ptr, y_ptr,
-    M, N, K, half_group, num_groups,
-    stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sg, stride_mn, stride_mg, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    mins_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    half_group,
+    num_groups,
+    stride_xm,
+    stride_xk,
+    stride_pn,
+    stride_pk,
+    stride_sn,
+    stride_sg,
+    stride_mn,
+    stride_mg,
+    stride_ym,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (m_block, n_block, split): y[rows, cols] summed over the K blocks split, split + SPLIT_K, ...; a K
     block is BLOCK_K // 2 packed bytes per weight row. Byte p of a row (group p // half_group, j = p % half_group)
@@ -60,8 +82,9 @@ def _int4_matmul_kernel(
         x_mask = row_mask[:, None] & p_mask[None, :]
         x_lo = tl.load(x_rows + k_lo[None, :] * stride_xk, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_P]
         x_hi = tl.load(x_rows + (k_lo + half_group)[None, :] * stride_xk, mask=x_mask, other=0.0)
-        codes = tl.load(p_cols + ps[:, None] * stride_pk, mask=p_mask[:, None] & col_mask[None, :],
-                        other=0)  # [BLOCK_P, BLOCK_N] uint8
+        codes = tl.load(
+            p_cols + ps[:, None] * stride_pk, mask=p_mask[:, None] & col_mask[None, :], other=0
+        )  # [BLOCK_P, BLOCK_N] uint8
         groups = p0 // half_group + tl.arange(0, GROUPS_PER_TILE)  # [GROUPS_PER_TILE]
         g_mask = (groups < num_groups)[:, None] & col_mask[None, :]
         s = tl.load(s_cols + groups[:, None] * stride_sg, mask=g_mask, other=0.0).to(tl.float32)
@@ -85,9 +108,18 @@ def _int4_matmul_kernel(
         tl.atomic_add(y_ptrs, acc, mask=y_mask)
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, *,
-                block_m: int = 16, block_n: int = 64, block_k: int = 128, split_k: int = 1,
-                num_warps: int = 4) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    *,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+    split_k: int = 1,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """y = x @ dequant(W).T for int4 weights, in one launch.
 
     x: [M, K] fp32, fp16 or bf16, any strides; packed: uint8 [N, K // 2]; scales, mins: fp16 (or any float)
@@ -108,8 +140,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     assert packed.dtype == torch.uint8, packed.dtype
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
     assert scales.shape == mins.shape, f"scales {tuple(scales.shape)} != mins {tuple(mins.shape)}"
-    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, \
+    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, (
         f"scales {tuple(scales.shape)} do not group packed {tuple(packed.shape)}"
+    )
     assert scales.is_floating_point() and mins.is_floating_point(), (scales.dtype, mins.dtype)
     for t in (packed, scales, mins):
         assert t.device == x.device, (t.device, x.device)
@@ -127,12 +160,33 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
     in_fp32 = dot_in_fp32(x)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n), split_k)
     _int4_matmul_kernel[grid](
-        x, packed, scales, mins, y,
-        num_rows, n, k, group // 2, num_groups,
-        x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
-        mins.stride(0), mins.stride(1), y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUPS_PER_TILE=gpt, SPLIT_K=split_k,
-        DOT_IN_FP32=in_fp32, PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
+        x,
+        packed,
+        scales,
+        mins,
+        y,
+        num_rows,
+        n,
+        k,
+        group // 2,
+        num_groups,
+        x.stride(0),
+        x.stride(1),
+        packed.stride(0),
+        packed.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        mins.stride(0),
+        mins.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUPS_PER_TILE=gpt,
+        SPLIT_K=split_k,
+        DOT_IN_FP32=in_fp32,
+        PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
     return y.to(x.dtype)

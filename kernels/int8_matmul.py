@@ -13,11 +13,30 @@ import triton.language as tl
 
 @triton.jit
 def _int8_matmul_kernel(
-    x_ptr, qweight_ptr, scales_ptr, y_ptr,
-    M, N, K, group, num_groups,
-    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    group,
+    num_groups,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qk,
+    stride_sn,
+    stride_sg,
+    stride_ym,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (m_block, n_block, split): y[rows, cols] summed over the K blocks split, split + SPLIT_K, ... A K
     block lies inside one group or covers GROUPS_PER_TILE whole groups (the wrapper checks), so its scales are a
@@ -41,8 +60,9 @@ def _int8_matmul_kernel(
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         q = tl.load(q_cols + ks[:, None] * stride_qk, mask=k_mask[:, None] & col_mask[None, :], other=0)
         groups = k0 // group + tl.arange(0, GROUPS_PER_TILE)  # [GROUPS_PER_TILE]
-        s = tl.load(s_cols + groups[:, None] * stride_sg, mask=(groups < num_groups)[:, None] & col_mask[None, :],
-                    other=0.0).to(tl.float32)  # [GROUPS_PER_TILE, BLOCK_N]
+        s = tl.load(
+            s_cols + groups[:, None] * stride_sg, mask=(groups < num_groups)[:, None] & col_mask[None, :], other=0.0
+        ).to(tl.float32)  # [GROUPS_PER_TILE, BLOCK_N]
         if GROUPS_PER_TILE == 1:
             w = q.to(tl.float32) * s  # [BLOCK_K, BLOCK_N] = dequant(W)[cols, ks].T
         else:
@@ -85,8 +105,17 @@ def dot_in_fp32(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, block_m: int = 16,
-                block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+    split_k: int = 1,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """y = x @ dequant(W).T for int8 weights, in one launch.
 
     x: [M, K] fp32, fp16 or bf16, any strides; qweight: int8 [N, K]; scales: fp16 (or any float) [N, K // group].
@@ -103,8 +132,9 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
     assert qk == k, f"qweight in-features {qk} != x's {k}"
     assert qweight.dtype == torch.int8, qweight.dtype
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, \
+    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, (
         f"scales {tuple(scales.shape)} do not group qweight {tuple(qweight.shape)}"
+    )
     assert scales.is_floating_point(), scales.dtype
     assert qweight.device == x.device and scales.device == x.device
     assert all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, block_k)), "tl.dot needs powers of two >= 16"
@@ -119,12 +149,30 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
     in_fp32 = dot_in_fp32(x)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n), split_k)
     _int8_matmul_kernel[grid](
-        x, qweight, scales, y,
-        num_rows, n, k, group, num_groups,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUPS_PER_TILE=gpt, SPLIT_K=split_k,
-        DOT_IN_FP32=in_fp32, PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
+        x,
+        qweight,
+        scales,
+        y,
+        num_rows,
+        n,
+        k,
+        group,
+        num_groups,
+        x.stride(0),
+        x.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUPS_PER_TILE=gpt,
+        SPLIT_K=split_k,
+        DOT_IN_FP32=in_fp32,
+        PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
     return y.to(x.dtype)

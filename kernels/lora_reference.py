@@ -41,8 +41,14 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, slot
     return y
 
 
-def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-                slice_starts: Sequence[int] | torch.Tensor, slot_ids: torch.Tensor, out: torch.Tensor) -> None:
+def bgmv_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_starts: Sequence[int] | torch.Tensor,
+    slot_ids: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """In place, for each t with s = slot_ids[t] >= 0, r = ranks[s] and slice k = a:b,
     out[t, a:b] = (out[t, a:b].float() + y[k, t, :r].to(lora_b.dtype).float() @ lora_b[s, a:b, :r].float().T)
     .to(out.dtype). Rows with slot -1 are not touched."""
@@ -59,14 +65,21 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
             out[rows, a:b] = (out[rows, a:b].float() + delta).to(out.dtype)
 
 
-def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor) -> torch.Tensor:
+def sgmv_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor
+) -> torch.Tensor:
     """bgmv_shrink with the per-token slots of the segments (see segment_slot_ids)."""
     return bgmv_shrink(x, lora_a, ranks, segment_slot_ids(seg_starts, seg_slots))
 
 
-def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-                slice_starts: Sequence[int] | torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
-                out: torch.Tensor) -> None:
+def sgmv_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_starts: Sequence[int] | torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """bgmv_expand with the per-token slots of the segments (see segment_slot_ids)."""
     bgmv_expand(y, lora_b, ranks, slice_starts, segment_slot_ids(seg_starts, seg_slots), out)

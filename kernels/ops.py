@@ -29,8 +29,9 @@ def use_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def _segments(slot_ids: torch.Tensor | None, seg_starts: torch.Tensor | None,
-              seg_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _segments(
+    slot_ids: torch.Tensor | None, seg_starts: torch.Tensor | None, seg_slots: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(seg_starts, seg_slots) for the segmented form, None for the per-row form; asserts exactly one is given."""
     if slot_ids is not None:
         assert seg_starts is None and seg_slots is None, "give slot_ids or (seg_starts, seg_slots), not both"
@@ -39,8 +40,15 @@ def _segments(slot_ids: torch.Tensor | None, seg_starts: torch.Tensor | None,
     return seg_starts, seg_slots
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, *, slot_ids: torch.Tensor | None = None,
-                seg_starts: torch.Tensor | None = None, seg_slots: torch.Tensor | None = None) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    *,
+    slot_ids: torch.Tensor | None = None,
+    seg_starts: torch.Tensor | None = None,
+    seg_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y [K, T, R] float32: y[k, t, :r] = x[t].float() @ lora_a[k, s, :r].float().T for tokens with slot s >= 0
     and r = ranks[s]; zeros elsewhere (kernels.sgmv_shrink / bgmv_shrink)."""
     segments = _segments(slot_ids, seg_starts, seg_slots)
@@ -58,9 +66,17 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, *, s
     return lora_reference.bgmv_shrink(x, lora_a, ranks, slot_ids)
 
 
-def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, slice_starts: Sequence[int] | torch.Tensor,
-                out: torch.Tensor, *, slot_ids: torch.Tensor | None = None, seg_starts: torch.Tensor | None = None,
-                seg_slots: torch.Tensor | None = None) -> None:
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_starts: Sequence[int] | torch.Tensor,
+    out: torch.Tensor,
+    *,
+    slot_ids: torch.Tensor | None = None,
+    seg_starts: torch.Tensor | None = None,
+    seg_slots: torch.Tensor | None = None,
+) -> None:
     """In place: out[t, a:b] += y[k, t, :r].to(lora_b.dtype) @ lora_b[s, a:b, :r].T for every slice k = a:b and
     token with slot s >= 0, r = ranks[s] (float32 accumulation, one rounding to out's dtype); rows with slot -1 are
     not touched (kernels.sgmv_expand / bgmv_expand)."""
@@ -82,16 +98,26 @@ def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, slic
         lora_reference.bgmv_expand(y, lora_b, ranks, slice_starts, slot_ids, out)
 
 
-def apply_lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-               slice_starts: Sequence[int] | torch.Tensor, *, slot_ids: torch.Tensor | None = None,
-               seg_starts: torch.Tensor | None = None, seg_slots: torch.Tensor | None = None) -> None:
+def apply_lora(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_starts: Sequence[int] | torch.Tensor,
+    *,
+    slot_ids: torch.Tensor | None = None,
+    seg_starts: torch.Tensor | None = None,
+    seg_slots: torch.Tensor | None = None,
+) -> None:
     """out += LoRA(x), in place: lora_expand(lora_shrink(x, ...), ...) with the same mapping."""
     mapping = {"slot_ids": slot_ids, "seg_starts": seg_starts, "seg_slots": seg_slots}
     lora_expand(lora_shrink(x, lora_a, ranks, **mapping), lora_b, ranks, slice_starts, out, **mapping)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """In place: k_cache.view(-1, KVH, D)[slot_mapping] = k, and v alike (kernels.write_kv; the twin needs every
     slot >= 0)."""
     if use_kernels(k.device):
@@ -102,9 +128,16 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    max_query_len: int) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
     """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
     steps and prefill chunks alike (kernels.paged_attention; the twin needs no max_query_len)."""
     if use_kernels(q.device):
@@ -114,8 +147,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int8 weights (kernels.int8_matmul). Without the
     kernels: F.linear over the twin's dequantize_int8(qweight, scales, x.dtype), which for float32 x is bit for
     bit the twin quant_reference.int8_matmul (and folds the bias in as F.linear does)."""
@@ -127,8 +161,9 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return F.linear(x, quant_reference.dequantize_int8(qweight, scales, x.dtype), bias)
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int4 weights (kernels.int4_matmul). Without the
     kernels: F.linear over the twin's dequantize_int4(packed, scales, mins, x.dtype), as int8_matmul."""
     if use_kernels(x.device):

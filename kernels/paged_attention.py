@@ -13,16 +13,38 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_tb, stride_ti,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_tb,
+    stride_ti,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (b, kv_head, m_tile): the outputs of rows m_tile * BLOCK_M ... of sequence b's (query, head) rows
     of one KV head, row m = query (m // GROUP) with head kv_head * GROUP + m % GROUP, so the GROUP heads that share
@@ -52,8 +74,11 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < HEAD_DIM
 
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     if DOT_IN_FP32:
         q = q.to(tl.float32)
 
@@ -86,13 +111,27 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int, *,
-                    block_m: int | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """Causal grouped-query attention of each sequence's new queries over its paged KV, in one launch and without
     a host sync: the same arguments and result as the twin ``kernels.reference.paged_attention``, plus
 
@@ -142,16 +181,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dot_in_fp32 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
         scale * math.log2(math.e),
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        block_tables.stride(0), block_tables.stride(1),
-        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or q.dtype == torch.float32 else "tf32",
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.stride(3),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        v_cache.stride(3),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        GROUP=group,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_IN_FP32=dot_in_fp32,
+        PRECISION="ieee" if dot_in_fp32 or q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
     return out

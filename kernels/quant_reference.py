@@ -26,8 +26,9 @@ def unpack_int4(packed: torch.Tensor, num_groups: int) -> torch.Tensor:
     return torch.cat([by_group & 0xF, by_group >> 4], dim=-1).flatten(-2)
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[..., K] in dtype: q * scale + min, each scale and min over its group, computed in dtype (all cast to it,
     the product and the sum each rounded once)."""
     num_groups = scales.shape[-1]

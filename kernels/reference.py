@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k_cache.view(-1, kv_heads, head_dim)[slot_mapping] = k (and v alike), in place.
 
     k, v: [tokens, kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim];
@@ -17,8 +18,15 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal grouped-query attention of each sequence's new queries over its paged KV.
 
     q: [tokens, heads, head_dim], the queries of all sequences back to back; sequence b owns rows
@@ -29,7 +37,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
-        q_b = q[starts[b]:starts[b + 1]]  # [n, heads, head_dim]
+        q_b = q[starts[b] : starts[b + 1]]  # [n, heads, head_dim]
         n = q_b.shape[0]
         if n == 0:
             continue
@@ -38,9 +46,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_b = v_cache[blocks].flatten(0, 1)[:seq_len]
         # query i sits at position seq_len - n + i and sees keys 0 ..= that position
         key_pos = torch.arange(seq_len, device=q.device)
-        mask = key_pos[None, :] <= key_pos[seq_len - n:, None]  # [n, seq_len]
+        mask = key_pos[None, :] <= key_pos[seq_len - n :, None]  # [n, seq_len]
         o = F.scaled_dot_product_attention(
-            q_b.transpose(0, 1).float(), k_b.transpose(0, 1).float(), v_b.transpose(0, 1).float(),
-            attn_mask=mask, scale=scale, enable_gqa=True)
-        out[starts[b]:starts[b + 1]] = o.transpose(0, 1).to(q.dtype)
+            q_b.transpose(0, 1).float(),
+            k_b.transpose(0, 1).float(),
+            v_b.transpose(0, 1).float(),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[starts[b] : starts[b + 1]] = o.transpose(0, 1).to(q.dtype)
     return out

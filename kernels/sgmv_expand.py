@@ -15,13 +15,30 @@ from kernels.sgmv_shrink import segment_tiles
 
 @triton.jit
 def _sgmv_expand_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, slice_starts_ptr, seg_starts_ptr, seg_slots_ptr, tile_seg_ptr, tile_row_ptr,
-    num_segments, max_rank,
-    stride_yk, stride_yt, stride_yr,
-    stride_bs, stride_bn, stride_br,
-    stride_ot, stride_on,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    ranks_ptr,
+    slice_starts_ptr,
+    seg_starts_ptr,
+    seg_slots_ptr,
+    tile_seg_ptr,
+    tile_row_ptr,
+    num_segments,
+    max_rank,
+    stride_yk,
+    stride_yt,
+    stride_yr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (tile, k, n_block): out[rows, slice k's columns n_block * BLOCK_N ...] += y[k, rows, :rank] @
     B[slot, those columns, :rank].T for one BLOCK_T-row tile of one segment, summing over rank blocks of BLOCK_R.
@@ -56,10 +73,12 @@ def _sgmv_expand_kernel(
     for r0 in range(0, rank, BLOCK_R):
         rcols = r0 + tl.arange(0, BLOCK_R)  # [BLOCK_R]
         r_mask = rcols < rank
-        y_tile = tl.load(y_rows + rcols[None, :] * stride_yr,
-                         mask=row_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_T, BLOCK_R] float32
-        b_tile = tl.load(b_cols + rcols[:, None] * stride_br,
-                         mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = B[s].T
+        y_tile = tl.load(
+            y_rows + rcols[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0
+        )  # [BLOCK_T, BLOCK_R] float32
+        b_tile = tl.load(
+            b_cols + rcols[:, None] * stride_br, mask=r_mask[:, None] & col_mask[None, :], other=0.0
+        )  # [BLOCK_R, BLOCK_N] = B[s].T
         # y is rounded to B's dtype, as the tensor cores take it (the twin does the same)
         y_tile = y_tile.to(b_ptr.dtype.element_ty)
         if DOT_IN_FP32:
@@ -73,8 +92,9 @@ def _sgmv_expand_kernel(
     tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def slice_table(slice_starts: Sequence[int] | torch.Tensor, out_total: int,
-                device: torch.device) -> tuple[torch.Tensor, int]:
+def slice_table(
+    slice_starts: Sequence[int] | torch.Tensor, out_total: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """(slice_starts as an integer tensor [K + 1] on device, the widest slice's width).
 
     A list (or CPU tensor) is copied to the device on every call, from pinned memory without waiting for the
@@ -91,9 +111,19 @@ def slice_table(slice_starts: Sequence[int] | torch.Tensor, out_total: int,
     return host.to(device, non_blocking=True), max(widths)  # pinned: the copy does not wait for the stream
 
 
-def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-                slice_starts: Sequence[int] | torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
-                out: torch.Tensor, *, block_t: int = 32, block_n: int = 64, block_r: int = 16) -> None:
+def sgmv_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_starts: Sequence[int] | torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_t: int = 32,
+    block_n: int = 64,
+    block_r: int = 16,
+) -> None:
     """Adds the LoRA B product of every slice into out, in place, in one launch.
 
     y: [K, T, R] float32 (lora shrink's result); lora_b: [slots, out_total, R], out's dtype; out: [T, out_total];
@@ -130,11 +160,28 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
     tile_seg, tile_row = segment_tiles(seg_starts, seg_slots, block_t, num_tokens)
     grid = (tile_seg.shape[0], num_slices, triton.cdiv(max_width, block_n))
     _sgmv_expand_kernel[grid](
-        y, lora_b, out, ranks, starts, seg_starts, seg_slots, tile_seg, tile_row,
-        num_segments, max_rank,
-        y.stride(0), y.stride(1), y.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or out.dtype == torch.float32 else "tf32",
+        y,
+        lora_b,
+        out,
+        ranks,
+        starts,
+        seg_starts,
+        seg_slots,
+        tile_seg,
+        tile_row,
+        num_segments,
+        max_rank,
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        lora_b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        DOT_IN_FP32=dot_in_fp32,
+        PRECISION="ieee" if dot_in_fp32 or out.dtype == torch.float32 else "tf32",
     )

@@ -10,13 +10,32 @@ import triton.language as tl
 
 @triton.jit
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, y_ptr, ranks_ptr, seg_starts_ptr, seg_slots_ptr, tile_seg_ptr, tile_row_ptr,
-    num_segments, in_features, max_rank,
-    stride_xt, stride_xi,
-    stride_ak, stride_as, stride_ar, stride_ai,
-    stride_yk, stride_yt, stride_yr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    ranks_ptr,
+    seg_starts_ptr,
+    seg_slots_ptr,
+    tile_seg_ptr,
+    tile_row_ptr,
+    num_segments,
+    in_features,
+    max_rank,
+    stride_xt,
+    stride_xi,
+    stride_ak,
+    stride_as,
+    stride_ar,
+    stride_ai,
+    stride_yk,
+    stride_yt,
+    stride_yr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (tile, k, r_block * SPLIT_K + split): y[k, rows, r_block cols] of one BLOCK_T-row tile of one
     segment (the tile map says which segment and first row), summing over in-features split, split + SPLIT_K, ...
@@ -48,10 +67,12 @@ def _sgmv_shrink_kernel(
     for i0 in range(split * BLOCK_K, in_features, SPLIT_K * BLOCK_K):
         cols = i0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         col_mask = cols < in_features
-        x_tile = tl.load(x_rows + cols[None, :] * stride_xi,
-                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
-        a_tile = tl.load(a_base + cols[:, None] * stride_ai,
-                         mask=col_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R] = A[k, s].T
+        x_tile = tl.load(
+            x_rows + cols[None, :] * stride_xi, mask=row_mask[:, None] & col_mask[None, :], other=0.0
+        )  # [BLOCK_T, BLOCK_K]
+        a_tile = tl.load(
+            a_base + cols[:, None] * stride_ai, mask=col_mask[:, None] & r_mask[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_R] = A[k, s].T
         if DOT_IN_FP32:
             x_tile = x_tile.to(tl.float32)
             a_tile = a_tile.to(tl.float32)
@@ -65,8 +86,9 @@ def _sgmv_shrink_kernel(
         tl.atomic_add(y_ptrs, acc, mask=y_mask)
 
 
-def segment_tiles(seg_starts: torch.Tensor, seg_slots: torch.Tensor, block_t: int,
-                  num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_tiles(
+    seg_starts: torch.Tensor, seg_slots: torch.Tensor, block_t: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The work list of an SGMV launch, built on the device without a host sync: each segment with a slot >= 0 is
     cut into ceil(len / block_t) tiles of block_t rows; -1 and empty segments get none.
 
@@ -85,9 +107,18 @@ def segment_tiles(seg_starts: torch.Tensor, seg_slots: torch.Tensor, block_t: in
     return tile_seg, tile_row
 
 
-def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor, *, block_t: int = 32, block_r: int = 16, block_k: int = 64,
-                split_k: int = 1) -> torch.Tensor:
+def sgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    *,
+    block_t: int = 32,
+    block_r: int = 16,
+    block_k: int = 64,
+    split_k: int = 1,
+) -> torch.Tensor:
     """The LoRA A product of every slice for segmented tokens, in one launch.
 
     x: [T, in]; lora_a: [K, slots, R, in], x's dtype; ranks: [slots]; seg_starts: [S + 1] (seg_starts[0] = 0,
@@ -120,12 +151,31 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, seg_
     tile_seg, tile_row = segment_tiles(seg_starts, seg_slots, block_t, num_tokens)
     grid = (tile_seg.shape[0], num_slices, triton.cdiv(max_rank, block_r) * split_k)
     _sgmv_shrink_kernel[grid](
-        x, lora_a, y, ranks, seg_starts, seg_slots, tile_seg, tile_row,
-        num_segments, in_features, max_rank,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
-        y.stride(0), y.stride(1), y.stride(2),
-        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-        DOT_IN_FP32=dot_in_fp32, PRECISION="ieee" if dot_in_fp32 or x.dtype == torch.float32 else "tf32",
+        x,
+        lora_a,
+        y,
+        ranks,
+        seg_starts,
+        seg_slots,
+        tile_seg,
+        tile_row,
+        num_segments,
+        in_features,
+        max_rank,
+        x.stride(0),
+        x.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        lora_a.stride(2),
+        lora_a.stride(3),
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        DOT_IN_FP32=dot_in_fp32,
+        PRECISION="ieee" if dot_in_fp32 or x.dtype == torch.float32 else "tf32",
     )
     return y

@@ -7,5 +7,20 @@ from kv_pool.policies import POLICIES, PolicyParams
 from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, CopyOp, OpKind, PrefixKey, Tier
 from kv_pool.unified_pool import AdapterPlacement, Admission, PoolConfig, PoolStats, UnifiedPool
 
-__all__ = ["BASE_ADAPTER_ID", "POLICIES", "AdapterKey", "AdapterPlacement", "Admission", "BlockPool", "CopyOp",
-           "OpKind", "OutOfBlocksError", "PolicyParams", "PoolConfig", "PoolStats", "PrefixKey", "Tier", "UnifiedPool"]
+__all__ = [
+    "BASE_ADAPTER_ID",
+    "POLICIES",
+    "AdapterKey",
+    "AdapterPlacement",
+    "Admission",
+    "BlockPool",
+    "CopyOp",
+    "OpKind",
+    "OutOfBlocksError",
+    "PolicyParams",
+    "PoolConfig",
+    "PoolStats",
+    "PrefixKey",
+    "Tier",
+    "UnifiedPool",
+]

@@ -115,8 +115,9 @@ class TreeCost(Policy):
 
     def expected_adapters(self) -> float:
         n = max(1, len(self._arrivals))
-        return sum(1 - (1 - c / n) ** self.batch_size for a, c in self._per_adapter.items()
-                   if a.adapter_id != BASE_ADAPTER_ID)  # the base model holds no slot
+        return sum(
+            1 - (1 - c / n) ** self.batch_size for a, c in self._per_adapter.items() if a.adapter_id != BASE_ADAPTER_ID
+        )  # the base model holds no slot
 
     def reuse_probability(self, node: KVNode, now: float) -> float:
         hits = sum(1 for t in node.hit_times if t >= now - self.params.window_s)

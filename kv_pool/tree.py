@@ -228,10 +228,11 @@ class PrefixTree:
 
     def _block_keys(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
         bs = self.block_size
-        return [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
+        return [tuple(tokens[i : i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
 
-    def match_prefix(self, key: PrefixKey, tokens: Sequence[int], now: float,
-                     touch: bool = True) -> tuple[list[int], int, Handle]:
+    def match_prefix(
+        self, key: PrefixKey, tokens: Sequence[int], now: float, touch: bool = True
+    ) -> tuple[list[int], int, Handle]:
         """Longest cached prefix of `tokens` under `key`, by full blocks, GPU and host nodes alike.
 
         Returns (the GPU blocks of the path's leading GPU nodes, the tokens they hold, a handle to the whole path).
@@ -281,8 +282,17 @@ class PrefixTree:
         while i < len(keys) and not adapter.dropped:
             child = node.children.get((*ns, keys[i]))
             if child is None:
-                new = KVNode(next(self._ids), adapter, node, ns, keys[i:], list(blocks[i:len(keys)]), Tier.GPU,
-                             _prefix_blocks(node) + len(keys) - i, last_access=now)
+                new = KVNode(
+                    next(self._ids),
+                    adapter,
+                    node,
+                    ns,
+                    keys[i:],
+                    list(blocks[i : len(keys)]),
+                    Tier.GPU,
+                    _prefix_blocks(node) + len(keys) - i,
+                    last_access=now,
+                )
                 new.hit_times.append(now)  # the request that computed it counts as its first use
                 self.gpu.share(new.blocks)
                 node.children[(*ns, keys[i])] = new
@@ -293,7 +303,7 @@ class PrefixTree:
             if child.tier is Tier.HOST:  # node is on the GPU, so child is a host root
                 assert self.host is not None
                 self.host.free(child.blocks)
-                child.blocks, child.tier = list(blocks[i:i + n]), Tier.GPU
+                child.blocks, child.tier = list(blocks[i : i + n]), Tier.GPU
                 self.gpu.share(child.blocks)
             child.last_access = now
             node, i = child, i + n
@@ -303,9 +313,19 @@ class PrefixTree:
         """Cut `node` after its first k blocks. A new node takes the head and becomes node's parent; node keeps the
         tail and its children, so handles to node stay valid and lock counts along every path stay right."""
         assert 0 < k < len(node.keys)
-        head = KVNode(next(self._ids), node.adapter, node.parent, node.ns, node.keys[:k], node.blocks[:k], node.tier,
-                      node.prefix_blocks - len(node.keys) + k, lock=node.lock, last_access=node.last_access,
-                      hit_times=deque(node.hit_times, maxlen=HIT_HISTORY))
+        head = KVNode(
+            next(self._ids),
+            node.adapter,
+            node.parent,
+            node.ns,
+            node.keys[:k],
+            node.blocks[:k],
+            node.tier,
+            node.prefix_blocks - len(node.keys) + k,
+            lock=node.lock,
+            last_access=node.last_access,
+            hit_times=deque(node.hit_times, maxlen=HIT_HISTORY),
+        )
         node.parent.children[(*node.ns, node.keys[0])] = head
         node.keys, node.blocks, node.parent = node.keys[k:], node.blocks[k:], head
         head.children[(*node.ns, node.keys[0])] = node
@@ -394,8 +414,7 @@ class PrefixTree:
         """An unlocked GPU leaf: nothing below it on the GPU (adapters only when `adapters`, never pinned ones)."""
         if node.tier is not Tier.GPU or node.lock > 0 or any(c.tier is Tier.GPU for c in node.children.values()):
             return False
-        return isinstance(node, KVNode) or (adapters and node.num_blocks > 0 and not node.dropped
-                                            and not node.pinned)
+        return isinstance(node, KVNode) or (adapters and node.num_blocks > 0 and not node.dropped and not node.pinned)
 
     def swap_in_candidates(self) -> Iterator[Node]:
         """Host roots, and the adapters that are not on the GPU."""
@@ -405,15 +424,20 @@ class PrefixTree:
             elif adapter.tier is Tier.GPU:
                 yield from (n for n in self._subtree(adapter) if n.tier is Tier.HOST and n.parent.tier is Tier.GPU)
 
-    def evict(self, num_blocks: int, key: Callable[[Node], float] = lru_key, *, adapters: bool = False,
-              to_host: bool = False) -> int:
+    def evict(
+        self, num_blocks: int, key: Callable[[Node], float] = lru_key, *, adapters: bool = False, to_host: bool = False
+    ) -> int:
         """Free at least num_blocks GPU blocks, or as many as can be: evictable GPU leaves go in ascending `key`
         (KV nodes, and adapters with no KV on the GPU when `adapters`). A KV victim larger than what is still
         needed is split and only its tail goes. With `to_host` a KV victim is swapped out when the host has room or
         can be given room by dropping colder host leaves; otherwise it is dropped with its host descendants.
         Returns the number of GPU blocks freed."""
-        heap = [(key(n), n.last_access, n.id, n) for a in self.adapters() for n in self._with_subtree(a)
-                if self.evictable(n, adapters)]
+        heap = [
+            (key(n), n.last_access, n.id, n)
+            for a in self.adapters()
+            for n in self._with_subtree(a)
+            if self.evictable(n, adapters)
+        ]
         heapq.heapify(heap)
         host_leaves: list[tuple[float, float, int, KVNode]] | None = None
         freed = 0
@@ -430,8 +454,11 @@ class PrefixTree:
             parent, freed = node.parent, freed + len(node.blocks)
             if to_host and self.host is not None:
                 if host_leaves is None:
-                    host_leaves = [(key(n), n.last_access, n.id, n) for n in self.kv_nodes()
-                                   if n.tier is Tier.HOST and not n.children]
+                    host_leaves = [
+                        (key(n), n.last_access, n.id, n)
+                        for n in self.kv_nodes()
+                        if n.tier is Tier.HOST and not n.children
+                    ]
                     heapq.heapify(host_leaves)
                 if self._make_host_room(len(node.blocks), score, key, host_leaves):
                     self.swap_out(node)
@@ -463,8 +490,9 @@ class PrefixTree:
                 self.drop(node)
         self.unload_adapter(adapter)
 
-    def _make_host_room(self, need: int, score: float, key: Callable[[Node], float],
-                        leaves: list[tuple[float, float, int, KVNode]]) -> bool:
+    def _make_host_room(
+        self, need: int, score: float, key: Callable[[Node], float], leaves: list[tuple[float, float, int, KVNode]]
+    ) -> bool:
         """Drop host leaves colder than `score`, coldest first, until `need` host blocks are free."""
         assert self.host is not None
         while self.host.num_free < need:

@@ -66,21 +66,40 @@ class PoolConfig:
         return -(-num_bytes // self.block_bytes)
 
     @classmethod
-    def for_budget(cls, num_gpu_blocks: int, num_host_blocks: int, block_size: int, block_bytes: int, policy: str,
-                   params: PolicyParams, max_loras: int, adapter_slot_bytes: int) -> PoolConfig:
+    def for_budget(
+        cls,
+        num_gpu_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        block_bytes: int,
+        policy: str,
+        params: PolicyParams,
+        max_loras: int,
+        adapter_slot_bytes: int,
+    ) -> PoolConfig:
         """The pool of an engine: its device budget cut into blocks of block_bytes, adapters charged
         ceil(bytes / block_bytes) blocks while resident, at most ``max_loras`` of them (the device slots the LoRA
         kernels read; slot policies reserve them up front at ``adapter_slot_bytes`` each), and a free watermark
         of 1/32 of the budget for the proactive policies. ValueError when the slots would take the whole budget."""
         slot_blocks = -(-adapter_slot_bytes // block_bytes)
         if POLICIES[policy].adapter_slots and max_loras * slot_blocks >= num_gpu_blocks:
-            raise ValueError(f"{policy} reserves {max_loras} adapter slots of {slot_blocks} KV blocks each, more "
-                             f"than the {num_gpu_blocks} blocks of the KV budget: raise kv_cache_bytes or lower "
-                             "max_loras / max_lora_rank")
-        return cls(num_gpu_blocks=num_gpu_blocks, num_host_blocks=num_host_blocks, block_size=block_size,
-                   block_bytes=block_bytes, policy=policy, params=params, adapter_slots=max_loras,
-                   adapter_slot_blocks=slot_blocks, free_watermark_blocks=num_gpu_blocks // 32,
-                   max_resident_adapters=max_loras)
+            raise ValueError(
+                f"{policy} reserves {max_loras} adapter slots of {slot_blocks} KV blocks each, more "
+                f"than the {num_gpu_blocks} blocks of the KV budget: raise kv_cache_bytes or lower "
+                "max_loras / max_lora_rank"
+            )
+        return cls(
+            num_gpu_blocks=num_gpu_blocks,
+            num_host_blocks=num_host_blocks,
+            block_size=block_size,
+            block_bytes=block_bytes,
+            policy=policy,
+            params=params,
+            adapter_slots=max_loras,
+            adapter_slot_blocks=slot_blocks,
+            free_watermark_blocks=num_gpu_blocks // 32,
+            max_resident_adapters=max_loras,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +220,11 @@ class UnifiedPool:
             self.tree.load_adapter(adapter)
             return True
         if self._resident_adapters() >= self.config.adapter_slots:
-            victims = [a for a in self.tree.adapters()
-                       if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.pinned]
+            victims = [
+                a
+                for a in self.tree.adapters()
+                if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.pinned
+            ]
             if not victims:
                 return False
             self.tree.unload_adapter(min(victims, key=lambda a: (a.last_access, a.id)))
@@ -212,8 +234,11 @@ class UnifiedPool:
     def _unload_one(self, now: float) -> bool:
         """Free an adapter place (the max_resident_adapters cap): the unlocked resident adapter of lowest value
         leaves with its GPU KV (to the host where the policy swaps). False when every resident one is locked."""
-        victims = [a for a in self.tree.adapters()
-                   if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.dropped and not a.pinned]
+        victims = [
+            a
+            for a in self.tree.adapters()
+            if a.tier is Tier.GPU and a.lock == 0 and a.num_blocks > 0 and not a.dropped and not a.pinned
+        ]
         if not victims:
             return False
         key = self._key(now)
@@ -222,8 +247,9 @@ class UnifiedPool:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def admit(self, key: PrefixKey, tokens: Sequence[int], now: float, token_budget: int | None = None,
-              partial: bool = True) -> Admission | None:
+    def admit(
+        self, key: PrefixKey, tokens: Sequence[int], now: float, token_budget: int | None = None, partial: bool = True
+    ) -> Admission | None:
         """Make key's adapter resident, match the longest cached prefix of `tokens` (leaving at least one token to
         compute), swap in the host part the policy restores, lock the path and give the caller a reference on
         each of its GPU blocks.
@@ -305,11 +331,11 @@ class UnifiedPool:
         `block_table` its GPU blocks (starting with admission.blocks). Full blocks go into the tree (policies that
         reuse KV), then the lock and the request's references are dropped; its block ids are invalid afterwards."""
         handle, bs = admission.handle, self.config.block_size
-        assert tuple(block_table[:len(admission.blocks)]) == admission.blocks, "the block table lost its prefix"
+        assert tuple(block_table[: len(admission.blocks)]) == admission.blocks, "the block table lost its prefix"
         if self.policy.reuses_history_kv:
             start, end = handle.num_blocks, min(len(tokens) // bs, len(block_table))
             if end > start:
-                self.tree.insert(handle, tokens[start * bs:end * bs], block_table[start:end], now)
+                self.tree.insert(handle, tokens[start * bs : end * bs], block_table[start:end], now)
         self.tree.unlock(handle)
         self._num_admitted -= 1
         self.gpu.free(list(block_table))
@@ -343,8 +369,9 @@ class UnifiedPool:
     def _room(self, num_blocks: int, now: float) -> bool:
         short = num_blocks - self._available()
         if short > 0:
-            self.tree.evict(short, self._key(now), adapters=not self.policy.adapter_slots,
-                            to_host=self.policy.swaps_to_host)
+            self.tree.evict(
+                short, self._key(now), adapters=not self.policy.adapter_slots, to_host=self.policy.swaps_to_host
+            )
         return self._available() >= num_blocks
 
     def tick(self, now: float, batch_size: int = 0) -> None:
@@ -406,8 +433,9 @@ class UnifiedPool:
             invalid_kv_ratio=invalid / max(1, kv_gpu),
             bytes_to_gpu=c["kv_swap_in"] * bb + c["adapter_bytes_h2d"],
             bytes_to_host=c["kv_swap_out"] * bb,
-            evicted_blocks={k: c[k] for k in ("kv_swap_out", "kv_drop", "kv_drop_host", "adapter_unload",
-                                              "adapter_drop")},
+            evicted_blocks={
+                k: c[k] for k in ("kv_swap_out", "kv_drop", "kv_drop_host", "adapter_unload", "adapter_drop")
+            },
             resident_adapters=self._resident_adapters(),
             kv_tokens_by_salt={salt: (p, h) for salt, (p, h) in self._by_salt.items()},
             gpu_free=self.gpu.num_free,
@@ -425,8 +453,17 @@ class UnifiedPool:
             if adapter.dropped:
                 continue
             kv = Counter(n.tier for n in self.tree.kv_nodes() if n.adapter is adapter for _ in n.blocks)
-            out.append(AdapterPlacement(adapter.key, adapter.tier.value, adapter.slot, adapter.pinned,
-                                        len(adapter.blocks), kv[Tier.GPU], kv[Tier.HOST]))
+            out.append(
+                AdapterPlacement(
+                    adapter.key,
+                    adapter.tier.value,
+                    adapter.slot,
+                    adapter.pinned,
+                    len(adapter.blocks),
+                    kv[Tier.GPU],
+                    kv[Tier.HOST],
+                )
+            )
         return out
 
     def check_integrity(self) -> None:
@@ -435,8 +472,9 @@ class UnifiedPool:
         locked node is on the GPU; a GPU KV node's parent is on the GPU, and so is its adapter where the policy
         says so); one adapter lock per admission; the slot reserve; and what each policy must never hold."""
         gpu_refs, host_refs = self.tree.check_integrity(self.policy.kv_needs_adapter)
-        assert all(n == 1 for n in gpu_refs.values()) and all(n == 1 for n in host_refs.values()), \
+        assert all(n == 1 for n in gpu_refs.values()) and all(n == 1 for n in host_refs.values()), (
             "a block is in two nodes"
+        )
         self.gpu.check_integrity()
         for b in range(self.gpu.num_blocks):
             assert self.gpu.ref_count(b) == gpu_refs[b] + self._held[b], f"GPU block {b}: reference count is off"

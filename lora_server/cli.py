@@ -14,9 +14,11 @@ from typing import Any
 
 from lora_server.config import EngineConfig, ServerConfig
 
-DESCRIPTION = ("Serve many LoRA adapters of one quantized base model behind an OpenAI-compatible API (serve), or run "
-               "the engine offline (generate) and its benchmarks (bench-engine, bench-pool). "
-               "Run 'lora-server COMMAND --help' for a command's options.")
+DESCRIPTION = (
+    "Serve many LoRA adapters of one quantized base model behind an OpenAI-compatible API (serve), or run "
+    "the engine offline (generate) and its benchmarks (bench-engine, bench-pool). "
+    "Run 'lora-server COMMAND --help' for a command's options."
+)
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -25,6 +27,7 @@ def command(name: str, help_text: str, add_args: Callable[[argparse.ArgumentPars
     def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         COMMANDS[name] = (help_text, add_args, run)
         return run
+
     return register
 
 
@@ -48,17 +51,27 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         if typing.get_origin(base) is tuple:  # list-valued: commas and repetition
-            group.add_argument(name, dest=f.name, action="append", default=None, metavar="VALUE[,VALUE...]",
-                               help=meta["help"])
+            group.add_argument(
+                name, dest=f.name, action="append", default=None, metavar="VALUE[,VALUE...]", help=meta["help"]
+            )
             continue
         unit = meta["unit"]
         shown = value if value is None or unit == 1 or isinstance(value, float) else value / unit
         unit_text = f" {meta['unit_name']}" if meta["unit_name"] else ""
-        help_text = meta["help"] if "default:" in meta["help"] else \
-            f"{meta['help']} (default: {'none' if shown is None else shown}{unit_text})"
-        group.add_argument(name, dest=f.name, type=float if unit != 1 else base, default=shown,
-                           choices=meta["choices"] or None, help=help_text,
-                           metavar=meta["unit_name"] or (None if meta["choices"] else _METAVARS.get(base, "TEXT")))
+        help_text = (
+            meta["help"]
+            if "default:" in meta["help"]
+            else f"{meta['help']} (default: {'none' if shown is None else shown}{unit_text})"
+        )
+        group.add_argument(
+            name,
+            dest=f.name,
+            type=float if unit != 1 else base,
+            default=shown,
+            choices=meta["choices"] or None,
+            help=help_text,
+            metavar=meta["unit_name"] or (None if meta["choices"] else _METAVARS.get(base, "TEXT")),
+        )
 
 
 def config_from_flags(cls: type, args: argparse.Namespace, **values: Any) -> Any:
@@ -83,8 +96,11 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1, off)")
     p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: none)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--adapter", default=None,
-                   help="a demo adapter's NAME, or NAME=PATH of any PEFT LoRA directory (default: the base model)")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        help="a demo adapter's NAME, or NAME=PATH of any PEFT LoRA directory (default: the base model)",
+    )
     p.add_argument("prompt")
 
 
@@ -107,18 +123,24 @@ def _ints(text: str) -> list[int]:
 
 
 def _bench_engine_args(p: argparse.ArgumentParser) -> None:
-    add_config_flags(p, EngineConfig, load_format="dummy", quantization="none", max_num_batched_tokens=8192,
-                     kv_cache_bytes=16)
-    p.add_argument("--batch", type=_ints, default=[1, 16, 64, 128],
-                   help="batch sizes; takes commas (default: 1,16,64,128)")
-    p.add_argument("--adapters", type=_ints, default=[0, 1, 16, 64],
-                   help="distinct adapters in the batch; takes commas (default: 0,1,16,64)")
-    p.add_argument("--prompt-len", type=_ints, default=[128, 1024],
-                   help="prompt lengths; takes commas (default: 128,1024)")
+    add_config_flags(
+        p, EngineConfig, load_format="dummy", quantization="none", max_num_batched_tokens=8192, kv_cache_bytes=16
+    )
+    p.add_argument(
+        "--batch", type=_ints, default=[1, 16, 64, 128], help="batch sizes; takes commas (default: 1,16,64,128)"
+    )
+    p.add_argument(
+        "--adapters",
+        type=_ints,
+        default=[0, 1, 16, 64],
+        help="distinct adapters in the batch; takes commas (default: 0,1,16,64)",
+    )
+    p.add_argument(
+        "--prompt-len", type=_ints, default=[128, 1024], help="prompt lengths; takes commas (default: 128,1024)"
+    )
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
     p.add_argument("--rank", type=int, default=16, help="the benchmark adapters' rank (default: 16)")
-    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore "
-                   "covers)")
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
     p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-engine.json)")
     p.add_argument("--quick", action="store_true", help="tiny shapes that run on the CPU in seconds")
 
@@ -141,33 +163,60 @@ def _floats(text: str) -> list[float]:
 
 
 def _bench_pool_args(p: argparse.ArgumentParser) -> None:
-    add_config_flags(p, EngineConfig, quantization="none", max_loras=4, max_num_seqs=16, max_num_batched_tokens=256,
-                     num_kv_blocks=112)
-    p.add_argument("--kv-blocks", dest="num_kv_blocks", type=int,
-                   help="the device budget in KV blocks, adapters included (the same as --num-kv-blocks)")
-    p.add_argument("--policies", type=lambda t: t.split(","), default=["tree-cost", "lru-separate", "lru-unified"],
-                   help="pool policies to compare; takes commas (default: all three)")
-    p.add_argument("--adapters", type=_ints, default=[20, 100],
-                   help="adapters in the trace (N); takes commas (default: 20,100)")
-    p.add_argument("--alpha", type=_floats, default=[0.5, 1.0, 1.5],
-                   help="Zipf exponents of adapter popularity; takes commas (default: 0.5,1.0,1.5)")
-    p.add_argument("--rate", type=_floats, default=[0.3, 0.6],
-                   help="session arrivals per second (Poisson); takes commas (default: 0.3,0.6)")
+    add_config_flags(
+        p,
+        EngineConfig,
+        quantization="none",
+        max_loras=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_kv_blocks=112,
+    )
+    p.add_argument(
+        "--kv-blocks",
+        dest="num_kv_blocks",
+        type=int,
+        help="the device budget in KV blocks, adapters included (the same as --num-kv-blocks)",
+    )
+    p.add_argument(
+        "--policies",
+        type=lambda t: t.split(","),
+        default=["tree-cost", "lru-separate", "lru-unified"],
+        help="pool policies to compare; takes commas (default: all three)",
+    )
+    p.add_argument(
+        "--adapters", type=_ints, default=[20, 100], help="adapters in the trace (N); takes commas (default: 20,100)"
+    )
+    p.add_argument(
+        "--alpha",
+        type=_floats,
+        default=[0.5, 1.0, 1.5],
+        help="Zipf exponents of adapter popularity; takes commas (default: 0.5,1.0,1.5)",
+    )
+    p.add_argument(
+        "--rate",
+        type=_floats,
+        default=[0.3, 0.6],
+        help="session arrivals per second (Poisson); takes commas (default: 0.3,0.6)",
+    )
     p.add_argument("--sessions", type=int, default=24, help="sessions per setting (default: 24)")
     p.add_argument("--turns", type=int, default=3, help="turns per session (default: 3)")
     p.add_argument("--system-tokens", type=int, default=32, help="each adapter's system prompt (default: 32)")
     p.add_argument("--user-tokens", type=int, default=48, help="new tokens per turn (default: 48)")
     p.add_argument("--output-tokens", type=int, default=16, help="answer tokens per turn (default: 16)")
-    p.add_argument("--think-s", type=float, default=2.0, help="seconds between a turn's answer and the next turn "
-                   "(default: 2)")
+    p.add_argument(
+        "--think-s", type=float, default=2.0, help="seconds between a turn's answer and the next turn (default: 2)"
+    )
     p.add_argument("--host-blocks", type=int, default=640, help="host-tier KV blocks (default: 640)")
     p.add_argument("--rank", type=int, default=8, help="the trace adapters' rank (default: 8)")
     p.add_argument("--trace-seed", type=int, default=0, help="the trace's random seed (default: 0)")
-    p.add_argument("--out", default="results", help="where the JSON and the PNG go (default: results, which "
-                   ".gitignore covers)")
+    p.add_argument(
+        "--out", default="results", help="where the JSON and the PNG go (default: results, which .gitignore covers)"
+    )
     p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-pool.json)")
-    p.add_argument("--plot", default=None, help="the PNG of TTFT and hit rates, '' for none "
-                   "(default: OUT/bench-pool.png)")
+    p.add_argument(
+        "--plot", default=None, help="the PNG of TTFT and hit rates, '' for none (default: OUT/bench-pool.png)"
+    )
     p.add_argument("--quick", action="store_true", help="one small setting: under two minutes on the CPU")
 
 
@@ -216,8 +265,11 @@ def _register_adapter(engine, spec: str) -> str:
     if not path:
         demos = demo_adapters()
         if name not in demos:
-            raise InvalidRequestError(f"no demo adapter {name!r} (demo adapters: {', '.join(demos) or 'none'}); "
-                                      "use NAME=PATH for a PEFT directory", param="adapter")
+            raise InvalidRequestError(
+                f"no demo adapter {name!r} (demo adapters: {', '.join(demos) or 'none'}); "
+                "use NAME=PATH for a PEFT directory",
+                param="adapter",
+            )
         path = str(demos[name])
     engine.add_adapter(name, path)
     return name

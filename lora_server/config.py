@@ -19,8 +19,15 @@ DEVICES = ("auto", "cpu", "cuda")
 GIB, MIB = 1 << 30, 1 << 20
 
 
-def flag(help: str, *, name: str | None = None, unit: int = 1, unit_name: str = "", choices: tuple[str, ...] = (),
-         negate: str | None = None) -> dict[str, Any]:
+def flag(
+    help: str,
+    *,
+    name: str | None = None,
+    unit: int = 1,
+    unit_name: str = "",
+    choices: tuple[str, ...] = (),
+    negate: str | None = None,
+) -> dict[str, Any]:
     """A field's command-line flag: ``--field-name`` unless ``name``; the value given is in ``unit`` (e.g. GiB for
     a bytes field); ``negate``: a boolean whose default is True gets this flag to turn it off."""
     return {"help": help, "flag": name, "unit": unit, "unit_name": unit_name, "choices": choices, "negate": negate}
@@ -33,46 +40,92 @@ class EngineConfig:
     quantization "auto" keeps a GGUF's own blocks (Q4_1 -> int4, Q8_0 -> int8) and leaves HF weights unquantized.
     """
 
-    model: str | None = field(default=None, metadata=flag(
-        "the base model: an HF directory (config.json + safetensors) or a .gguf file; with --load-format dummy a "
-        "preset (llama-3-8b, tiny-llama) or a config.json; default: the embedded SmolLM2-135M-Instruct"))
+    model: str | None = field(
+        default=None,
+        metadata=flag(
+            "the base model: an HF directory (config.json + safetensors) or a .gguf file; with --load-format dummy a "
+            "preset (llama-3-8b, tiny-llama) or a config.json; default: the embedded SmolLM2-135M-Instruct"
+        ),
+    )
     load_format: str = field(default="auto", metadata=flag("how to read --model", choices=LOAD_FORMATS))
-    quantization: str = field(default="auto", metadata=flag(
-        "how the base weights are held: auto keeps a GGUF's blocks (Q4_1 -> int4, Q8_0 -> int8) and HF weights "
-        "as they are", choices=QUANTIZATIONS))
-    dtype: str = field(default="auto", metadata=flag(
-        "activations and unquantized weights: auto is float32 on the CPU, bfloat16 on CUDA", choices=tuple(DTYPES)))
+    quantization: str = field(
+        default="auto",
+        metadata=flag(
+            "how the base weights are held: auto keeps a GGUF's blocks (Q4_1 -> int4, Q8_0 -> int8) and HF weights "
+            "as they are",
+            choices=QUANTIZATIONS,
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "activations and unquantized weights: auto is float32 on the CPU, bfloat16 on CUDA", choices=tuple(DTYPES)
+        ),
+    )
     device: str = field(default="auto", metadata=flag("auto: CUDA when torch sees a GPU", choices=DEVICES))
     seed: int = field(default=0, metadata=flag("the seed of dummy weights", name="--dummy-seed"))
     block_size: int = field(default=16, metadata=flag("tokens per KV block"))
-    num_kv_blocks: int | None = field(default=None, metadata=flag(
-        "KV blocks of the device budget (default: as many as --kv-cache-gb holds)"))
-    kv_cache_bytes: int = field(default=GIB, metadata=flag(
-        "the pool's device budget for KV blocks and resident adapters", name="--kv-cache-gb", unit=GIB,
-        unit_name="GiB"))
-    gpu_memory_utilization: float | None = field(default=None, metadata=flag(
-        "on CUDA: the budget is this share of the memory left once the weights and adapter slots are loaded "
-        "(instead of --kv-cache-gb); leave room for activations"))
-    host_kv_bytes: int = field(default=GIB, metadata=flag(
-        "the host tier for KV swapped out of the device (pinned memory on CUDA); 0: none", name="--host-kv-gb",
-        unit=GIB, unit_name="GiB"))
-    pool_policy: str = field(default="tree-cost", metadata=flag(
-        "what the pool keeps on the device: tree-cost (FastLibra's cost model), lru-separate (vLLM-like), "
-        "lru-unified (S-LoRA-like)", choices=tuple(POLICIES)))
-    max_model_len: int | None = field(default=None, metadata=flag(
-        "the longest sequence, prompt and output (default: the model's context, capped by the pool)"))
+    num_kv_blocks: int | None = field(
+        default=None, metadata=flag("KV blocks of the device budget (default: as many as --kv-cache-gb holds)")
+    )
+    kv_cache_bytes: int = field(
+        default=GIB,
+        metadata=flag(
+            "the pool's device budget for KV blocks and resident adapters",
+            name="--kv-cache-gb",
+            unit=GIB,
+            unit_name="GiB",
+        ),
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=flag(
+            "on CUDA: the budget is this share of the memory left once the weights and adapter slots are loaded "
+            "(instead of --kv-cache-gb); leave room for activations"
+        ),
+    )
+    host_kv_bytes: int = field(
+        default=GIB,
+        metadata=flag(
+            "the host tier for KV swapped out of the device (pinned memory on CUDA); 0: none",
+            name="--host-kv-gb",
+            unit=GIB,
+            unit_name="GiB",
+        ),
+    )
+    pool_policy: str = field(
+        default="tree-cost",
+        metadata=flag(
+            "what the pool keeps on the device: tree-cost (FastLibra's cost model), lru-separate (vLLM-like), "
+            "lru-unified (S-LoRA-like)",
+            choices=tuple(POLICIES),
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=flag("the longest sequence, prompt and output (default: the model's context, capped by the pool)"),
+    )
     max_num_seqs: int = field(default=64, metadata=flag("the most requests running at once"))
     max_num_batched_tokens: int = field(default=512, metadata=flag("the token budget of one engine step"))
-    enable_chunked_prefill: bool = field(default=True, metadata=flag(
-        "split long prompts across steps", negate="--no-chunked-prefill"))
-    max_waiting_requests: int = field(default=1024, metadata=flag(
-        "requests that may wait beyond the running ones; more get 429"))
-    max_loras: int = field(default=8, metadata=flag(
-        "device slots for adapters: the most distinct adapters resident (and in one batch) at once"))
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=flag("split long prompts across steps", negate="--no-chunked-prefill")
+    )
+    max_waiting_requests: int = field(
+        default=1024, metadata=flag("requests that may wait beyond the running ones; more get 429")
+    )
+    max_loras: int = field(
+        default=8,
+        metadata=flag("device slots for adapters: the most distinct adapters resident (and in one batch) at once"),
+    )
     max_lora_rank: int = field(default=16, metadata=flag("the largest adapter rank accepted"))
-    adapter_roots: tuple[str, ...] | None = field(default=None, metadata=flag(
-        "directories adapters may be loaded from (the shipped demo adapters' is always one); takes commas, may "
-        "repeat", name="--adapter-root"))  # None: anywhere (offline use)
+    adapter_roots: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "directories adapters may be loaded from (the shipped demo adapters' is always one); takes commas, may "
+            "repeat",
+            name="--adapter-root",
+        ),
+    )  # None: anywhere (offline use)
     show_progress: bool = True  # a progress bar while loading weights
 
     def __post_init__(self) -> None:
@@ -80,8 +133,15 @@ class EngineConfig:
         _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("dtype", self.dtype, tuple(DTYPES))
         _choice("device", self.device, DEVICES)
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
-                     "max_loras", "max_lora_rank"):
+        for name in (
+            "block_size",
+            "kv_cache_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting_requests",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
@@ -119,27 +179,51 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = field(default="127.0.0.1", metadata=flag("the address to listen on"))
     port: int = field(default=8000, metadata=flag("the port to listen on"))
-    served_model_name: str | None = field(default=None, metadata=flag(
-        "the base model's id in the API (default: the model file's name)"))
-    adapters: tuple[str, ...] | None = field(default=None, metadata=flag(
-        "adapters to load at start, NAME=PATH or a shipped demo NAME; takes commas, may repeat (default: the "
-        "shipped demo adapters)", name="--adapter"))
-    admin_key: str | None = field(default=None, metadata=flag(
-        "the admin API's key (default: $LORA_SERVER_ADMIN_KEY, else a random one printed at start)"))
-    api_key: str | None = field(default=None, metadata=flag(
-        "a key that grants the global /v1 endpoints (a tenant's key acts as its tenant there too)"))
-    allow_anonymous: bool = field(default=False, metadata=flag(
-        "keep /v1 open to callers without a key once tenants exist (without it and without --api-key, /v1 is "
-        "open only while no tenant exists)"))
-    max_request_bytes: int = field(default=4 * MIB, metadata=flag(
-        "request bodies above this size get 413", name="--max-request-mb", unit=MIB, unit_name="MiB"))
-    data_dir: str | None = field(default=None, metadata=flag(
-        "where the embedded registry (SQLite) lives (default: $LORA_SERVER_DATA_DIR, else "
-        "$XDG_DATA_HOME/lora-server, i.e. ~/.local/share/lora-server)"))
-    redis_url: str | None = field(default=None, metadata=flag(
-        "keep the registry in Redis instead, so that several replicas share it (redis://HOST:PORT/DB)"))
-    shutdown_timeout: float = field(default=30.0, metadata=flag(
-        "seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"))
+    served_model_name: str | None = field(
+        default=None, metadata=flag("the base model's id in the API (default: the model file's name)")
+    )
+    adapters: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "adapters to load at start, NAME=PATH or a shipped demo NAME; takes commas, may repeat (default: the "
+            "shipped demo adapters)",
+            name="--adapter",
+        ),
+    )
+    admin_key: str | None = field(
+        default=None,
+        metadata=flag("the admin API's key (default: $LORA_SERVER_ADMIN_KEY, else a random one printed at start)"),
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=flag("a key that grants the global /v1 endpoints (a tenant's key acts as its tenant there too)"),
+    )
+    allow_anonymous: bool = field(
+        default=False,
+        metadata=flag(
+            "keep /v1 open to callers without a key once tenants exist (without it and without --api-key, /v1 is "
+            "open only while no tenant exists)"
+        ),
+    )
+    max_request_bytes: int = field(
+        default=4 * MIB,
+        metadata=flag("request bodies above this size get 413", name="--max-request-mb", unit=MIB, unit_name="MiB"),
+    )
+    data_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "where the embedded registry (SQLite) lives (default: $LORA_SERVER_DATA_DIR, else "
+            "$XDG_DATA_HOME/lora-server, i.e. ~/.local/share/lora-server)"
+        ),
+    )
+    redis_url: str | None = field(
+        default=None,
+        metadata=flag("keep the registry in Redis instead, so that several replicas share it (redis://HOST:PORT/DB)"),
+    )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -48,18 +48,33 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, name, "must be between -2 and 2")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
-        _check(all(_int(t) and t >= 0 and _finite(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()),
-               "logit_bias", "must map token ids to numbers between -100 and 100")
-        _check(self.seed is None or (_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
-               "must be an integer in the signed 64-bit range")
+        _check(
+            all(_int(t) and t >= 0 and _finite(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()),
+            "logit_bias",
+            "must map token ids to numbers between -100 and 100",
+        )
+        _check(
+            self.seed is None or (_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            "seed",
+            "must be an integer in the signed 64-bit range",
+        )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative token ids")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               "must be between 0 and max_tokens")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative token ids",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be between 0 and max_tokens",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be between 0 and {MAX_LOGPROBS}",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -29,18 +29,39 @@ def free_port() -> int:
 class Server:
     """``lora-server serve`` in its own process, its log in ``data_dir``; started and healthy when built."""
 
-    def __init__(self, data_dir: Path, roots: list[Path], extra: list[str] = (),
-                 module: str = "lora_server.cli", env: dict[str, str] | None = None,
-                 data_dir_flag: bool = True) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        roots: list[Path],
+        extra: list[str] = (),
+        module: str = "lora_server.cli",
+        env: dict[str, str] | None = None,
+        data_dir_flag: bool = True,
+    ) -> None:
         """``data_dir`` holds the log, and the registry unless ``data_dir_flag`` is False (then the server picks its
         default place); ``env`` is added to the environment."""
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", module, "serve", "--port", str(self.port), "--admin-key", ADMIN,
-               *(["--data-dir", str(data_dir)] if data_dir_flag else []), "--quantization", "none",
-               "--kv-cache-gb", "0.1", "--max-loras", "4",
-               *[a for r in roots for a in ("--adapter-root", str(r))], *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "serve",
+            "--port",
+            str(self.port),
+            "--admin-key",
+            ADMIN,
+            *(["--data-dir", str(data_dir)] if data_dir_flag else []),
+            "--quantization",
+            "none",
+            "--kv-cache-gb",
+            "0.1",
+            "--max-loras",
+            "4",
+            *[a for r in roots for a in ("--adapter-root", str(r))],
+            *extra,
+        ]
         self.log = open(data_dir / f"server-{self.port}.log", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 180
@@ -86,6 +107,7 @@ def write_adapter(path: Path, seed: int, r: int = 4, scale: float = 0.05) -> Pat
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=gen) * scale
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(
-        dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], bias="none")))
+    (path / "adapter_config.json").write_text(
+        json.dumps(dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], bias="none"))
+    )
     return path

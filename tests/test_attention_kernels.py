@@ -37,6 +37,7 @@ CONTEXTS = (1, 5, 17, 40)
 
 # ---- cases -------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     dtype: torch.dtype = torch.float16
@@ -50,9 +51,11 @@ class Case:
     seed: int = 0
 
     def __str__(self) -> str:
-        return (f"{str(self.dtype).removeprefix('torch.')}-bs{self.block_size}-d{self.head_dim}-g{self.group}"
-                f"-kvh{self.num_kv_heads}-{self.queries}{'-small' if self.small_blocks else ''}"
-                f"{'-strided' if self.strided_q else ''}-s{self.seed}")
+        return (
+            f"{str(self.dtype).removeprefix('torch.')}-bs{self.block_size}-d{self.head_dim}-g{self.group}"
+            f"-kvh{self.num_kv_heads}-{self.queries}{'-small' if self.small_blocks else ''}"
+            f"{'-strided' if self.strided_q else ''}-s{self.seed}"
+        )
 
 
 AXES = {
@@ -91,9 +94,19 @@ class Batch:
     scale: float
 
 
-def make_batch(dtype: torch.dtype, block_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-               contexts: list[int], query_counts: list[int], *, seed: int = 0, strided_q: bool = False,
-               device: str = DEVICE) -> Batch:
+def make_batch(
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    contexts: list[int],
+    query_counts: list[int],
+    *,
+    seed: int = 0,
+    strided_q: bool = False,
+    device: str = DEVICE,
+) -> Batch:
     """Sequences with the given contexts (KV lengths) and query counts; their blocks are drawn in shuffled order
     from a cache with a few free blocks; unowned slots hold NaN."""
     gen = torch.Generator().manual_seed(seed)
@@ -106,7 +119,7 @@ def make_batch(dtype: torch.dtype, block_size: int, head_dim: int, num_heads: in
     v_cache = torch.full_like(k_cache, float("nan"))
     used = 0
     for b, (context, count) in enumerate(zip(contexts, needed, strict=True)):
-        blocks = order[used:used + count]
+        blocks = order[used : used + count]
         used += count
         block_tables[b, :count] = torch.tensor(blocks, dtype=torch.int32)
         for j in range(context):
@@ -119,9 +132,16 @@ def make_batch(dtype: torch.dtype, block_size: int, head_dim: int, num_heads: in
     else:
         q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     starts = torch.tensor([0, *torch.tensor(query_counts).cumsum(0).tolist()], dtype=torch.int32)
-    return Batch(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device),
-                 torch.tensor(contexts, dtype=torch.int32, device=device), starts.to(device),
-                 max(query_counts, default=0), head_dim**-0.5)
+    return Batch(
+        q.to(device, dtype),
+        k_cache.to(device, dtype),
+        v_cache.to(device, dtype),
+        block_tables.to(device),
+        torch.tensor(contexts, dtype=torch.int32, device=device),
+        starts.to(device),
+        max(query_counts, default=0),
+        head_dim**-0.5,
+    )
 
 
 def query_counts_of(case: Case, contexts: tuple[int, ...]) -> list[int]:
@@ -134,6 +154,7 @@ def query_counts_of(case: Case, contexts: tuple[int, ...]) -> list[int]:
 
 
 # ---- the independent reference -------------------------------------------------------------------------------------
+
 
 def loop_attention(batch: Batch) -> torch.Tensor:
     """Per query, in float64, from the contract: query i of n of sequence b sits at position L - n + i and
@@ -169,22 +190,41 @@ def loop_write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def run_kernel(batch: Batch, **blocks) -> torch.Tensor:
-    return paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                           batch.query_start_loc, batch.scale, batch.max_query_len, **blocks)
+    return paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        batch.max_query_len,
+        **blocks,
+    )
 
 
 def run_twin(batch: Batch) -> torch.Tensor:
-    return ref.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                               batch.query_start_loc, batch.scale)
+    return ref.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+    )
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", sweep_cases(), ids=str)
 def test_paged_attention_matches_twin_matches_loop(case: Case):
-    batch = make_batch(case.dtype, case.block_size, case.head_dim, case.group * case.num_kv_heads,
-                       case.num_kv_heads, list(CONTEXTS), query_counts_of(case, CONTEXTS), seed=case.seed,
-                       strided_q=case.strided_q)
+    batch = make_batch(
+        case.dtype,
+        case.block_size,
+        case.head_dim,
+        case.group * case.num_kv_heads,
+        case.num_kv_heads,
+        list(CONTEXTS),
+        query_counts_of(case, CONTEXTS),
+        seed=case.seed,
+        strided_q=case.strided_q,
+    )
     blocks = {"block_m": 16, "block_n": 16} if case.small_blocks else {}
     out_loop = loop_attention(batch)
     out_twin = run_twin(batch)
@@ -201,6 +241,7 @@ def test_sweep_covers_every_axis_value():
 
 
 # ---- focused checks ----------------------------------------------------------------------------------------------
+
 
 def test_every_query_count_of_each_context():
     """One batch with a sequence for each (context, n) pair, n = 1 ..= context, contexts 1, 5 and 17: every
@@ -219,8 +260,16 @@ def test_sequence_without_queries_and_larger_max_query_len():
     out_twin = run_twin(batch)
     out = run_kernel(batch)
     torch.testing.assert_close(out, out_twin, **TOL_VS_TWIN[torch.float16])
-    spare = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                            batch.query_start_loc, batch.scale, batch.max_query_len + 7)
+    spare = paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        batch.max_query_len + 7,
+    )
     assert torch.equal(spare, out)
 
 
@@ -236,8 +285,16 @@ def test_odd_shapes():
 def test_int64_lengths_and_starts():
     batch = make_batch(torch.float32, 4, 16, 2, 1, [5, 17], [2, 17], seed=9)
     out32 = run_kernel(batch)
-    out64 = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens.long(),
-                            batch.query_start_loc.long(), batch.scale, batch.max_query_len)
+    out64 = paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens.long(),
+        batch.query_start_loc.long(),
+        batch.scale,
+        batch.max_query_len,
+    )
     assert torch.equal(out32, out64)
 
 
@@ -248,8 +305,8 @@ def test_write_kv_cache_matches_twin_and_loop(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, num_kv_heads, head_dim, tokens = 6, 4, 2, 16, 9
     qkv = torch.randn(tokens, 4 * num_kv_heads * head_dim, generator=gen).to(DEVICE, dtype)
-    k = qkv[:, 2 * num_kv_heads * head_dim: 3 * num_kv_heads * head_dim].unflatten(1, (num_kv_heads, head_dim))
-    v = qkv[:, 3 * num_kv_heads * head_dim:].unflatten(1, (num_kv_heads, head_dim))
+    k = qkv[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].unflatten(1, (num_kv_heads, head_dim))
+    v = qkv[:, 3 * num_kv_heads * head_dim :].unflatten(1, (num_kv_heads, head_dim))
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
 
@@ -291,12 +348,14 @@ def test_write_then_attend_round_trip():
     ref.write_kv_cache(k_new, v_new, twin_k, twin_v, slot_mapping)
     write_kv_cache(k_new, v_new, batch.k_cache, batch.v_cache, slot_mapping)
     out = run_kernel(batch)
-    out_twin = ref.paged_attention(batch.q, twin_k, twin_v, batch.block_tables, batch.seq_lens,
-                                   batch.query_start_loc, batch.scale)
+    out_twin = ref.paged_attention(
+        batch.q, twin_k, twin_v, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+    )
     torch.testing.assert_close(out, out_twin, **TOL_VS_TWIN[torch.float16])
 
 
 # ---- the dispatcher ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
@@ -311,8 +370,16 @@ def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.Monk
     def step(write, attend) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
         write(k_new, v_new, k_cache, v_cache, slot_mapping)
-        out = attend(batch.q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                     batch.scale, batch.max_query_len)
+        out = attend(
+            batch.q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            batch.max_query_len,
+        )
         return torch.stack([k_cache, v_cache]).view(bits), out
 
     def twin_attend(*args) -> torch.Tensor:
@@ -325,14 +392,18 @@ def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.Monk
     via_twins = step(ops.write_kv_cache, ops.paged_attention)
     direct_kernels = step(write_kv_cache, paged_attention)
     direct_twins = step(ref.write_kv_cache, twin_attend)
-    for got, want in ((via_kernels, direct_kernels), (via_twins, direct_twins),
-                      (default, via_kernels if ops.use_kernels(DEVICE) else via_twins)):
+    for got, want in (
+        (via_kernels, direct_kernels),
+        (via_twins, direct_twins),
+        (default, via_kernels if ops.use_kernels(DEVICE) else via_twins),
+    ):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(via_kernels[0], via_twins[0])
     torch.testing.assert_close(via_kernels[1], via_twins[1], **TOL_VS_TWIN[dtype])
 
 
 # ---- real shapes, on the GPU -------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

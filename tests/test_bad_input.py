@@ -68,8 +68,12 @@ def _good_config(**change) -> dict:
 
 
 def _nested(depth: int) -> str:
-    return '{"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": ' + \
-        "[" * depth + "]" * depth + "}]}]}"
+    return (
+        '{"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": '
+        + "[" * depth
+        + "]" * depth
+        + "}]}]}"
+    )
 
 
 # (name, method, path, body, who, status). body: a dict (sent as JSON), a str (sent as is), a callable of the
@@ -87,8 +91,14 @@ CASES = [
     ("no messages", "POST", CHAT, {"model": BASE}, "probe", 400),
     ("empty messages", "POST", CHAT, {**GOOD_CHAT, "messages": []}, "probe", 400),
     ("unknown role", "POST", CHAT, {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "probe", 400),
-    ("image content part", "POST", CHAT,
-     {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "probe", 400),
+    (
+        "image content part",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "probe",
+        400,
+    ),
     ("max_tokens a string", "POST", CHAT, {**GOOD_CHAT, "max_tokens": "many"}, "probe", 400),
     ("max_tokens 0", "POST", CHAT, {**GOOD_CHAT, "max_tokens": 0}, "probe", 400),
     ("max_tokens negative", "POST", CHAT, {**GOOD_CHAT, "max_tokens": -1}, "probe", 400),
@@ -97,8 +107,14 @@ CASES = [
     ("max_completion_tokens 0", "POST", CHAT, {**GOOD_CHAT, "max_completion_tokens": 0}, "probe", 400),
     ("temperature negative", "POST", CHAT, {**GOOD_CHAT, "temperature": -1}, "probe", 400),
     ("temperature a word", "POST", CHAT, {**GOOD_CHAT, "temperature": "hot"}, "probe", 400),
-    ("temperature infinite", "POST", CHAT, json.dumps(GOOD_CHAT).replace('"temperature": 0', '"temperature": 1e999'),
-     "probe", 400),
+    (
+        "temperature infinite",
+        "POST",
+        CHAT,
+        json.dumps(GOOD_CHAT).replace('"temperature": 0', '"temperature": 1e999'),
+        "probe",
+        400,
+    ),
     ("top_p 0", "POST", CHAT, {**GOOD_CHAT, "top_p": 0}, "probe", 400),
     ("top_p 2", "POST", CHAT, {**GOOD_CHAT, "top_p": 2}, "probe", 400),
     ("top_k 2**63 (stopped the engine once)", "POST", CHAT, {**GOOD_CHAT, "top_k": 2**63}, "probe", 400),
@@ -110,11 +126,16 @@ CASES = [
     ("frequency_penalty -3", "POST", CHAT, {**GOOD_CHAT, "frequency_penalty": -3}, "probe", 400),
     ("logit_bias key not a token id", "POST", CHAT, {**GOOD_CHAT, "logit_bias": {"abc": 1}}, "probe", 400),
     ("logit_bias key a 5000-digit number", "POST", CHAT, {**GOOD_CHAT, "logit_bias": {"9" * 5000: 1}}, "probe", 400),
-    ("logit_bias key outside the vocabulary", "POST", CHAT, {**GOOD_CHAT, "logit_bias": {"99999999": 1}}, "probe",
-     400),
+    ("logit_bias key outside the vocabulary", "POST", CHAT, {**GOOD_CHAT, "logit_bias": {"99999999": 1}}, "probe", 400),
     ("logit_bias value 1000", "POST", CHAT, {**GOOD_CHAT, "logit_bias": {"5": 1000}}, "probe", 400),
-    ("logit_bias 301 entries", "POST", CHAT, {**GOOD_CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, "probe",
-     400),
+    (
+        "logit_bias 301 entries",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "logit_bias": {str(i): 1 for i in range(301)}},
+        "probe",
+        400,
+    ),
     ("seed 2**64", "POST", CHAT, {**GOOD_CHAT, "seed": 2**64}, "probe", 400),
     ("seed a word", "POST", CHAT, {**GOOD_CHAT, "seed": "x"}, "probe", 400),
     ("n 0", "POST", CHAT, {**GOOD_CHAT, "n": 0}, "probe", 400),
@@ -128,86 +149,221 @@ CASES = [
     ("top_logprobs -1", "POST", CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": -1}, "probe", 400),
     ("stream_options a number", "POST", CHAT, {**GOOD_CHAT, "stream": True, "stream_options": 3}, "probe", 400),
     ("allowed model that is not registered", "POST", CHAT, {**GOOD_CHAT, "model": "ghost"}, "probe", 404),
-    ("unknown model (not allowed either: 403, existence not told)", "POST", CHAT,
-     {**GOOD_CHAT, "model": "no-such-adapter"}, "probe", 403),
+    (
+        "unknown model (not allowed either: 403, existence not told)",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "model": "no-such-adapter"},
+        "probe",
+        403,
+    ),
     ("adapter outside the tenant's allow-list", "POST", CHAT, {**GOOD_CHAT, "model": "walled"}, "probe", 403),
-    ("prompt too long for the context", "POST", CHAT,
-     {**GOOD_CHAT, "messages": [{"role": "user", "content": "word " * 9000}]}, "probe", 400),
+    (
+        "prompt too long for the context",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "messages": [{"role": "user", "content": "word " * 9000}]},
+        "probe",
+        400,
+    ),
     ("completion without prompt", "POST", COMPLETIONS, {"model": BASE}, "probe", 400),
     ("completion prompt []", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": []}, "probe", 400),
     ("completion prompt [[]]", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [[]]}, "probe", 400),
-    ("completion token id outside the vocabulary", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [1, 10**9]},
-     "probe", 400),
+    (
+        "completion token id outside the vocabulary",
+        "POST",
+        COMPLETIONS,
+        {**GOOD_COMPLETION, "prompt": [1, 10**9]},
+        "probe",
+        400,
+    ),
     ("completion token id negative", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [-1]}, "probe", 400),
     ("completion token id a float", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [1.5]}, "probe", 400),
     ("completion logprobs 21", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": 21}, "probe", 400),
-    ("completion prompt too many characters", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": "y" * 3_000_000},
-     "probe", 400),
+    (
+        "completion prompt too many characters",
+        "POST",
+        COMPLETIONS,
+        {**GOOD_COMPLETION, "prompt": "y" * 3_000_000},
+        "probe",
+        400,
+    ),
     ("no key on /v1 once tenants exist", "POST", CHAT, GOOD_CHAT, "anon", 401),
     ("unknown tenant key on /v1", "POST", CHAT, GOOD_CHAT, "Bearer lsk-not-a-key", 401),
     ("wrong key on a tenant path", "POST", "/t/probe/v1/chat/completions", GOOD_CHAT, "Bearer lsk-wrong", 401),
     ("unknown tenant", "GET", "/t/nosuch/v1/models", None, "tenant", 401),
     ("another tenant's key", "GET", "/t/walled-owner/v1/models", None, "tenant", 401),
     ("tenant path, bad body", "POST", "/t/probe/v1/chat/completions", {**GOOD_CHAT, "top_k": 2**63}, "tenant", 400),
-    ("tenant path, adapter not allowed", "POST", "/t/probe/v1/completions", {**GOOD_COMPLETION, "model": "walled"},
-     "tenant", 403),
+    (
+        "tenant path, adapter not allowed",
+        "POST",
+        "/t/probe/v1/completions",
+        {**GOOD_COMPLETION, "model": "walled"},
+        "tenant",
+        403,
+    ),
     ("unknown route", "GET", "/nope", None, "anon", 404),
     ("wrong method on /v1/models", "DELETE", "/v1/models", None, "probe", 405),
     ("GET on chat completions", "GET", CHAT, None, "probe", 405),
     ("admin without key", "GET", "/admin/adapters", None, "anon", 401),
     ("admin with a tenant key", "GET", "/admin/tenants", None, "probe", 401),
     ("adapter name with a path", "POST", "/admin/adapters", {"name": "../x", "path": "/tmp"}, "admin", 400),
-    ("adapter named like the base model", "POST", "/admin/adapters",
-     lambda r: {"name": BASE, "path": str(write_adapter(r / "adapters" / "base-named", 2))}, "admin", 400),
-    ("adapter outside the roots", "POST", "/admin/adapters",
-     lambda r: {"name": "outsider", "path": str(write_adapter(r / "outside" / "x", 3))}, "admin", 400),
-    ("adapter path missing", "POST", "/admin/adapters", lambda r: {"name": "gone", "path": str(r / "adapters" / "no")},
-     "admin", 400),
-    ("adapter rank above the maximum", "POST", "/admin/adapters",
-     lambda r: {"name": "big", "path": str(write_adapter(r / "adapters" / "big", 4, r=64))}, "admin", 400),
-    ("lora_alpha a string", "POST", "/admin/adapters",
-     lambda r: {"name": "bad1", "path": _bad_config(r, "bad1", _good_config(lora_alpha="eight"))}, "admin", 400),
-    ("lora_alpha NaN", "POST", "/admin/adapters",
-     lambda r: {"name": "bad2", "path": _bad_config(r, "bad2", json.dumps(_good_config()).replace(
-         '"lora_alpha": 8', '"lora_alpha": NaN').encode())}, "admin", 400),
-    ("lora_alpha 1e39", "POST", "/admin/adapters",
-     lambda r: {"name": "bad3", "path": _bad_config(r, "bad3", _good_config(lora_alpha=1e39))}, "admin", 400),
-    ("rank_pattern 0", "POST", "/admin/adapters",
-     lambda r: {"name": "bad4", "path": _bad_config(r, "bad4", _good_config(rank_pattern={"q_proj": 0}))}, "admin",
-     400),
-    ("rank_pattern a string", "POST", "/admin/adapters",
-     lambda r: {"name": "bad5", "path": _bad_config(r, "bad5", _good_config(rank_pattern={"q_proj": "4"}))}, "admin",
-     400),
-    ("rank_pattern invalid regex key", "POST", "/admin/adapters",
-     lambda r: {"name": "bad6", "path": _bad_config(r, "bad6", _good_config(rank_pattern={"q_proj(": 4}))}, "admin",
-     400),
-    ("target_modules invalid regex", "POST", "/admin/adapters",
-     lambda r: {"name": "bad7", "path": _bad_config(r, "bad7", _good_config(target_modules="q_proj("))}, "admin",
-     400),
-    ("target_modules numbers", "POST", "/admin/adapters",
-     lambda r: {"name": "bad8", "path": _bad_config(r, "bad8", _good_config(target_modules=[1, 2]))}, "admin", 400),
-    ("layers_to_transform strings", "POST", "/admin/adapters",
-     lambda r: {"name": "bad9", "path": _bad_config(r, "bad9", _good_config(layers_to_transform=["a"]))}, "admin",
-     400),
-    ("config a JSON list", "POST", "/admin/adapters",
-     lambda r: {"name": "bad10", "path": _bad_config(r, "bad10", [1, 2])}, "admin", 400),
-    ("config not UTF-8", "POST", "/admin/adapters",
-     lambda r: {"name": "bad11", "path": _bad_config(r, "bad11", b"\xff\xfe\x00")}, "admin", 400),
-    ("weights file linking outside the roots", "POST", "/admin/adapters",
-     lambda r: {"name": "linked", "path": _linked_outside(r)}, "admin", 400),
-    ("pickle weights", "POST", "/admin/adapters",
-     lambda r: {"name": "pickled", "path": _pickled(r)}, "admin", 400),
+    (
+        "adapter named like the base model",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": BASE, "path": str(write_adapter(r / "adapters" / "base-named", 2))},
+        "admin",
+        400,
+    ),
+    (
+        "adapter outside the roots",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "outsider", "path": str(write_adapter(r / "outside" / "x", 3))},
+        "admin",
+        400,
+    ),
+    (
+        "adapter path missing",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "gone", "path": str(r / "adapters" / "no")},
+        "admin",
+        400,
+    ),
+    (
+        "adapter rank above the maximum",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "big", "path": str(write_adapter(r / "adapters" / "big", 4, r=64))},
+        "admin",
+        400,
+    ),
+    (
+        "lora_alpha a string",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad1", "path": _bad_config(r, "bad1", _good_config(lora_alpha="eight"))},
+        "admin",
+        400,
+    ),
+    (
+        "lora_alpha NaN",
+        "POST",
+        "/admin/adapters",
+        lambda r: {
+            "name": "bad2",
+            "path": _bad_config(
+                r, "bad2", json.dumps(_good_config()).replace('"lora_alpha": 8', '"lora_alpha": NaN').encode()
+            ),
+        },
+        "admin",
+        400,
+    ),
+    (
+        "lora_alpha 1e39",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad3", "path": _bad_config(r, "bad3", _good_config(lora_alpha=1e39))},
+        "admin",
+        400,
+    ),
+    (
+        "rank_pattern 0",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad4", "path": _bad_config(r, "bad4", _good_config(rank_pattern={"q_proj": 0}))},
+        "admin",
+        400,
+    ),
+    (
+        "rank_pattern a string",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad5", "path": _bad_config(r, "bad5", _good_config(rank_pattern={"q_proj": "4"}))},
+        "admin",
+        400,
+    ),
+    (
+        "rank_pattern invalid regex key",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad6", "path": _bad_config(r, "bad6", _good_config(rank_pattern={"q_proj(": 4}))},
+        "admin",
+        400,
+    ),
+    (
+        "target_modules invalid regex",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad7", "path": _bad_config(r, "bad7", _good_config(target_modules="q_proj("))},
+        "admin",
+        400,
+    ),
+    (
+        "target_modules numbers",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad8", "path": _bad_config(r, "bad8", _good_config(target_modules=[1, 2]))},
+        "admin",
+        400,
+    ),
+    (
+        "layers_to_transform strings",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad9", "path": _bad_config(r, "bad9", _good_config(layers_to_transform=["a"]))},
+        "admin",
+        400,
+    ),
+    (
+        "config a JSON list",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad10", "path": _bad_config(r, "bad10", [1, 2])},
+        "admin",
+        400,
+    ),
+    (
+        "config not UTF-8",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "bad11", "path": _bad_config(r, "bad11", b"\xff\xfe\x00")},
+        "admin",
+        400,
+    ),
+    (
+        "weights file linking outside the roots",
+        "POST",
+        "/admin/adapters",
+        lambda r: {"name": "linked", "path": _linked_outside(r)},
+        "admin",
+        400,
+    ),
+    ("pickle weights", "POST", "/admin/adapters", lambda r: {"name": "pickled", "path": _pickled(r)}, "admin", 400),
     ("vLLM load without a path", "POST", "/v1/load_lora_adapter", {"lora_name": "x"}, "admin", 400),
     ("admin body invalid JSON", "POST", "/admin/adapters", "{nope", "admin", 400),
     ("admin body deeply nested", "POST", "/admin/adapters", "[" * 100_000, "admin", 400),
     ("delete an unknown adapter", "DELETE", "/admin/adapters/never-was", None, "admin", 404),
-    ("vLLM unload of an unknown adapter", "POST", "/v1/unload_lora_adapter", {"lora_name": "never-was"}, "admin",
-     404),
+    ("vLLM unload of an unknown adapter", "POST", "/v1/unload_lora_adapter", {"lora_name": "never-was"}, "admin", 404),
     ("tenant with an invalid name", "POST", "/admin/tenants", {"name": "a b"}, "admin", 400),
-    ("tenant with a zero rate limit", "POST", "/admin/tenants",
-     {"name": "zero", "rate_limits": {"requests_per_minute": 0}}, "admin", 400),
-    ("tenant default adapter not allowed", "POST", "/admin/tenants",
-     {"name": "dflt", "adapters": ["upper"], "default_adapter": "pirate"}, "admin", 400),
+    (
+        "tenant with a zero rate limit",
+        "POST",
+        "/admin/tenants",
+        {"name": "zero", "rate_limits": {"requests_per_minute": 0}},
+        "admin",
+        400,
+    ),
+    (
+        "tenant default adapter not allowed",
+        "POST",
+        "/admin/tenants",
+        {"name": "dflt", "adapters": ["upper"], "default_adapter": "pirate"},
+        "admin",
+        400,
+    ),
     ("tenant that exists", "POST", "/admin/tenants", {"name": "probe"}, "admin", 409),
     ("unknown tenant (admin)", "GET", "/admin/tenants/nosuch", None, "admin", 404),
     ("key for an unknown tenant", "POST", "/admin/tenants/nosuch/keys", None, "admin", 404),
@@ -230,8 +386,14 @@ def _pickled(root: Path) -> str:
 
 
 def _send(server: Server, roots: Path, keys: dict[str, str], method: str, path: str, body, who: str):
-    headers = {"Authorization": {"probe": f"Bearer {keys['probe']}", "tenant": f"Bearer {keys['probe']}",
-                                 "admin": f"Bearer {ADMIN}", "anon": ""}.get(who, who)}
+    headers = {
+        "Authorization": {
+            "probe": f"Bearer {keys['probe']}",
+            "tenant": f"Bearer {keys['probe']}",
+            "admin": f"Bearer {ADMIN}",
+            "anon": "",
+        }.get(who, who)
+    }
     if callable(body):
         body = body(roots)
     kw: dict = {}
@@ -249,6 +411,7 @@ def test_bad_input_table(server, roots, probe_key):
     r = server.admin("POST", "/admin/tenants", json={"name": "walled-owner", "adapters": []})
     assert r.status_code == 200
     keys = {"probe": probe_key}
+
     def registered() -> list[tuple]:
         return [(a["name"], a["version"], a["path"]) for a in server.admin("GET", "/admin/adapters").json()["data"]]
 
@@ -258,8 +421,12 @@ def test_bad_input_table(server, roots, probe_key):
         r = _send(server, roots, keys, method, path, body, who)
         try:
             err = r.json()["error"]
-            shaped = set(err) == {"message", "type", "param", "code"} and err["message"] and \
-                isinstance(err["type"], str) and (err["code"] is None or isinstance(err["code"], str))
+            shaped = (
+                set(err) == {"message", "type", "param", "code"}
+                and err["message"]
+                and isinstance(err["type"], str)
+                and (err["code"] is None or isinstance(err["code"], str))
+            )
         except (ValueError, KeyError, TypeError):
             shaped = False
         if r.status_code != status or not shaped:
@@ -310,9 +477,13 @@ def test_tenants_are_charged_the_bound_then_what_they_used(server):
     assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "tokens_limit_exceeded"
     used = 0
     # while a stream runs it holds prompt + max_tokens of the window; at its end only what it used
-    with httpx.stream("POST", server.url + CHAT, json={**body, "max_tokens": 40, "stream": True,
-                                                       "stream_options": {"include_usage": True}},
-                      headers=headers, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        server.url + CHAT,
+        json={**body, "max_tokens": 40, "stream": True, "stream_options": {"include_usage": True}},
+        headers=headers,
+        timeout=60,
+    ) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if '"content"' in line)
         assert first
@@ -339,8 +510,9 @@ def test_dropped_stream_is_charged_what_it_produced(server):
     body = {**GOOD_CHAT, "model": "pirate", "max_tokens": 400, "ignore_eos": True, "stream": True}
     _early_in_a_minute()
     received = 0
-    with httpx.stream("POST", server.url + CHAT, json=body, headers={"Authorization": f"Bearer {key}"},
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", server.url + CHAT, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+    ) as r:
         for line in r.iter_lines():
             if '"content"' in line and '"role"' not in line:
                 received += 1
@@ -373,8 +545,12 @@ def test_health_answers_while_a_huge_body_is_parsed(server, probe_key):
     outcome: dict[str, int] = {}
 
     def send() -> None:
-        r = httpx.post(server.url + COMPLETIONS, content=body, headers={
-            "Authorization": f"Bearer {probe_key}", "content-type": "application/json"}, timeout=120)
+        r = httpx.post(
+            server.url + COMPLETIONS,
+            content=body,
+            headers={"Authorization": f"Bearer {probe_key}", "content-type": "application/json"},
+            timeout=120,
+        )
         outcome["status"] = r.status_code
 
     thread = threading.Thread(target=send)
@@ -387,8 +563,10 @@ def test_health_answers_while_a_huge_body_is_parsed(server, probe_key):
         time.sleep(0.01)
     thread.join()
     assert outcome["status"] == 400
-    print(f"\n/health during a 3.4 MB body: {len(latencies)} answers, median {statistics.median(latencies) * 1e3:.1f}"
-          f" ms, max {max(latencies) * 1e3:.1f} ms")
+    print(
+        f"\n/health during a 3.4 MB body: {len(latencies)} answers, median {statistics.median(latencies) * 1e3:.1f}"
+        f" ms, max {max(latencies) * 1e3:.1f} ms"
+    )
     assert len(latencies) >= 3 and statistics.median(latencies) < 0.1 and max(latencies) < 0.5
 
 

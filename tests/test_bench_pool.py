@@ -30,8 +30,17 @@ SLOT_BLOCKS = math.ceil(SLOT_BYTES / BLOCK_BYTES)  # 8
 # The trace of the end-to-end runs: 6 sessions of 2 turns over 6 adapters; a system prompt shorter than a block, so
 # no two sessions share a full block, and turn 2 repeats turn 1's prompt and answer.
 SYSTEM, USER, OUTPUT, SESSIONS, TURNS = 8, 16, 12, 6, 2
-SPEC = TraceSpec(num_adapters=6, alpha=1.0, rate=4.0, sessions=SESSIONS, turns=TURNS, system_tokens=SYSTEM,
-                 user_tokens=USER, output_tokens=OUTPUT, think_s=0.05)
+SPEC = TraceSpec(
+    num_adapters=6,
+    alpha=1.0,
+    rate=4.0,
+    sessions=SESSIONS,
+    turns=TURNS,
+    system_tokens=SYSTEM,
+    user_tokens=USER,
+    output_tokens=OUTPUT,
+    think_s=0.05,
+)
 # Turn 1: prompt 24 tokens, nothing cached. Turn 2: prompt 24 + 12 + 16 = 52 tokens; turn 1 computed KV for its
 # prompt and all but its last answer token, 35 tokens: 2 full blocks (32 tokens, answer tokens included) to reuse.
 PROMPT_TOKENS = SESSIONS * ((SYSTEM + USER) + (SYSTEM + USER + OUTPUT + USER))
@@ -64,11 +73,45 @@ def test_trace_shape_and_popularity():
 def _bench(tmp_path, kv_blocks: int, max_loras: int, plot: bool = False) -> dict:
     out = tmp_path / f"pool-{kv_blocks}.json"
     png = tmp_path / "pool.png"
-    code = main(["bench-pool", "--model", "tiny-llama", "--load-format", "dummy", "--adapters", "6", "--alpha", "1.0",
-                 "--rate", "4", "--sessions", str(SESSIONS), "--turns", str(TURNS), "--think-s", "0.05",
-                 "--system-tokens", str(SYSTEM), "--user-tokens", str(USER), "--output-tokens", str(OUTPUT),
-                 "--rank", str(RANK), "--kv-blocks", str(kv_blocks), "--host-blocks", "40",
-                 "--max-loras", str(max_loras), "--json", str(out), "--plot", str(png) if plot else ""])
+    code = main(
+        [
+            "bench-pool",
+            "--model",
+            "tiny-llama",
+            "--load-format",
+            "dummy",
+            "--adapters",
+            "6",
+            "--alpha",
+            "1.0",
+            "--rate",
+            "4",
+            "--sessions",
+            str(SESSIONS),
+            "--turns",
+            str(TURNS),
+            "--think-s",
+            "0.05",
+            "--system-tokens",
+            str(SYSTEM),
+            "--user-tokens",
+            str(USER),
+            "--output-tokens",
+            str(OUTPUT),
+            "--rank",
+            str(RANK),
+            "--kv-blocks",
+            str(kv_blocks),
+            "--host-blocks",
+            "40",
+            "--max-loras",
+            str(max_loras),
+            "--json",
+            str(out),
+            "--plot",
+            str(png) if plot else "",
+        ]
+    )
     assert code == 0
     if plot:
         assert png.stat().st_size > 0
@@ -82,7 +125,8 @@ def _bench(tmp_path, kv_blocks: int, max_loras: int, plot: bool = False) -> dict
         assert fig["requests"] == SESSIONS * TURNS
         assert 0 < fig["ttft_mean_s"] <= fig["ttft_p99_s"]  # with 12 requests, p99 is the largest TTFT
     assert setting["ttft_ratio_tree_cost_vs_lru_separate"] == pytest.approx(
-        policies["tree-cost"]["ttft_mean_s"] / policies["lru-separate"]["ttft_mean_s"])
+        policies["tree-cost"]["ttft_mean_s"] / policies["lru-separate"]["ttft_mean_s"]
+    )
     return policies
 
 
@@ -120,8 +164,10 @@ def test_bench_pool_under_pressure_moves_what_it_counts(tmp_path):
         unloads, rest = divmod(evicted["adapter_unload"], blocks)
         assert rest == 0, (name, evicted)
         splits = [(loads, fig["bytes_to_gpu"] - loads * ADAPTER_BYTES) for loads in (unloads + 1, unloads + 2)]
-        assert any(loads >= used and swap_in >= 0 and swap_in % BLOCK_BYTES == 0
-                   and swap_in // BLOCK_BYTES <= swapped_out for loads, swap_in in splits), (name, fig, splits)
+        assert any(
+            loads >= used and swap_in >= 0 and swap_in % BLOCK_BYTES == 0 and swap_in // BLOCK_BYTES <= swapped_out
+            for loads, swap_in in splits
+        ), (name, fig, splits)
         assert 0 <= fig["kv_token_hit_rate"] <= BEST_KV_HIT_RATE + 1e-12, name
         assert 0 <= fig["adapter_hit_rate"] <= 1, name
     assert policies["tree-cost"]["evicted_blocks"]["kv_swap_out"] > 0  # the budget is tight enough to swap

@@ -21,10 +21,21 @@ def test_constructor_validates():
     pool.check_integrity([])
 
 
-@pytest.mark.parametrize("block_size,tokens,blocks", [
-    (16, 0, 0), (16, 1, 1), (16, 15, 1), (16, 16, 1), (16, 17, 2), (16, 32, 2), (16, 33, 3),
-    (1, 7, 7), (4, 10, 3), (3, 9, 3),
-])
+@pytest.mark.parametrize(
+    "block_size,tokens,blocks",
+    [
+        (16, 0, 0),
+        (16, 1, 1),
+        (16, 15, 1),
+        (16, 16, 1),
+        (16, 17, 2),
+        (16, 32, 2),
+        (16, 33, 3),
+        (1, 7, 7),
+        (4, 10, 3),
+        (3, 9, 3),
+    ],
+)
 def test_blocks_for_tokens(block_size, tokens, blocks):
     assert BlockPool(4, block_size).blocks_for_tokens(tokens) == blocks
 

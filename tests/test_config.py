@@ -8,11 +8,22 @@ import torch
 from lora_server.config import EngineConfig
 
 
-@pytest.mark.parametrize("field, value", [
-    ("pool_policy", "fifo"), ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5),
-    ("host_kv_bytes", -1), ("block_size", 0), ("kv_cache_bytes", 0), ("max_loras", 0), ("num_kv_blocks", 0),
-    ("quantization", "int3"), ("load_format", "onnx"), ("dtype", "float8"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("pool_policy", "fifo"),
+        ("gpu_memory_utilization", 0.0),
+        ("gpu_memory_utilization", 1.5),
+        ("host_kv_bytes", -1),
+        ("block_size", 0),
+        ("kv_cache_bytes", 0),
+        ("max_loras", 0),
+        ("num_kv_blocks", 0),
+        ("quantization", "int3"),
+        ("load_format", "onnx"),
+        ("dtype", "float8"),
+    ],
+)
 def test_bad_values_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
@@ -49,9 +60,24 @@ def test_flags_convert_units_and_lists():
     from adapters import DEMO_DIR
     from lora_server.cli import server_config
 
-    config = server_config(_parse("--kv-cache-gb", "0.5", "--max-request-mb", "2", "--adapter-root", "/a,/b",
-                                  "--adapter-root", "/c", "--adapter", "x=/d/x,upper", "--no-chunked-prefill",
-                                  "--allow-anonymous", "--port", "9001"))
+    config = server_config(
+        _parse(
+            "--kv-cache-gb",
+            "0.5",
+            "--max-request-mb",
+            "2",
+            "--adapter-root",
+            "/a,/b",
+            "--adapter-root",
+            "/c",
+            "--adapter",
+            "x=/d/x,upper",
+            "--no-chunked-prefill",
+            "--allow-anonymous",
+            "--port",
+            "9001",
+        )
+    )
     assert config.engine.kv_cache_bytes == 2**29 and config.max_request_bytes == 2 * 2**20
     assert config.engine.adapter_roots == ("/a", "/b", "/c", str(DEMO_DIR.resolve()), str(Path("/d/x")))
     assert config.adapters == ("x=/d/x", "upper") and config.port == 9001

@@ -91,11 +91,13 @@ def test_seeded_sampling_ignores_batch_company(engine_fp32, prompts):
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = engine_fp32.generate([prompts[1]], seeded)[0].text
     company = [SamplingParams(max_tokens=n, temperature=1.0) for n in (5, 9, 13)]
-    mixed = engine_fp32.generate([prompts[0], prompts[2], prompts[1], prompts[3]],
-                                 [company[0], company[1], seeded, company[2]])
+    mixed = engine_fp32.generate(
+        [prompts[0], prompts[2], prompts[1], prompts[3]], [company[0], company[1], seeded, company[2]]
+    )
     assert mixed[2].text == alone
-    other_seed = engine_fp32.generate([prompts[1]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95,
-                                                                   top_k=50, seed=99))[0].text
+    other_seed = engine_fp32.generate(
+        [prompts[1]], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99)
+    )[0].text
     assert other_seed != alone  # the seed matters (16 sampled tokens colliding by chance is negligible)
 
 
@@ -107,20 +109,22 @@ def test_stop_strings_and_stop_reasons(engine_fp32, prompts, alone):
     assert c.finish_reason == "stop" and c.stop_reason == stop
     [c] = engine_fp32.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0))
     assert c.finish_reason == "length" and len(c.token_ids) == 3
-    [c] = engine_fp32.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0,
-                                                            stop_token_ids=[alone[0][4]]))
+    [c] = engine_fp32.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[alone[0][4]]))
     assert c.token_ids == alone[0][:5] and c.finish_reason == "stop" and c.stop_reason == alone[0][4]
 
 
-@pytest.mark.parametrize("bad, error", [
-    (dict(prompt=""), InvalidRequestError),
-    (dict(prompt=[]), InvalidRequestError),
-    (dict(prompt=[1, 2, 10**7]), InvalidRequestError),
-    (dict(prompt=[1, -5]), InvalidRequestError),
-    (dict(prompt="word " * 9000), ContextLengthExceededError),
-    (dict(params=dict(max_tokens=10**6)), ContextLengthExceededError),
-    (dict(params=dict(stop_token_ids=[10**7])), InvalidRequestError),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(prompt=""), InvalidRequestError),
+        (dict(prompt=[]), InvalidRequestError),
+        (dict(prompt=[1, 2, 10**7]), InvalidRequestError),
+        (dict(prompt=[1, -5]), InvalidRequestError),
+        (dict(prompt="word " * 9000), ContextLengthExceededError),
+        (dict(params=dict(max_tokens=10**6)), ContextLengthExceededError),
+        (dict(params=dict(stop_token_ids=[10**7])), InvalidRequestError),
+    ],
+)
 def test_bad_requests_fail_alone(engine_fp32, prompts, alone, bad, error):
     params = SamplingParams(**bad.get("params", {"max_tokens": 4}))
     with pytest.raises(error) as info:
@@ -132,11 +136,23 @@ def test_bad_requests_fail_alone(engine_fp32, prompts, alone, bad, error):
     assert not engine_fp32.core.pool.held_blocks()  # no request holds a block
 
 
-@pytest.mark.parametrize("values", [
-    dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
-    dict(top_k=-2), dict(min_p=2.0), dict(repetition_penalty=0.0), dict(logprobs=99),
-    dict(temperature=float("nan")), dict(stop=[""]), dict(min_tokens=50, max_tokens=5),
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(temperature=-0.5),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2.0),
+        dict(repetition_penalty=0.0),
+        dict(logprobs=99),
+        dict(temperature=float("nan")),
+        dict(stop=[""]),
+        dict(min_tokens=50, max_tokens=5),
+    ],
+)
 def test_invalid_sampling_values_are_typed_errors(values):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**values)
@@ -225,7 +241,7 @@ def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
             same += len(out) if first is None else first
             if first is not None:
                 top = [t for t, _ in r.logprobs[first].top]  # fp32's 5 best at the step, best first
-                assert out[first] in top[:max_rank + 1], (mode, first, top)
+                assert out[first] in top[: max_rank + 1], (mode, first, top)
                 behind = r.logprobs[first].logprob - dict(r.logprobs[first].top)[out[first]]
                 assert behind <= max_behind, (mode, first, behind)
         agreement = same / sum(len(r.token_ids) for r in ref)

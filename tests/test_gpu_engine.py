@@ -48,8 +48,13 @@ def _prompts(engine: Engine) -> list[list[int]]:
     return [engine.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
 
 
-def _follows(completion: Completion, prompt: list[int], ref_logprobs: Callable[[list[int]], torch.Tensor],
-             tol: float, max_gap: float) -> list[float]:
+def _follows(
+    completion: Completion,
+    prompt: list[int],
+    ref_logprobs: Callable[[list[int]], torch.Tensor],
+    tol: float,
+    max_gap: float,
+) -> list[float]:
     """Assert the module docstring's check for one completion; returns |engine - reference| logprob per step."""
     ref = ref_logprobs(prompt + completion.token_ids)  # [len, vocab]
     assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
@@ -90,8 +95,15 @@ def _hf_with_engine_weights(hf_model, quantization: str):
         if quantization == "int8":
             for layer in model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                               mlp.down_proj):
+                for linear in (
+                    attn.q_proj,
+                    attn.k_proj,
+                    attn.v_proj,
+                    attn.o_proj,
+                    mlp.gate_proj,
+                    mlp.up_proj,
+                    mlp.down_proj,
+                ):
                     linear.weight.copy_(_int8_round_trip(linear.weight))
         else:
             assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one matrix, both uses
@@ -159,8 +171,9 @@ def test_cuda_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
     for name in ADAPTERS:
         engine.add_adapter(name, peft_dirs / name)
     plan = [None, *ADAPTERS, None, "qv-r4"]
-    prompts = [engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}])
-               for i in range(len(plan))]
+    prompts = [
+        engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}]) for i in range(len(plan))
+    ]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     outs = engine.generate(prompts, params, adapters=plan)
     for prompt, adapter, out in zip(prompts, plan, outs, strict=True):

@@ -56,6 +56,7 @@ def _inject(monkeypatch, engine, prompts, site: str, exc: Exception) -> None:
             if any(_is_victim(r, prompts) for r, _ in items):
                 raise exc
             return prepare(items)
+
         monkeypatch.setattr(core.runner, "prepare", failing_prepare)
     elif site == "sampling":
         sampler = core.runner.sampler
@@ -64,6 +65,7 @@ def _inject(monkeypatch, engine, prompts, site: str, exc: Exception) -> None:
             if any(_is_victim(r, prompts) for r in requests):
                 raise exc
             return sampler(logits, requests)
+
         monkeypatch.setattr(core.runner, "sampler", failing_sampler)
     else:  # detokenizing its third token
         detokenize = core._detokenize
@@ -72,6 +74,7 @@ def _inject(monkeypatch, engine, prompts, site: str, exc: Exception) -> None:
             if _is_victim(request, prompts) and request.num_output_tokens == 3:
                 raise exc
             return detokenize(request, token)
+
         monkeypatch.setattr(core, "_detokenize", failing_detokenize)
 
 
@@ -104,6 +107,7 @@ def test_failure_in_a_running_stream_fails_that_stream_alone(monkeypatch, engine
             async for out in engine.add_request(prompt, GREEDY):
                 tokens.extend(out.token_ids)
             return tokens
+
         return await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
 
     try:
@@ -124,10 +128,13 @@ def _overflowing_adapter(path) -> None:
     layer 0's q_proj: its requests get non-finite logits."""
     path.mkdir()
     key = "base_model.model.model.layers.0.self_attn.q_proj"
-    save_file({f"{key}.lora_A.weight": torch.full((2, 576), 1e19), f"{key}.lora_B.weight": torch.full((576, 2), 1e19)},
-              str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(dict(peft_type="LORA", r=2, lora_alpha=2,
-                                                              target_modules=["q_proj"], layers_to_transform=[0])))
+    save_file(
+        {f"{key}.lora_A.weight": torch.full((2, 576), 1e19), f"{key}.lora_B.weight": torch.full((576, 2), 1e19)},
+        str(path / "adapter_model.safetensors"),
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps(dict(peft_type="LORA", r=2, lora_alpha=2, target_modules=["q_proj"], layers_to_transform=[0]))
+    )
 
 
 def test_overflowing_adapter_fails_its_request_alone(tmp_path, engine, prompts, alone):
@@ -146,12 +153,14 @@ def test_overflowing_adapter_fails_its_request_alone(tmp_path, engine, prompts, 
 
 def test_device_fault_stops_the_engine_and_every_stream_learns_it(monkeypatch, prompts):
     engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, show_progress=False))
-    _inject(monkeypatch, engine, prompts, "forward",
-            RuntimeError("CUDA error: an illegal memory access was encountered"))
+    _inject(
+        monkeypatch, engine, prompts, "forward", RuntimeError("CUDA error: an illegal memory access was encountered")
+    )
 
     async def run() -> list[BaseException | list[int]]:
         async def one(prompt) -> list[int]:
             return [t async for out in engine.add_request(prompt, GREEDY) for t in out.token_ids]
+
         return await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
 
     results = asyncio.run(run())
@@ -160,6 +169,7 @@ def test_device_fault_stops_the_engine_and_every_stream_learns_it(monkeypatch, p
 
     async def after() -> None:
         engine.add_request(prompts[0], GREEDY)
+
     with pytest.raises(EngineDeadError):
         asyncio.run(after())
     engine.shutdown()

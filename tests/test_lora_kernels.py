@@ -58,6 +58,7 @@ SPREADS = ("distinct", "uniform", "zipf", "identical", "none")
 
 # ---- cases -------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     dtype: torch.dtype = torch.float32
@@ -72,10 +73,12 @@ class Case:
     seed: int = 0
 
     def __str__(self) -> str:
-        return (f"{str(self.dtype).removeprefix('torch.')}-r{self.rank}-T{self.tokens}-{self.spread}"
-                f"{'-empty' if self.empty_segments else ''}{'-neg' if self.minus_one_rows else ''}"
-                f"-w{'_'.join(map(str, self.widths))}-in{self.in_features}{'-small' if self.small_blocks else ''}"
-                f"-s{self.seed}")
+        return (
+            f"{str(self.dtype).removeprefix('torch.')}-r{self.rank}-T{self.tokens}-{self.spread}"
+            f"{'-empty' if self.empty_segments else ''}{'-neg' if self.minus_one_rows else ''}"
+            f"-w{'_'.join(map(str, self.widths))}-in{self.in_features}{'-small' if self.small_blocks else ''}"
+            f"-s{self.seed}"
+        )
 
 
 AXES = {
@@ -174,20 +177,35 @@ def make_batch(case: Case, device: str = DEVICE) -> Batch:
     slot_ids = token_slots[torch.randperm(tokens, generator=gen)]
     slice_starts = [0, *torch.tensor(case.widths).cumsum(0).tolist()]
     out = torch.randn(tokens, out_total, generator=gen)
-    lora_a, lora_b, ranks = behind_guard_slot(lora_a.to(device, case.dtype), lora_b.to(device, case.dtype),
-                                              ranks.to(device))
-    return Batch(x.to(device, case.dtype), lora_a, lora_b, ranks, slice_starts, seg_starts.to(device),
-                 seg_slots.to(device), slot_ids.to(device), out.to(device, case.dtype))
+    lora_a, lora_b, ranks = behind_guard_slot(
+        lora_a.to(device, case.dtype), lora_b.to(device, case.dtype), ranks.to(device)
+    )
+    return Batch(
+        x.to(device, case.dtype),
+        lora_a,
+        lora_b,
+        ranks,
+        slice_starts,
+        seg_starts.to(device),
+        seg_slots.to(device),
+        slot_ids.to(device),
+        out.to(device, case.dtype),
+    )
 
 
 def behind_guard_slot(lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor):
     """(lora_a, lora_b, ranks) as views one slot into buffers whose extra slot in front has full rank and NaN
     weights: a kernel that indexed slot -1 instead of skipping the token would read NaN there rather than
     whatever lies before the allocation. lora_a also becomes non-contiguous (its slot stride skips the guard)."""
-    guarded_a = torch.full((lora_a.shape[0], lora_a.shape[1] + 1, *lora_a.shape[2:]), float("nan"),
-                           dtype=lora_a.dtype, device=lora_a.device)
-    guarded_b = torch.full((lora_b.shape[0] + 1, *lora_b.shape[1:]), float("nan"), dtype=lora_b.dtype,
-                           device=lora_b.device)
+    guarded_a = torch.full(
+        (lora_a.shape[0], lora_a.shape[1] + 1, *lora_a.shape[2:]),
+        float("nan"),
+        dtype=lora_a.dtype,
+        device=lora_a.device,
+    )
+    guarded_b = torch.full(
+        (lora_b.shape[0] + 1, *lora_b.shape[1:]), float("nan"), dtype=lora_b.dtype, device=lora_b.device
+    )
     guarded_ranks = torch.full((ranks.shape[0] + 1,), lora_a.shape[2], dtype=ranks.dtype, device=ranks.device)
     guarded_a[:, 1:] = lora_a
     guarded_b[1:] = lora_b
@@ -196,6 +214,7 @@ def behind_guard_slot(lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.T
 
 
 # ---- the independent reference -------------------------------------------------------------------------------------
+
 
 def loop_lora(x, lora_a, lora_b, ranks, slice_starts, token_slots, out):
     """Per token, in float64, from the layout contract: y[k, t, :r] = A[k, s, :r] @ x[t];
@@ -218,7 +237,7 @@ def poison_unread_y(y: torch.Tensor, ranks: torch.Tensor, token_slots: torch.Ten
     """y with NaN wherever expand must not read: columns past the token's rank, and every column of -1 tokens."""
     y = y.clone()
     for t, s in enumerate(token_slots.tolist()):
-        y[:, t, int(ranks[s]) if s >= 0 else 0:] = float("nan")
+        y[:, t, int(ranks[s]) if s >= 0 else 0 :] = float("nan")
     return y
 
 
@@ -230,26 +249,32 @@ def assert_rows_unchanged(after: torch.Tensor, before: torch.Tensor, rows: torch
 
 # ---- the sweep ---------------------------------------------------------------------------------------------------
 
+
 def run_form(batch: Batch, form: str, small_blocks: bool):
     """(shrink kernel, expand kernel, shrink twin, expand twin, per-token slots) of one mapping form."""
+
     def blocks(name: str) -> dict:
         return SMALL_BLOCKS[name] if small_blocks else {}
 
     if form == "segmented":
         seg = (batch.seg_starts, batch.seg_slots)
-        return (lambda: sgmv_shrink(batch.x, batch.lora_a, batch.ranks, *seg, **blocks("sgmv_shrink")),
-                lambda y, out: sgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, *seg, out,
-                                           **blocks("sgmv_expand")),
-                lambda: ref.sgmv_shrink(batch.x, batch.lora_a, batch.ranks, *seg),
-                lambda y, out: ref.sgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, *seg, out),
-                ref.segment_slot_ids(*seg))
+        return (
+            lambda: sgmv_shrink(batch.x, batch.lora_a, batch.ranks, *seg, **blocks("sgmv_shrink")),
+            lambda y, out: sgmv_expand(
+                y, batch.lora_b, batch.ranks, batch.slice_starts, *seg, out, **blocks("sgmv_expand")
+            ),
+            lambda: ref.sgmv_shrink(batch.x, batch.lora_a, batch.ranks, *seg),
+            lambda y, out: ref.sgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, *seg, out),
+            ref.segment_slot_ids(*seg),
+        )
     ids = batch.slot_ids
-    return (lambda: bgmv_shrink(batch.x, batch.lora_a, batch.ranks, ids, **blocks("bgmv_shrink")),
-            lambda y, out: bgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, ids, out,
-                                       **blocks("bgmv_expand")),
-            lambda: ref.bgmv_shrink(batch.x, batch.lora_a, batch.ranks, ids),
-            lambda y, out: ref.bgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, ids, out),
-            ids)
+    return (
+        lambda: bgmv_shrink(batch.x, batch.lora_a, batch.ranks, ids, **blocks("bgmv_shrink")),
+        lambda y, out: bgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, ids, out, **blocks("bgmv_expand")),
+        lambda: ref.bgmv_shrink(batch.x, batch.lora_a, batch.ranks, ids),
+        lambda y, out: ref.bgmv_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, ids, out),
+        ids,
+    )
 
 
 def mapping_of(batch: Batch, form: str) -> dict[str, torch.Tensor]:
@@ -263,8 +288,9 @@ def mapping_of(batch: Batch, form: str) -> dict[str, torch.Tensor]:
 def test_kernels_match_twins_match_loop(case: Case, form: str):
     batch = make_batch(case)
     shrink, expand, shrink_twin, expand_twin, token_slots = run_form(batch, form, case.small_blocks)
-    y_loop, out_loop = loop_lora(batch.x, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts,
-                                 token_slots, batch.out)
+    y_loop, out_loop = loop_lora(
+        batch.x, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, token_slots, batch.out
+    )
 
     y_twin = shrink_twin()
     torch.testing.assert_close(y_twin.double().cpu(), y_loop, **Y_TOL)
@@ -292,6 +318,7 @@ def test_sweep_covers_every_axis_value():
 
 # ---- focused checks ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("form", ["segmented", "per_row"])
 def test_minus_one_rows_bitwise_unchanged(dtype: torch.dtype, form: str, monkeypatch: pytest.MonkeyPatch):
@@ -301,8 +328,7 @@ def test_minus_one_rows_bitwise_unchanged(dtype: torch.dtype, form: str, monkeyp
     token_slots = ref.segment_slot_ids(batch.seg_starts, batch.seg_slots) if form == "segmented" else batch.slot_ids
     rows = token_slots < 0
     assert rows.any() and (~rows).any()
-    batch.out[rows.nonzero()[0, 0], :3] = torch.tensor([float("nan"), float("inf"), -0.0], dtype=dtype,
-                                                       device=DEVICE)
+    batch.out[rows.nonzero()[0, 0], :3] = torch.tensor([float("nan"), float("inf"), -0.0], dtype=dtype, device=DEVICE)
     mapping = mapping_of(batch, form)
     out = batch.out.clone()
     force_path(monkeypatch, "kernels")
@@ -333,8 +359,10 @@ def test_empty_batch(path: str, monkeypatch: pytest.MonkeyPatch):
     force_path(monkeypatch, path)
     y = ops.lora_shrink(x, batch.lora_a, batch.ranks, slot_ids=batch.slot_ids[:0])
     assert y.shape == (3, 0, batch.lora_a.shape[2])
-    no_segments = {"seg_starts": torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                   "seg_slots": torch.zeros(0, dtype=torch.int32, device=DEVICE)}
+    no_segments = {
+        "seg_starts": torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        "seg_slots": torch.zeros(0, dtype=torch.int32, device=DEVICE),
+    }
     y = ops.lora_shrink(x, batch.lora_a, batch.ranks, **no_segments)
     assert y.shape == (3, 0, batch.lora_a.shape[2])
     ops.lora_expand(y, batch.lora_b, batch.ranks, batch.slice_starts, out, **no_segments)
@@ -349,8 +377,11 @@ def test_slice_starts_as_list_or_tensor(form: str, monkeypatch: pytest.MonkeyPat
     _, _, shrink_twin, _, token_slots = run_form(batch, form, small_blocks=False)
     y = poison_unread_y(shrink_twin(), batch.ranks, token_slots)
     results = []
-    for starts in (batch.slice_starts, torch.tensor(batch.slice_starts),
-                   torch.tensor(batch.slice_starts, dtype=torch.int32, device=DEVICE)):
+    for starts in (
+        batch.slice_starts,
+        torch.tensor(batch.slice_starts),
+        torch.tensor(batch.slice_starts, dtype=torch.int32, device=DEVICE),
+    ):
         out = batch.out.clone()
         ops.lora_expand(y, batch.lora_b, batch.ranks, starts, out, **mapping_of(batch, form))
         results.append(out)
@@ -366,6 +397,7 @@ def test_integer_tensors_may_be_int64():
 
 
 # ---- the dispatcher ----------------------------------------------------------------------------------------------
+
 
 def test_use_kernels_on_cuda_with_triton_only(monkeypatch: pytest.MonkeyPatch):
     """The one switch: a device's type and whether triton is installed, nothing else (the interpreter the CPU
@@ -385,8 +417,9 @@ def test_apply_lora_dispatch(form: str, monkeypatch: pytest.MonkeyPatch):
     batch = make_batch(Case(dtype=torch.float16, tokens=33, spread="zipf", seed=21))
     mapping = mapping_of(batch, form)
     shrink, expand, shrink_twin, expand_twin, token_slots = run_form(batch, form, small_blocks=False)
-    _, out_loop = loop_lora(batch.x, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, token_slots,
-                            batch.out)
+    _, out_loop = loop_lora(
+        batch.x, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, token_slots, batch.out
+    )
 
     def dispatched() -> torch.Tensor:
         out = batch.out.clone()
@@ -412,8 +445,14 @@ def test_exactly_one_mapping_is_given():
     with pytest.raises(AssertionError):
         ops.lora_shrink(batch.x, batch.lora_a, batch.ranks)
     with pytest.raises(AssertionError):
-        ops.lora_shrink(batch.x, batch.lora_a, batch.ranks, slot_ids=batch.slot_ids,
-                        seg_starts=batch.seg_starts, seg_slots=batch.seg_slots)
+        ops.lora_shrink(
+            batch.x,
+            batch.lora_a,
+            batch.ranks,
+            slot_ids=batch.slot_ids,
+            seg_starts=batch.seg_starts,
+            seg_slots=batch.seg_slots,
+        )
     with pytest.raises(AssertionError):
         ops.lora_shrink(batch.x, batch.lora_a, batch.ranks, seg_starts=batch.seg_starts)
 
@@ -461,12 +500,14 @@ def test_kernels_compile_for_sm90(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-4000:]
 
 
 # ---- the GPU tier ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -474,8 +515,9 @@ def test_kernels_compile_for_sm90(tmp_path: Path):
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
 @pytest.mark.parametrize("form", ["segmented", "per_row"])
 def test_gpu_shapes_kernels_match_twins(dtype: torch.dtype, widths: tuple[int, ...], tokens: int, form: str):
-    case = Case(dtype=dtype, rank=16, tokens=tokens, spread="zipf", widths=widths, in_features=4096,
-                seed=tokens + len(widths))
+    case = Case(
+        dtype=dtype, rank=16, tokens=tokens, spread="zipf", widths=widths, in_features=4096, seed=tokens + len(widths)
+    )
     batch = make_batch(case)  # NaN past each slot's rank: the GPU must not read it either
     shrink, expand, shrink_twin, expand_twin, _ = run_form(batch, form, small_blocks=False)
     y_twin = shrink_twin()

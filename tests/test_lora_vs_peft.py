@@ -19,12 +19,22 @@ NEW_TOKENS = 12
 
 ADAPTERS = {
     "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=list(range(0, 30, 3))),
-    "all-r8-rslora": dict(r=8, lora_alpha=16, use_rslora=True,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "regex-o-down-r16": dict(r=16, lora_alpha=8,
-                             target_modules=r".*\.layers\.(\d*[02468])\.(self_attn\.o_proj|mlp\.down_proj)"),
-    "patterns": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"],
-                     rank_pattern={"q_proj": 6}, alpha_pattern={"gate_proj": 12}),
+    "all-r8-rslora": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "regex-o-down-r16": dict(
+        r=16, lora_alpha=8, target_modules=r".*\.layers\.(\d*[02468])\.(self_attn\.o_proj|mlp\.down_proj)"
+    ),
+    "patterns": dict(
+        r=2,
+        lora_alpha=4,
+        target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"],
+        rank_pattern={"q_proj": 6},
+        alpha_pattern={"gate_proj": 12},
+    ),
 }
 
 
@@ -78,17 +88,19 @@ def _peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[
         for _ in range(n):
             ids.append(int(out.logits[0, -1].argmax()))
             out = model(input_ids=torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
-    engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=4,
-                                 show_progress=False))
+    engine = Engine(
+        EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=4, show_progress=False)
+    )
     for name in ADAPTERS:
         engine.add_adapter(name, peft_dirs / name)
     plan = [None, *ADAPTERS, None, "qv-r4"]  # four adapters of different ranks and targets, base rows, one batch
-    prompts = [engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}])
-               for i in range(len(plan))]
+    prompts = [
+        engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}]) for i in range(len(plan))
+    ]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
     outs = engine.generate(prompts, params, adapters=plan)
     base = engine.generate(prompts, params)  # the same prompts without adapters
@@ -108,8 +120,9 @@ def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
 def test_more_adapters_than_slots_and_unload(peft_dirs, peft_model):
     """Two device slots for four adapters: requests wait for a slot, adapters are swapped in and out, results
     stay exact; unloading refuses new requests while the version in flight finishes."""
-    engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=2,
-                                 show_progress=False))
+    engine = Engine(
+        EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=2, show_progress=False)
+    )
     for name in ADAPTERS:
         engine.add_adapter(name, peft_dirs / name)
     names = list(ADAPTERS)
@@ -132,8 +145,9 @@ def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
     filler request takes most of the device budget, so the tree-cost pool swaps the conversations' KV to the host
     and back. Every turn after the first reuses cached KV, and still every token equals HF+PEFT's greedy choice on
     the whole conversation, log-probabilities within 2e-3."""
-    engine = Engine(EngineConfig(quantization="none", num_kv_blocks=48, max_lora_rank=16, max_loras=2,
-                                 show_progress=False))
+    engine = Engine(
+        EngineConfig(quantization="none", num_kv_blocks=48, max_lora_rank=16, max_loras=2, show_progress=False)
+    )
     plan = [None, "qv-r4", "all-r8-rslora"]
     for name in plan[1:]:
         engine.add_adapter(name, peft_dirs / name)

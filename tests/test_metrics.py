@@ -13,15 +13,83 @@ from tests.servers import BASE, Server
 
 # copied from vLLM (vllm/v1/metrics/loggers.py), not from our module
 VLLM_BUCKETS = {
-    "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
-    "vllm:inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                                         7.5, 10.0, 20.0, 40.0, 80.0],
-    "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                                         60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:time_to_first_token_seconds": [
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+    ],
+    "vllm:inter_token_latency_seconds": [
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+    ],
+    "vllm:e2e_request_latency_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+    ],
 }
-COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:num_preemptions",
-            "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+COUNTERS = (
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_success",
+    "vllm:num_preemptions",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +126,16 @@ def wait_idle(server: Server) -> dict:
 
 def test_metrics_page(server):
     before = scrape(server)
-    for name in (*VLLM_BUCKETS, *COUNTERS, "vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "lora_server:pool_kv_token_hit_rate",
-                 "lora_server:ttft_prefill_mean_seconds", "lora_server:pool_evicted_blocks_kv_drop"):
+    for name in (
+        *VLLM_BUCKETS,
+        *COUNTERS,
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "lora_server:pool_kv_token_hit_rate",
+        "lora_server:ttft_prefill_mean_seconds",
+        "lora_server:pool_evicted_blocks_kv_drop",
+    ):
         assert {s.labels["model_name"] for s in before[name].samples} == {BASE}, name
     assert {name: before[name].type for name in VLLM_BUCKETS} == dict.fromkeys(VLLM_BUCKETS, "histogram")
     assert {name: before[name].type for name in COUNTERS} == dict.fromkeys(COUNTERS, "counter")
@@ -95,8 +170,15 @@ def test_metrics_page(server):
     chat = [{"role": "user", "content": "What is the capital of France? Answer in one short sentence please."}]
     for model in (BASE, "upper", BASE):
         usages.append(client.chat.completions.create(model=model, messages=chat, max_tokens=6, temperature=0).usage)
-    chunks = list(client.completions.create(model=BASE, prompt="The capital of France is", max_tokens=5,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=BASE,
+            prompt="The capital of France is",
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     usages.append(chunks[-1].usage)
     requests = 4
     after = wait_idle(server)

@@ -25,7 +25,7 @@ def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(out.logits[0, -1].argmax()))
             out = model(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -71,15 +71,32 @@ def test_native_gguf_blocks_give_hf_logits(hf_smollm2):
 
 
 TINY_CONFIGS = {
-    "llama3-gqa": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=2,
-                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=64), tie_word_embeddings=False),
-    "llama-tied-mha": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=4,
-                           tie_word_embeddings=True),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], num_key_value_heads=1,
-                    sliding_window=None, tie_word_embeddings=False),
-    "qwen2-bias": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_key_value_heads=2,
-                       tie_word_embeddings=False),
+    "llama3-gqa": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        num_key_value_heads=2,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+        tie_word_embeddings=False,
+    ),
+    "llama-tied-mha": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=4, tie_word_embeddings=True
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        num_key_value_heads=1,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2-bias": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_key_value_heads=2, tie_word_embeddings=False
+    ),
 }
 
 
@@ -89,9 +106,20 @@ def test_tiny_random_models_match_hf(tmp_path, name):
 
     extra = dict(TINY_CONFIGS[name])
     cfg = AutoConfig.for_model(
-        extra.pop("model_type"), vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, **extra)
+        extra.pop("model_type"),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     if name == "qwen2-bias":

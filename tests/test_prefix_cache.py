@@ -17,8 +17,11 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
 def _engine(**kw) -> Engine:
-    return Engine(EngineConfig(**{"quantization": "none", "kv_cache_bytes": 96 << 20, "max_lora_rank": 16,
-                                  "show_progress": False, **kw}))
+    return Engine(
+        EngineConfig(
+            **{"quantization": "none", "kv_cache_bytes": 96 << 20, "max_lora_rank": 16, "show_progress": False, **kw}
+        )
+    )
 
 
 def _hit(prompt: list[int]) -> int:

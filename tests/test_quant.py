@@ -31,6 +31,7 @@ BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits): |bf16(x) - x
 
 # ---- reference helpers written from the module docstring, not from the module ------------------------------
 
+
 def ref_pack_int4(codes: np.ndarray, group: int) -> np.ndarray:
     """codes [out, in] in 0..15 -> packed uint8 [out, in // 2]: within each group byte j = q[j] | q[j + g/2] << 4."""
     out_f, in_f = codes.shape
@@ -60,17 +61,21 @@ def random_int4(out_f: int, in_f: int, group: int = 32, seed: int = 0):
     codes = rng.integers(0, 16, size=(out_f, in_f))
     scales = rng.uniform(0.01, 0.2, size=(out_f, in_f // group)).astype(np.float16)
     mins = rng.uniform(-2.0, 0.5, size=(out_f, in_f // group)).astype(np.float16)
-    module = Int4Linear(torch.from_numpy(ref_pack_int4(codes, group)), torch.from_numpy(scales),
-                        torch.from_numpy(mins))
+    module = Int4Linear(torch.from_numpy(ref_pack_int4(codes, group)), torch.from_numpy(scales), torch.from_numpy(mins))
     return module, ref_weight(codes, scales, mins), codes, scales, mins
 
 
 # ---- quantize_int8 ------------------------------------------------------------------------------------------
 
+
 def test_quantize_int8_per_channel_hand_values():
-    w = torch.tensor([[15.875, -1.0, 0.3, -15.875],  # amax 15.875 = 127 * 0.125: scale 0.125 exactly
-                      [0.0, 0.0, 0.0, 0.0],
-                      [0.0625, 0.5, -0.9921875, 0.0]])  # amax 127 * 2**-7: scale 2**-7 exactly
+    w = torch.tensor(
+        [
+            [15.875, -1.0, 0.3, -15.875],  # amax 15.875 = 127 * 0.125: scale 0.125 exactly
+            [0.0, 0.0, 0.0, 0.0],
+            [0.0625, 0.5, -0.9921875, 0.0],
+        ]
+    )  # amax 127 * 2**-7: scale 2**-7 exactly
     q, scales = quantize_int8(w)
     assert q.dtype == torch.int8 and scales.dtype == torch.float16
     assert scales.shape == (3, 1)
@@ -105,11 +110,11 @@ def test_quantize_int8_random_error_bound():
         assert scales.shape == (16, 128 // g)
         for o in range(16):
             for k in range(128 // g):
-                chunk = w[o, k * g:(k + 1) * g].tolist()
+                chunk = w[o, k * g : (k + 1) * g].tolist()
                 amax = max(abs(v) for v in chunk)
                 s = scales[o, k].item()
                 assert abs(s - amax / 127.0) <= 2.0**-11 * amax / 127.0 * 1.01  # amax / 127 rounded to fp16
-                qs = q[o, k * g:(k + 1) * g].tolist()
+                qs = q[o, k * g : (k + 1) * g].tolist()
                 assert all(-127 <= v <= 127 for v in qs)
                 assert max(abs(v) for v in qs) == 127  # the largest magnitude maps to the end of the range
                 for v, qv in zip(chunk, qs, strict=True):
@@ -118,9 +123,9 @@ def test_quantize_int8_random_error_bound():
 
 # ---- quantize_int4 ------------------------------------------------------------------------------------------
 
+
 def test_quantize_int4_hand_values_and_nibble_layout():
-    codes = [0, 15, 3, 7, 1, 2, 8, 9, 10, 11, 12, 13, 14, 4, 5, 6,
-             6, 5, 4, 14, 13, 12, 11, 10, 9, 8, 2, 1, 7, 3, 15, 0]
+    codes = [0, 15, 3, 7, 1, 2, 8, 9, 10, 11, 12, 13, 14, 4, 5, 6, 6, 5, 4, 14, 13, 12, 11, 10, 9, 8, 2, 1, 7, 3, 15, 0]
     w = torch.tensor([[-1.0 + 0.125 * c for c in codes]])  # lo -1, hi 0.875: scale 0.125, min -1, both exact
     packed, scales, mins = quantize_int4(w)
     assert packed.dtype == torch.uint8 and packed.shape == (1, 16)
@@ -142,7 +147,7 @@ def test_quantize_int4_random_error_bound():
     deq = Int4Linear(packed, scales, mins).dequantize(torch.float32)
     for o in range(8):
         for k in range(3):
-            chunk = w[o, k * 32:(k + 1) * 32].tolist()
+            chunk = w[o, k * 32 : (k + 1) * 32].tolist()
             lo, hi = min(chunk), max(chunk)
             assert abs(scales[o, k].item() - (hi - lo) / 15.0) <= 2.0**-11 * (hi - lo) / 15.0 * 1.01
             assert mins[o, k].item() == float(np.float16(lo))
@@ -165,6 +170,7 @@ def test_quantize_int4_rejects_bad_group():
 
 
 # ---- the linear modules ---------------------------------------------------------------------------------------
+
 
 def test_int8_linear_hand_values():
     q = torch.tensor([[1, -2, 3, -4], [127, -127, 0, 5]], dtype=torch.int8)
@@ -241,6 +247,7 @@ def test_make_linear_modes():
 
 # ---- cat_linears ----------------------------------------------------------------------------------------------
 
+
 def test_cat_linears_same_format_is_exact():
     torch.manual_seed(4)
     a, b = torch.randn(6, 64), torch.randn(10, 64)
@@ -258,8 +265,11 @@ def test_cat_linears_same_format_is_exact():
 
 
 def test_cat_linears_biases_concatenate():
-    parts = [DenseLinear(torch.ones(2, 4), torch.tensor([1.0, 2.0])), DenseLinear(torch.ones(3, 4)),
-             DenseLinear(torch.ones(1, 4), torch.tensor([7.0]))]
+    parts = [
+        DenseLinear(torch.ones(2, 4), torch.tensor([1.0, 2.0])),
+        DenseLinear(torch.ones(3, 4)),
+        DenseLinear(torch.ones(1, 4), torch.tensor([7.0])),
+    ]
     fused = cat_linears(parts, torch.float32)
     assert fused.bias.tolist() == [1.0, 2.0, 0.0, 0.0, 0.0, 7.0]
     assert fused(torch.zeros(1, 4)).tolist() == [[1.0, 2.0, 0.0, 0.0, 0.0, 7.0]]
@@ -297,6 +307,7 @@ def test_cat_linears_mixed_formats_fall_back_to_int8():
 
 
 # ---- the CPU int4 module swap ------------------------------------------------------------------------------------
+
 
 def cpu_int4_bound(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """Worst-case |Int4CpuLinear(x) - x @ w.T| (float64 [tokens, out]) from bf16 rounding, each step <= 2**-8 rel.
@@ -468,13 +479,14 @@ def test_gguf_q8_0_weight_hand_values():
     deq = requant.dequantize(torch.float32).numpy()
     for o in range(4):
         for k in range(3):
-            chunk = values[o, k * 32:(k + 1) * 32]
+            chunk = values[o, k * 32 : (k + 1) * 32]
             lo = chunk.min()
             bound = 0.5 * requant.scales[o, k].item() + abs(lo - requant.mins[o, k].item()) + 1e-6
-            assert np.abs(deq[o, k * 32:(k + 1) * 32] - chunk).max() <= bound
+            assert np.abs(deq[o, k * 32 : (k + 1) * 32] - chunk).max() <= bound
 
 
 # ---- unpermute_rope_rows ------------------------------------------------------------------------------------------
+
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's converter applies to HF's Q/K rows."""

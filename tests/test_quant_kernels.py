@@ -38,6 +38,7 @@ PER_CHANNEL = 0  # group value meaning group == K
 
 # ---- cases -------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     dtype: torch.dtype = torch.float16
@@ -52,9 +53,11 @@ class Case:
 
     def __str__(self) -> str:
         group = "pc" if self.group == PER_CHANNEL else self.group
-        return (f"{str(self.dtype).removeprefix('torch.')}-M{self.m}-N{self.shape[0]}-K{self.shape[1]}-g{group}"
-                f"-bk{self.block_k}-bn{self.block_n}-sk{self.split_k}{'-strided' if self.strided_x else ''}"
-                f"-s{self.seed}")
+        return (
+            f"{str(self.dtype).removeprefix('torch.')}-M{self.m}-N{self.shape[0]}-K{self.shape[1]}-g{group}"
+            f"-bk{self.block_k}-bn{self.block_n}-sk{self.split_k}{'-strided' if self.strided_x else ''}"
+            f"-s{self.seed}"
+        )
 
     @property
     def group_size(self) -> int:
@@ -122,10 +125,11 @@ def int4_weight(n: int, k: int, group: int, gen: torch.Generator) -> tuple[torch
 def make_x(case: Case, gen: torch.Generator) -> torch.Tensor:
     k = case.shape[1]
     x = torch.randn(case.m, 2 * k if case.strided_x else k, generator=gen)
-    return x[:, k // 2: k // 2 + k].to(DEVICE, case.dtype) if case.strided_x else x.to(DEVICE, case.dtype)
+    return x[:, k // 2 : k // 2 + k].to(DEVICE, case.dtype) if case.strided_x else x.to(DEVICE, case.dtype)
 
 
 # ---- the independent reference -------------------------------------------------------------------------------------
+
 
 def loop_dequant_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """w[n, k] = scales[n, k // group] * qweight[n, k], group by group, float64."""
@@ -133,7 +137,7 @@ def loop_dequant_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     group = q.shape[1] // s.shape[1]
     w = torch.empty_like(q)
     for g in range(s.shape[1]):
-        w[:, g * group:(g + 1) * group] = q[:, g * group:(g + 1) * group] * s[:, g:g + 1]
+        w[:, g * group : (g + 1) * group] = q[:, g * group : (g + 1) * group] * s[:, g : g + 1]
     return w
 
 
@@ -167,8 +171,12 @@ def formats(n: int, k: int, group: int, gen: torch.Generator):
 
 # int4 takes block_k // 2 packed bytes per dot, so its kernel needs block_k >= 32 (it asserts that); smaller K blocks
 # are int8 cases only
-FORMAT_CASES = [pytest.param(case, fmt, id=f"{case}-{fmt}") for case in sweep_cases() for fmt in ("int8", "int4")
-                if fmt == "int8" or case.block_k >= 32]
+FORMAT_CASES = [
+    pytest.param(case, fmt, id=f"{case}-{fmt}")
+    for case in sweep_cases()
+    for fmt in ("int8", "int4")
+    if fmt == "int8" or case.block_k >= 32
+]
 
 
 @pytest.mark.parametrize("case, fmt", FORMAT_CASES)
@@ -194,6 +202,7 @@ def test_sweep_covers_every_axis_value():
 
 # ---- focused checks ----------------------------------------------------------------------------------------------
 
+
 def test_twins_match_the_quantizer_layout():
     """The twins dequantize a weight the project's quantizer packed to within its rounding, so the layout the
     twins (and kernels) read is the one lora_server.model.quant writes."""
@@ -205,8 +214,9 @@ def test_twins_match_the_quantizer_layout():
         torch.testing.assert_close(ref.dequantize_int8(q, s), w, atol=0.02, rtol=0)
     packed, s, mn = quantize_int4(w, 32)
     torch.testing.assert_close(ref.dequantize_int4(packed, s, mn), w, atol=0.25, rtol=0)
-    torch.testing.assert_close(ref.dequantize_int4(packed, s, mn).double(), loop_dequant_int4(packed, s, mn),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        ref.dequantize_int4(packed, s, mn).double(), loop_dequant_int4(packed, s, mn), atol=0, rtol=0
+    )
 
 
 def test_dequantizers_in_a_dtype_and_over_leading_dims():
@@ -223,12 +233,15 @@ def test_dequantizers_in_a_dtype_and_over_leading_dims():
         assert w8.dtype == dtype and w4.dtype == dtype and w8.shape == w4.shape == (8, 64)
         assert torch.equal(ref.dequantize_int8(q[ids], s[ids], dtype), w8[ids])
         assert torch.equal(ref.dequantize_int4(packed[ids], s4[ids], mn[ids], dtype), w4[ids])
-        assert torch.equal(ref.dequantize_int8(q.unflatten(0, (2, 4)), s.unflatten(0, (2, 4)), dtype),
-                           w8.unflatten(0, (2, 4)))
+        assert torch.equal(
+            ref.dequantize_int8(q.unflatten(0, (2, 4)), s.unflatten(0, (2, 4)), dtype), w8.unflatten(0, (2, 4))
+        )
     codes = ref.unpack_int4(packed, 2)
     assert codes.shape == (8, 64)
-    assert torch.equal(codes.double() * s4.double().repeat_interleave(32, 1) + mn.double().repeat_interleave(32, 1),
-                       loop_dequant_int4(packed, s4, mn))
+    assert torch.equal(
+        codes.double() * s4.double().repeat_interleave(32, 1) + mn.double().repeat_interleave(32, 1),
+        loop_dequant_int4(packed, s4, mn),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -250,6 +263,7 @@ def test_misaligned_blocks_are_refused(fmt: str):
 
 
 # ---- the dispatcher ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -279,6 +293,7 @@ def test_dispatch(fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch)
 
 
 # ---- real shapes, on the GPU -------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

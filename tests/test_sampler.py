@@ -72,14 +72,14 @@ def assert_frequencies(tokens: list[int], expected: list[float]) -> None:
         assert chi2_sf(stat, df) > 1e-4, f"chi2 {stat:.1f} (df {df}) counts {dict(counts)} expected {expected}"
 
 
-def draw(logits_row: list[float], params: SamplingParams, n: int = 20000, seeded: bool = False,
-         output=(), prompt=(0, 1)) -> list[int]:
+def draw(
+    logits_row: list[float], params: SamplingParams, n: int = 20000, seeded: bool = False, output=(), prompt=(0, 1)
+) -> list[int]:
     """n draws from one distribution as one batch of n rows (unseeded rows use the global generator)."""
     torch.manual_seed(0)
     if seeded:
         # each row a request with its own seed
-        requests = [req(SamplingParams(**{**_fields(params), "seed": s}), prompt, output, rid=str(s))
-                    for s in range(n)]
+        requests = [req(SamplingParams(**{**_fields(params), "seed": s}), prompt, output, rid=str(s)) for s in range(n)]
     else:
         requests = [req(params, prompt, output, rid=str(i)) for i in range(n)]
     logits = torch.tensor([logits_row], dtype=torch.float32).expand(n, -1).contiguous()
@@ -91,6 +91,7 @@ def _fields(p: SamplingParams) -> dict:
 
 
 # ---- greedy --------------------------------------------------------------------------------------------------
+
 
 def test_greedy_is_argmax():
     g = torch.Generator().manual_seed(0)
@@ -113,6 +114,7 @@ def test_padded_vocab_columns_are_ignored():
 
 
 # ---- temperature, top-k, top-p, min-p ------------------------------------------------------------------------
+
 
 def test_temperature_one_samples_softmax():
     assert_frequencies(draw(LOG_PROBS, SamplingParams(temperature=1.0)), PROBS)
@@ -175,15 +177,18 @@ def test_min_p_applies_to_the_tempered_distribution():
 
 
 def test_masks_never_sample_outside_over_many_seeds():
-    for params, allowed in ((SamplingParams(top_k=2, temperature=2.0), {0, 1}),
-                            # T 1.5: p ** (1 / 1.5) renormalised = [0.400, 0.252, 0.179, ...]: 0.652 ranks above 2
-                            (SamplingParams(top_p=0.6, temperature=1.5), {0, 1}),
-                            (SamplingParams(min_p=0.4, temperature=1.0), {0, 1})):
+    for params, allowed in (
+        (SamplingParams(top_k=2, temperature=2.0), {0, 1}),
+        # T 1.5: p ** (1 / 1.5) renormalised = [0.400, 0.252, 0.179, ...]: 0.652 ranks above 2
+        (SamplingParams(top_p=0.6, temperature=1.5), {0, 1}),
+        (SamplingParams(min_p=0.4, temperature=1.0), {0, 1}),
+    ):
         tokens = draw(LOG_PROBS, params, n=3000, seeded=True)
         assert set(tokens) == allowed, params
 
 
 # ---- repetition penalty -----------------------------------------------------------------------------------------
+
 
 def test_repetition_penalty_distribution():
     logits = [1.0, -1.0, 0.5, -0.5, 0.2]
@@ -210,12 +215,15 @@ def test_repetition_penalty_greedy_probes():
     p_low = SamplingParams(temperature=0.0, repetition_penalty=0.5)
     assert s(torch.tensor([[1.0, 1.9, 0.0, 0.0, 0.0]]), [req(p_low, prompt=[0])]).token_ids == [0]
     # only the penalised row changes in a batch
-    out = s(torch.tensor([[3.0, 2.0, 0.0, 0.0, 0.0]] * 2),
-            [req(p, prompt=[0], rid="a"), req(SamplingParams(temperature=0.0), prompt=[0], rid="b")])
+    out = s(
+        torch.tensor([[3.0, 2.0, 0.0, 0.0, 0.0]] * 2),
+        [req(p, prompt=[0], rid="a"), req(SamplingParams(temperature=0.0), prompt=[0], rid="b")],
+    )
     assert out.token_ids == [1, 0]
 
 
 # ---- min_tokens -----------------------------------------------------------------------------------------------
+
 
 def test_min_tokens_bans_eos_and_stop_tokens_greedy():
     s = Sampler(V)
@@ -245,6 +253,7 @@ def test_min_tokens_bans_when_sampling():
 
 
 # ---- seeds ------------------------------------------------------------------------------------------------------
+
 
 def test_seeded_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(3)
@@ -286,12 +295,15 @@ def test_seeded_draws_follow_the_distribution():
 
 # ---- logprobs ---------------------------------------------------------------------------------------------------
 
+
 def test_logprobs_are_log_softmax_of_raw_logits():
     raw = [[2.0, 1.0, 0.5, -1.0, 0.0], [0.3, 0.2, 0.1, 3.0, -2.0], [1.0, 1.5, -0.5, 0.0, 2.5]]
     # penalties, temperature and min_tokens change the choice, never the reported logprobs
-    reqs = [req(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=3.0), prompt=[0], rid="a"),
-            req(SamplingParams(temperature=0.5, top_k=2, logprobs=0, seed=1), rid="b"),
-            req(SamplingParams(temperature=0.0, logprobs=5, min_tokens=1, max_tokens=4), prompt=[2], rid="c")]
+    reqs = [
+        req(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=3.0), prompt=[0], rid="a"),
+        req(SamplingParams(temperature=0.5, top_k=2, logprobs=0, seed=1), rid="b"),
+        req(SamplingParams(temperature=0.0, logprobs=5, min_tokens=1, max_tokens=4), prompt=[2], rid="c"),
+    ]
     out = Sampler(V)(torch.tensor(raw), reqs)
     lse = [math.log(sum(math.exp(x) for x in row)) for row in raw]
     expected_lp = [[x - lse[i] for x in row] for i, row in enumerate(raw)]
@@ -315,8 +327,10 @@ def test_logprobs_only_when_asked():
     logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]] * 2)
     s = Sampler(V)
     assert s(logits, [req(SamplingParams(temperature=0.0), rid=str(i)) for i in range(2)]).logprobs is None
-    out = s(logits, [req(SamplingParams(temperature=0.0), rid="a"),
-                     req(SamplingParams(temperature=0.0, logprobs=2), rid="b")])
+    out = s(
+        logits,
+        [req(SamplingParams(temperature=0.0), rid="a"), req(SamplingParams(temperature=0.0, logprobs=2), rid="b")],
+    )
     assert out.top_logprobs[0] == []
     lse = math.log(math.exp(1.0) + 4)
     (first_id, first_lp), (_, second_lp) = out.top_logprobs[1]  # the second place is a four-way tie

@@ -19,13 +19,26 @@ EOS = 2
 TOKEN = 7  # an ordinary sampled token
 
 
-def make(budget=100, max_num_seqs=8, max_model_len=256, chunked=True, max_waiting=1024, num_blocks=64,
-         block_size=4, policy="lru-unified") -> tuple[Scheduler, BlockPool]:
+def make(
+    budget=100,
+    max_num_seqs=8,
+    max_model_len=256,
+    chunked=True,
+    max_waiting=1024,
+    num_blocks=64,
+    block_size=4,
+    policy="lru-unified",
+) -> tuple[Scheduler, BlockPool]:
     """A scheduler on a unified pool; lru-unified keeps no KV after a request ends, so the device BlockPool
     returned holds exactly the running requests' blocks."""
     pool = UnifiedPool(PoolConfig(num_blocks, 0, block_size, block_bytes=1, policy=policy))
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                             enable_chunked_prefill=chunked, max_waiting_requests=max_waiting)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        max_waiting_requests=max_waiting,
+    )
     return Scheduler(config, pool), pool.gpu
 
 
@@ -39,14 +52,18 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None):
     ``tokens`` names one). Returns ([(id, n)], [preempted ids], [advanced ids])."""
     work = sched.schedule()
     items = [(r.request_id, n) for r, n in work.items]
-    sampled = {r.request_id: (tokens or {}).get(r.request_id, TOKEN)
-               for r, n in work.items if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {
+        r.request_id: (tokens or {}).get(r.request_id, TOKEN)
+        for r, n in work.items
+        if r.num_computed_tokens + n == r.num_tokens
+    }
     advanced = sched.update(work, sampled)
     sched.check_integrity()
     return items, [r.request_id for r in work.preempted], [r.request_id for r in advanced]
 
 
 # ---- the token budget ----------------------------------------------------------------------------------------
+
 
 def test_budget_split_decodes_then_running_prefills_then_waiting():
     sched, pool = make(budget=10, block_size=4)
@@ -145,6 +162,7 @@ def test_decode_block_growth():
 
 # ---- preemption ------------------------------------------------------------------------------------------------
 
+
 def test_preemption_of_the_most_recently_admitted():
     sched, pool = make(num_blocks=4, block_size=2)
     a, b = new("a", 3, max_tokens=4), new("b", 3)
@@ -232,6 +250,7 @@ def test_preempted_request_finishes_later():
 
 
 # ---- stopping ----------------------------------------------------------------------------------------------------
+
 
 def run_until_done(sched: Scheduler, tokens: list[int], rid: str = "r") -> list[list]:
     """Feed ``tokens`` one per step to request rid until it finishes; returns the steps' advanced lists."""
@@ -323,6 +342,7 @@ def test_stop_at_max_model_len():
 
 # ---- abort and the queue bound --------------------------------------------------------------------------------------
 
+
 def test_abort_waiting_and_running():
     sched, pool = make(budget=6, block_size=4)
     a, b, c = new("a", 4), new("b", 6), new("c", 3)
@@ -379,14 +399,22 @@ def test_queue_full_at_the_bound():
 
 # ---- randomized ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("chunked,seed", [(True, 0), (True, 1), (False, 2)])
 def test_randomized_run(chunked, seed):
     rng = random.Random(seed)
     block_size, num_blocks, max_len = 4, 20, 64
     budget = 24 if chunked else max_len
     max_seqs = 6
-    sched, pool = make(budget=budget, max_num_seqs=max_seqs, max_model_len=max_len, chunked=chunked, max_waiting=8,
-                       num_blocks=num_blocks, block_size=block_size)
+    sched, pool = make(
+        budget=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=max_len,
+        chunked=chunked,
+        max_waiting=8,
+        num_blocks=num_blocks,
+        block_size=block_size,
+    )
     all_requests: list[Request] = []
     rejected = aborted = 0
     for step_no in range(3000):
@@ -394,9 +422,14 @@ def test_randomized_run(chunked, seed):
             for _ in range(rng.choice((0, 0, 1, 2))):
                 prompt_len = rng.randint(1, 40)
                 max_tokens = rng.randint(1, 30)
-                r = new(f"q{len(all_requests)}", prompt_len, max_tokens=max_tokens,
-                        min_tokens=rng.randint(0, min(max_tokens, 3)), ignore_eos=rng.random() < 0.2,
-                        stop_token_ids=[5] if rng.random() < 0.3 else [])
+                r = new(
+                    f"q{len(all_requests)}",
+                    prompt_len,
+                    max_tokens=max_tokens,
+                    min_tokens=rng.randint(0, min(max_tokens, 3)),
+                    ignore_eos=rng.random() < 0.2,
+                    stop_token_ids=[5] if rng.random() < 0.3 else [],
+                )
                 try:
                     sched.add(r)
                 except QueueFullError:
@@ -440,8 +473,13 @@ def test_randomized_run(chunked, seed):
                 assert r.num_computed_tokens + n == r.num_tokens  # no partial prefills
             assert len(r.block_table) == pool.blocks_for_tokens(r.num_computed_tokens + n)
         sched.check_integrity()
-        if (chunked and not work.preempted and sched.waiting and len(sched.running) < max_seqs
-                and budget - work.num_tokens > 0):
+        if (
+            chunked
+            and not work.preempted
+            and sched.waiting
+            and len(sched.running) < max_seqs
+            and budget - work.num_tokens > 0
+        ):
             # the head of the queue was left out only because its blocks do not fit
             head = sched.waiting[0]
             want = min(head.num_uncomputed_tokens, budget - work.num_tokens)
@@ -450,8 +488,9 @@ def test_randomized_run(chunked, seed):
         sampled = {}
         for r, n in work.items:
             if r.num_computed_tokens + n == r.num_tokens:
-                sampled[r.request_id] = rng.choice((EOS, 5, 7, 8, 9, 11, 12, 13, 14, 15)) \
-                    if rng.random() < 0.3 else rng.randint(20, 40)
+                sampled[r.request_id] = (
+                    rng.choice((EOS, 5, 7, 8, 9, 11, 12, 13, 14, 15)) if rng.random() < 0.3 else rng.randint(20, 40)
+                )
         sched.update(work, sampled)
         sched.check_integrity()
         for r in sched.running:

@@ -18,10 +18,27 @@ def test_no_server_errors(tmp_path):
     server = Server(tmp_path, [tmp_path], ["--max-model-len", "64"])
     try:
         run = subprocess.run(
-            [str(CLI), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
-             "--max-examples", "15", "--header", f"Authorization: Bearer {ADMIN}", "--phases", "examples,fuzzing",
-             "--request-timeout", "120", "--generation-deterministic"],
-            capture_output=True, text=True, timeout=900, cwd=tmp_path)
+            [
+                str(CLI),
+                "run",
+                f"{server.url}/openapi.json",
+                "--checks",
+                "not_a_server_error",
+                "--max-examples",
+                "15",
+                "--header",
+                f"Authorization: Bearer {ADMIN}",
+                "--phases",
+                "examples,fuzzing",
+                "--request-timeout",
+                "120",
+                "--generation-deterministic",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+        )
     finally:
         server.stop()
     assert run.returncode == 0, run.stdout[-4000:]

@@ -34,8 +34,13 @@ def server(dirs):
 
 
 def chat(client, model: str, text: str, **kw):
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                          temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        temperature=0,
+        max_tokens=kw.pop("max_tokens", 24),
+        **kw,
+    )
 
 
 def test_models_and_basic_calls(server):
@@ -46,22 +51,26 @@ def test_models_and_basic_calls(server):
     assert "Paris" in r.choices[0].message.content
     assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     # streaming chat with the usage chunk last
-    chunks = list(chat(client, BASE, "What is the capital of France?", stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(client, BASE, "What is the capital of France?", stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
     # completions, streamed and not, give the same text
     c = client.completions.create(model=BASE, prompt="The capital of France is", max_tokens=8, temperature=0)
-    streamed = client.completions.create(model=BASE, prompt="The capital of France is", max_tokens=8, temperature=0,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=BASE, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
     assert "".join(x.choices[0].text for x in streamed) == c.choices[0].text
     assert c.usage.completion_tokens == 8 and c.choices[0].finish_reason == "length"
     # n, seed and logprobs
-    many = client.completions.create(model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3,
-                                     seed=7, logprobs=2)
-    again = client.completions.create(model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3,
-                                      seed=7, logprobs=2)
+    many = client.completions.create(
+        model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3, seed=7, logprobs=2
+    )
+    again = client.completions.create(
+        model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=3, seed=7, logprobs=2
+    )
     assert [x.text for x in many.choices] == [x.text for x in again.choices]
     assert len(many.choices) == 3 and len(many.choices[0].logprobs.top_logprobs[0]) == 2
 
@@ -124,9 +133,16 @@ def test_admin_refusals(server, dirs):
 def test_tenants(server, dirs):
     path = write_adapter(dirs / "adapters" / "acme-bot", seed=6)
     assert server.admin("POST", "/admin/adapters", json={"name": "acme-bot", "path": str(path)}).status_code == 200
-    r = server.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["acme-bot"],
-                                                     "default_adapter": "acme-bot",
-                                                     "rate_limits": {"requests_per_minute": 4}})
+    r = server.admin(
+        "POST",
+        "/admin/tenants",
+        json={
+            "name": "acme",
+            "adapters": ["acme-bot"],
+            "default_adapter": "acme-bot",
+            "rate_limits": {"requests_per_minute": 4},
+        },
+    )
     assert r.status_code == 200
     key = r.json()["api_key"]
     assert "api_key" not in server.admin("GET", "/admin/tenants/acme").json()
@@ -175,8 +191,14 @@ def test_shutdown_drains_in_flight_and_refuses_new(dirs):
     data = dirs / "drain"
     data.mkdir()
     s = Server(data, [dirs / "adapters"], ["--shutdown-timeout", "60"])
-    body = {"model": BASE, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": BASE,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     chunks: list[str] = []
     try:
         with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=120) as r:
@@ -201,21 +223,28 @@ def test_shutdown_drains_in_flight_and_refuses_new(dirs):
         s.log.close()
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ("{not json", 400, None),
-    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
-    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "messages"),
-    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"model": BASE, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
-    ({"model": "no-such-adapter", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ({"model": BASE, "messages": []}, 400, "messages"),
-    ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "unknown_field": 1, "max_tokens": 2}, 200,
-     None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ("{not json", 400, None),
+        ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "messages"),
+        ({"model": BASE, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+        ({"model": BASE, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+        ({"model": "no-such-adapter", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"model": BASE, "messages": []}, 400, "messages"),
+        (
+            {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "unknown_field": 1, "max_tokens": 2},
+            200,
+            None,
+        ),
+    ],
+)
 def test_bad_input(server, body, status, param):
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(server.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == status, r.text
     if status != 200:
         err = r.json()["error"]
@@ -223,8 +252,14 @@ def test_bad_input(server, body, status, param):
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
-    body = {"model": BASE, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": BASE,
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
@@ -237,14 +272,26 @@ def test_disconnect_mid_stream_frees_blocks(server):
         time.sleep(0.2)
     assert pool["running"] == 0 and pool["request_blocks"] == 0
     metrics = httpx.get(server.url + "/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count",
-                 "vllm:lora_requests_info", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "lora_server:pool_adapter_hit_rate", "lora_server:pool_kv_token_hit_rate",
-                 "lora_server:pool_invalid_kv_ratio", "lora_server:pool_bytes_to_host",
-                 "lora_server:pool_evicted_blocks_kv_swap_out", "lora_server:ttft_adapter_loading_mean_seconds"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:lora_requests_info",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "lora_server:pool_adapter_hit_rate",
+        "lora_server:pool_kv_token_hit_rate",
+        "lora_server:pool_invalid_kv_ratio",
+        "lora_server:pool_bytes_to_host",
+        "lora_server:pool_evicted_blocks_kv_swap_out",
+        "lora_server:ttft_adapter_loading_mean_seconds",
+    ):
         assert name in metrics
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line and not line.startswith("#")
+    }
     assert values["vllm:prefix_cache_queries_total"] >= values["vllm:prefix_cache_hits_total"] >= 0
     assert values["lora_server:pool_invalid_kv_ratio"] == 0.0  # tree-cost, the default policy
 
@@ -272,8 +319,9 @@ def test_restart_keeps_adapters_and_tenants(dirs):
 def test_two_replicas_share_redis(dirs):
     assert shutil.which("redis-server"), "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     port = free_port()
-    redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                             stdout=subprocess.DEVNULL, cwd=dirs)
+    redis = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=dirs
+    )
     try:
         url = f"redis://127.0.0.1:{port}/0"
         (dirs / "r1").mkdir()
@@ -301,14 +349,25 @@ def test_first_hour(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     roots = tmp_path / "adapters"
-    s = Server(tmp_path, [roots], ["--allow-anonymous", "--adapter", f"own={write_adapter(roots / 'own', 3)},upper"],
-               env={"XDG_DATA_HOME": str(xdg), "LORA_SERVER_DATA_DIR": ""}, data_dir_flag=False)
+    s = Server(
+        tmp_path,
+        [roots],
+        ["--allow-anonymous", "--adapter", f"own={write_adapter(roots / 'own', 3)},upper"],
+        env={"XDG_DATA_HOME": str(xdg), "LORA_SERVER_DATA_DIR": ""},
+        data_dir_flag=False,
+    )
     try:
         log = s.log_text()
-        for line in ("serving SmolLM2-135M-Instruct: gguf weights from", "device budget:", "adapter slots",
-                     "adapters: command line: own; demo: upper", f"adapter roots: {roots}",
-                     f"registry: sqlite at {xdg / 'lora-server'} (the user's data directory (XDG))",
-                     "admin key: --admin-key", f"listening on http://127.0.0.1:{s.port}"):
+        for line in (
+            "serving SmolLM2-135M-Instruct: gguf weights from",
+            "device budget:",
+            "adapter slots",
+            "adapters: command line: own; demo: upper",
+            f"adapter roots: {roots}",
+            f"registry: sqlite at {xdg / 'lora-server'} (the user's data directory (XDG))",
+            "admin key: --admin-key",
+            f"listening on http://127.0.0.1:{s.port}",
+        ):
             assert line in log, line
         assert (xdg / "lora-server" / "registry.sqlite3").is_file()
         listed = {a["name"]: a for a in s.admin("GET", "/admin/adapters").json()["data"]}
@@ -319,16 +378,16 @@ def test_first_hour(tmp_path):
         assert sum(a["state"] == "resident" for a in listed.values()) == pool["resident_adapters"]
         again = s.admin("POST", "/admin/adapters", json={"name": "own", "path": str(roots / "own")})
         assert again.status_code == 409 and again.json()["error"]["code"] == "adapter_exists"
-        replaced = s.admin("POST", "/admin/adapters", json={"name": "own", "path": str(roots / "own"),
-                                                             "replace": True})
+        replaced = s.admin("POST", "/admin/adapters", json={"name": "own", "path": str(roots / "own"), "replace": True})
         assert replaced.status_code == 200 and replaced.json()["version"] == 2
         vllm = s.admin("POST", "/v1/load_lora_adapter", json={"lora_name": "upper", "lora_path": str(roots / "own")})
         assert vllm.status_code == 409
         outside = s.admin("POST", "/admin/adapters", json={"name": "x", "path": str(tmp_path / "elsewhere")})
         assert outside.status_code == 400 and str(roots) in outside.json()["error"]["message"]
         tenant = s.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["own", "ghost"]}).json()
-        assert tenant["warnings"] == ["adapter 'ghost' is not registered: the tenant's requests for it get 404 "
-                                      "until it is"]
+        assert tenant["warnings"] == [
+            "adapter 'ghost' is not registered: the tenant's requests for it get 404 until it is"
+        ]
     finally:
         s.stop()
 

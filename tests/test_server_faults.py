@@ -44,9 +44,11 @@ def test_a_tenant_key_means_its_tenant_and_anonymous_access_closes(tmp_path):
         again = httpx.post(s.url + CHAT, json={**GOOD_CHAT, "model": "upper"}, headers=as_tenant, timeout=60).json()
         # its usage and its cache salt, as on /t/narrow/v1
         usage = s.admin("GET", "/admin/tenants/narrow").json()["usage"]["upper"]
-        assert usage == {"requests": 2, "prompt_tokens": 2 * first["usage"]["prompt_tokens"],
-                         "completion_tokens": first["usage"]["completion_tokens"] +
-                         again["usage"]["completion_tokens"]}
+        assert usage == {
+            "requests": 2,
+            "prompt_tokens": 2 * first["usage"]["prompt_tokens"],
+            "completion_tokens": first["usage"]["completion_tokens"] + again["usage"]["completion_tokens"],
+        }
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         salts = s.admin("GET", "/admin/pool").json()["kv_tokens_by_salt"]
@@ -99,12 +101,14 @@ def test_device_fault_exits_non_zero_within_seconds(tmp_path):
 
 
 def _redis(port: int, data_dir, persistent: bool) -> subprocess.Popen:
-    persistence = ["--appendonly", "yes", "--dir", str(data_dir)] if persistent else ["--save", "",
-                                                                                       "--appendonly", "no"]
+    persistence = (
+        ["--appendonly", "yes", "--dir", str(data_dir)] if persistent else ["--save", "", "--appendonly", "no"]
+    )
     proc = subprocess.Popen(["redis-server", "--port", str(port), *persistence], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() \
-            != "PONG":
+    while (
+        subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG"
+    ):
         assert time.monotonic() < deadline, "redis-server did not start"
         time.sleep(0.1)
     return proc
@@ -119,8 +123,10 @@ def test_redis_going_away_gives_503s_and_recovery(tmp_path):
         key = s.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["upper"]}).json()["api_key"]
         tenant = {"Authorization": f"Bearer {key}"}
         glob = {"Authorization": "Bearer global-key"}
-        assert httpx.post(s.url + "/t/acme/v1/chat/completions", json=GOOD_CHAT, headers=tenant,
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(s.url + "/t/acme/v1/chat/completions", json=GOOD_CHAT, headers=tenant, timeout=60).status_code
+            == 200
+        )
         assert s.admin("GET", "/admin/pool").json()["store"]["reachable"] is True
         assert "keeps nothing on disk" not in s.log_text()
 
@@ -154,4 +160,3 @@ def test_redis_going_away_gives_503s_and_recovery(tmp_path):
         s.stop()
         redis.terminate()
         redis.wait(timeout=10)
-

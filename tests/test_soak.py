@@ -20,8 +20,13 @@ from tests.servers import BASE, Server, write_adapter
 pytestmark = pytest.mark.slow
 DURATION_S = 75.0
 ADAPTERS = [BASE, "upper", "pirate", "emoji", "reg-a"]
-PROMPTS = ["Name a large animal.", "Write one line about rain.", "What is 3 + 4?", "Say hello in French.",
-           "Give me a color."]
+PROMPTS = [
+    "Name a large animal.",
+    "Write one line about rain.",
+    "What is 3 + 4?",
+    "Say hello in French.",
+    "Give me a color.",
+]
 
 
 class Tally:
@@ -42,8 +47,14 @@ class Tally:
 
 
 def _chat(rng: random.Random, model: str, max_tokens: int, stream: bool, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-            "max_tokens": max_tokens, "temperature": 0.7, "stream": stream, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "stream": stream,
+        **extra,
+    }
 
 
 def _steady(server: Server, key: str, tally: Tally, stop: float, seed: int) -> None:
@@ -55,8 +66,9 @@ def _steady(server: Server, key: str, tally: Tally, stop: float, seed: int) -> N
         body = _chat(rng, model, rng.randint(4, 20), stream, stream_options={"include_usage": True})
         start = time.monotonic()
         if stream:
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers,
-                              timeout=120) as r:
+            with httpx.stream(
+                "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120
+            ) as r:
                 events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
                 status = r.status_code
             usage = events[-1].get("usage") if events and status == 200 else None
@@ -94,8 +106,12 @@ def _dropper(server: Server, key: str, tally: Tally, stop: float) -> None:
             tally.flaky_requests += 1
             tally.flaky_received += received
         try:
-            httpx.post(server.url + "/v1/chat/completions", json=_chat(rng, BASE, 300, False, ignore_eos=True),
-                       headers=headers, timeout=1.5)
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                json=_chat(rng, BASE, 300, False, ignore_eos=True),
+                headers=headers,
+                timeout=1.5,
+            )
             tally.status("finished before the client timeout")
         except httpx.ReadTimeout:
             tally.status("client timeout")
@@ -108,8 +124,13 @@ def _churn_user(server: Server, tally: Tally, stop: float) -> None:
     rng = random.Random(200)
     headers = {"Authorization": "Bearer soak-key"}
     while time.monotonic() < stop:
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=_chat(rng, "churn", 12, True),
-                          headers=headers, timeout=120) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            json=_chat(rng, "churn", 12, True),
+            headers=headers,
+            timeout=120,
+        ) as r:
             events = [x for x in r.iter_lines() if x.startswith("data: {")]
             tally.status(r.status_code)
             if r.status_code == 200 and any('"error"' in e for e in events):
@@ -133,17 +154,27 @@ def test_soak(tmp_path):
     roots.mkdir()
     server = Server(tmp_path, [roots], ["--api-key", "soak-key", "--max-num-seqs", "16"])
     try:
-        assert server.admin("POST", "/admin/adapters", json={
-            "name": "reg-a", "path": str(write_adapter(roots / "reg-a", seed=11))}).status_code == 200
+        assert (
+            server.admin(
+                "POST", "/admin/adapters", json={"name": "reg-a", "path": str(write_adapter(roots / "reg-a", seed=11))}
+            ).status_code
+            == 200
+        )
         churn_paths = [write_adapter(roots / f"churn-{i}", seed=20 + i) for i in range(2)]
-        keys = {name: server.admin("POST", "/admin/tenants", json={"name": name, "adapters": ADAPTERS[1:]}).json()[
-            "api_key"] for name in ("steady", "flaky")}
+        keys = {
+            name: server.admin("POST", "/admin/tenants", json={"name": name, "adapters": ADAPTERS[1:]}).json()[
+                "api_key"
+            ]
+            for name in ("steady", "flaky")
+        }
         tally = Tally()
         stop = time.monotonic() + DURATION_S
         threads = [threading.Thread(target=_steady, args=(server, keys["steady"], tally, stop, i)) for i in range(3)]
-        threads += [threading.Thread(target=_dropper, args=(server, keys["flaky"], tally, stop)),
-                    threading.Thread(target=_churn_user, args=(server, tally, stop)),
-                    threading.Thread(target=_churn, args=(server, churn_paths, tally, stop))]
+        threads += [
+            threading.Thread(target=_dropper, args=(server, keys["flaky"], tally, stop)),
+            threading.Thread(target=_churn_user, args=(server, tally, stop)),
+            threading.Thread(target=_churn, args=(server, churn_paths, tally, stop)),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -151,11 +182,19 @@ def test_soak(tmp_path):
 
         total = sum(v for k, v in tally.statuses.items() if not k.startswith("admin"))
         lat = sorted(tally.latencies)
-        print(f"\nsoak: {total} requests in {DURATION_S:.0f} s, statuses {dict(sorted(tally.statuses.items()))}, "
-              f"steady latency p50 {lat[len(lat) // 2]:.2f} s p99 {lat[int(len(lat) * 0.99)]:.2f} s")
+        print(
+            f"\nsoak: {total} requests in {DURATION_S:.0f} s, statuses {dict(sorted(tally.statuses.items()))}, "
+            f"steady latency p50 {lat[len(lat) // 2]:.2f} s p99 {lat[int(len(lat) * 0.99)]:.2f} s"
+        )
         assert not [k for k in tally.statuses if k.isdigit() and int(k) >= 500], tally.statuses
-        assert set(tally.statuses) <= {"200", "404", "client timeout", "finished before the client timeout",
-                                       "admin register 200", "admin unload 200"}, tally.statuses
+        assert set(tally.statuses) <= {
+            "200",
+            "404",
+            "client timeout",
+            "finished before the client timeout",
+            "admin register 200",
+            "admin unload 200",
+        }, tally.statuses
         assert not tally.error_events  # never a 200 followed by an error event
         assert tally.statuses["200"] > 30
 
@@ -170,8 +209,11 @@ def test_soak(tmp_path):
         assert httpx.get(server.url + "/health").status_code == 200
 
         def usage(tenant: str) -> dict:
-            return {a: [u["requests"], u["prompt_tokens"], u["completion_tokens"]]
-                    for a, u in server.admin("GET", f"/admin/tenants/{tenant}").json()["usage"].items()}
+            return {
+                a: [u["requests"], u["prompt_tokens"], u["completion_tokens"]]
+                for a, u in server.admin("GET", f"/admin/tenants/{tenant}").json()["usage"].items()
+            }
+
         deadline = time.monotonic() + 10
         while usage("steady") != tally.usage and time.monotonic() < deadline:
             time.sleep(0.2)  # usage is settled just after each answer

@@ -13,8 +13,15 @@ from tests.servers import ADMIN, BASE, Server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # flags for a sandbox without a network or a display (the machine notes' probe used these)
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +44,13 @@ def test_the_page_shows_what_the_admin_api_says(server):
 
     assert os.path.exists(CHROMIUM), "chromium is missing: the test set-up installs it (.ci/setup --tests)"
     key = server.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["upper"]}).json()["api_key"]
-    for model, headers in ((BASE, {}), ("upper", {}), ("upper", {"Authorization": f"Bearer {key}"}),
-                           ("pirate", {})):
-        r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=120, json={
-            "model": model, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 4})
+    for model, headers in ((BASE, {}), ("upper", {}), ("upper", {"Authorization": f"Bearer {key}"}), ("pirate", {})):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            headers=headers,
+            timeout=120,
+            json={"model": model, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 4},
+        )
         assert r.status_code == 200
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -54,10 +64,14 @@ def test_the_page_shows_what_the_admin_api_says(server):
                 "gpu_free": int(page.text_content("#gpu_free")),
                 "gpu_cached": int(page.text_content("#gpu_cached")),
                 "kv_hit": page.text_content("#kv_token_hit_rate"),
-                "device": [[td.text_content() for td in tr.query_selector_all("td")]
-                           for tr in page.query_selector_all("#device tbody tr")],
-                "tenants": [[td.text_content() for td in tr.query_selector_all("td")]
-                            for tr in page.query_selector_all("#tenants tbody tr")],
+                "device": [
+                    [td.text_content() for td in tr.query_selector_all("td")]
+                    for tr in page.query_selector_all("#device tbody tr")
+                ],
+                "tenants": [
+                    [td.text_content() for td in tr.query_selector_all("td")]
+                    for tr in page.query_selector_all("#tenants tbody tr")
+                ],
             }
         finally:
             browser.close()
@@ -69,9 +83,15 @@ def test_the_page_shows_what_the_admin_api_says(server):
     assert {row[0] for row in shown["device"]} == set(on_device) >= {"<base>", "upper", "pirate"}
     for name, version, slot, _, weights, kv_gpu, kv_host in shown["device"]:
         a = on_device[name]
-        assert (int(version), -1 if slot == "-" else int(slot), int(weights), int(kv_gpu), int(kv_host)) == \
-            (a["version"], a["slot"], a["weight_blocks"], a["kv_blocks_gpu"], a["kv_blocks_host"])
+        assert (int(version), -1 if slot == "-" else int(slot), int(weights), int(kv_gpu), int(kv_host)) == (
+            a["version"],
+            a["slot"],
+            a["weight_blocks"],
+            a["kv_blocks_gpu"],
+            a["kv_blocks_host"],
+        )
     assert on_device["upper"]["kv_blocks_gpu"] > 0  # its requests' prompts stayed cached under it
     usage = server.admin("GET", "/admin/tenants/acme").json()["usage"]["upper"]
-    assert shown["tenants"] == [["acme", "upper", str(usage["requests"]), str(usage["prompt_tokens"]),
-                                 str(usage["completion_tokens"])]]
+    assert shown["tenants"] == [
+        ["acme", "upper", str(usage["requests"]), str(usage["prompt_tokens"]), str(usage["completion_tokens"])]
+    ]

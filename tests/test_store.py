@@ -58,8 +58,11 @@ def _start_redis(workdir: Path, port: int, *options: str) -> subprocess.Popen:
     assert binary is not None, "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     log_path = workdir / f"redis-{port}.log"
     with log_path.open("a") as log:
-        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-                                   *options], stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), *options],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     client = redis.Redis(host="127.0.0.1", port=port)
     deadline = time.monotonic() + 10
     try:
@@ -187,7 +190,6 @@ def _redis_store(url: str, **kwargs: Any) -> RegistryStore:
     return RedisStore(url, **kwargs)
 
 
-
 # -- keys ------------------------------------------------------------------------------------------------------------
 
 
@@ -279,7 +281,11 @@ def test_create_tenant_returns_the_key_once_and_stores_only_its_hash(backend: Ba
     record, api_key = store.create_tenant("acme", ["sql", "chat", "sql"], default_adapter="chat", rate_limits=limits)
     assert api_key.startswith(API_KEY_PREFIX)
     assert (record.name, record.adapters, record.default_adapter, record.rate_limits) == (
-        "acme", ("sql", "chat"), "chat", limits)
+        "acme",
+        ("sql", "chat"),
+        "chat",
+        limits,
+    )
     assert store.get_tenant("acme") == record
     assert api_key not in repr(record)  # not readable back from the record
     raw = backend.raw_dump()
@@ -325,7 +331,6 @@ def test_authenticate(store: RegistryStore):
     # a tenant re-created under the same name gets a new key; the old one stays dead
     _, new_key = store.create_tenant("acme", [])
     assert store.authenticate("acme", acme_key) is None and store.authenticate("acme", new_key) is not None
-
 
 
 def test_has_tenants(store: RegistryStore):
@@ -576,8 +581,10 @@ def test_sqlite_file_is_created_in_wal_mode(tmp_path: Path):
 
 
 def test_redis_prefixes_keep_stores_apart(redis_url: str):
-    with open_store("unused", redis_url=redis_url, redis_prefix=f"a-{uuid.uuid4().hex}:") as a, \
-            open_store("unused", redis_url=redis_url, redis_prefix=f"b-{uuid.uuid4().hex}:") as b:
+    with (
+        open_store("unused", redis_url=redis_url, redis_prefix=f"a-{uuid.uuid4().hex}:") as a,
+        open_store("unused", redis_url=redis_url, redis_prefix=f"b-{uuid.uuid4().hex}:") as b,
+    ):
         a.put_adapter(_adapter("sql"))
         a.create_tenant("acme", [])
         assert b.list_adapters() == [] and b.get_tenant("acme") is None
@@ -589,22 +596,27 @@ def test_status(backend: Backend, store: RegistryStore, tmp_path: Path):
     if backend.name == "sqlite":
         assert store.status() == StoreStatus("sqlite", True, True, str(tmp_path / "data" / SQLITE_FILENAME))
     else:  # the session's redis-server runs with --save "" --appendonly no
-        assert store.status() == StoreStatus("redis", True, False,
-                                             "none: every tenant and adapter is lost when redis restarts")
+        assert store.status() == StoreStatus(
+            "redis", True, False, "none: every tenant and adapter is lost when redis restarts"
+        )
 
 
-@pytest.mark.parametrize(("options", "persistent", "detail"), [
-    (_NO_PERSISTENCE, False, "none: every tenant and adapter is lost"),
-    (("--save", "", "--appendonly", "yes"), True, "AOF"),
-    (("--save", "900 1", "--appendonly", "no"), True, "RDB"),
-    (("--save", "900 1", "--appendonly", "yes"), True, "AOF and RDB"),
-    # managed Redis refuses CONFIG: INFO shows AOF, but not RDB snapshots
-    (("--save", "", "--appendonly", "yes", "--rename-command", "CONFIG", ""), True, "AOF"),
-    (("--save", "900 1", "--appendonly", "no", "--rename-command", "CONFIG", ""), None, "unknown: AOF is off"),
-], ids=["none", "aof", "rdb", "aof+rdb", "aof-without-config", "rdb-without-config"])
-def test_redis_status_tells_whether_data_survives_a_restart(start_redis: Callable[..., subprocess.Popen],
-                                                            options: tuple[str, ...], persistent: bool | None,
-                                                            detail: str):
+@pytest.mark.parametrize(
+    ("options", "persistent", "detail"),
+    [
+        (_NO_PERSISTENCE, False, "none: every tenant and adapter is lost"),
+        (("--save", "", "--appendonly", "yes"), True, "AOF"),
+        (("--save", "900 1", "--appendonly", "no"), True, "RDB"),
+        (("--save", "900 1", "--appendonly", "yes"), True, "AOF and RDB"),
+        # managed Redis refuses CONFIG: INFO shows AOF, but not RDB snapshots
+        (("--save", "", "--appendonly", "yes", "--rename-command", "CONFIG", ""), True, "AOF"),
+        (("--save", "900 1", "--appendonly", "no", "--rename-command", "CONFIG", ""), None, "unknown: AOF is off"),
+    ],
+    ids=["none", "aof", "rdb", "aof+rdb", "aof-without-config", "rdb-without-config"],
+)
+def test_redis_status_tells_whether_data_survives_a_restart(
+    start_redis: Callable[..., subprocess.Popen], options: tuple[str, ...], persistent: bool | None, detail: str
+):
     port = _free_port()
     start_redis(port, *options)
     with _redis_store(f"redis://127.0.0.1:{port}/0") as store:
@@ -636,10 +648,12 @@ def test_sqlite_file_of_schema_1_is_migrated(tmp_path: Path):
     with closing(sqlite3.connect(path)) as conn:
         conn.executescript(_SQLITE_SCHEMA_1)
         conn.execute("INSERT INTO adapters VALUES ('sql', '/adapters/sql', 3, 1, 1000.0)")
-        conn.execute("""INSERT INTO tenants VALUES ('acme', '["sql"]', 'sql', 5, 500, ?, 1000.0)""",
-                     (hash_api_key(acme_key),))
-        conn.execute("INSERT INTO tenants VALUES ('globex', '[]', NULL, NULL, NULL, ?, 1001.0)",
-                     (hash_api_key(globex_key),))
+        conn.execute(
+            """INSERT INTO tenants VALUES ('acme', '["sql"]', 'sql', 5, 500, ?, 1000.0)""", (hash_api_key(acme_key),)
+        )
+        conn.execute(
+            "INSERT INTO tenants VALUES ('globex', '[]', NULL, NULL, NULL, ?, 1001.0)", (hash_api_key(globex_key),)
+        )
         conn.execute("INSERT INTO usage VALUES ('acme', 'sql', 1, 2, 3)")
         conn.execute("INSERT INTO rate_windows VALUES ('acme', 'tokens', 100, 7)")
         conn.commit()
@@ -677,21 +691,35 @@ def test_redis_tenants_of_the_single_key_format_are_read_and_indexed(redis_url: 
     acme_key, globex_key = generate_api_key(), generate_api_key()
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     for name, key, adapters in (("acme", acme_key, ["sql"]), ("globex", globex_key, [])):
-        client.hset(prefix + "tenants", name, json.dumps({
-            "name": name, "adapters": adapters, "default_adapter": None,
-            "rate_limits": {"requests_per_minute": 5, "tokens_per_minute": None},
-            "key_hash": hash_api_key(key), "created_at": 1000.0}))
+        client.hset(
+            prefix + "tenants",
+            name,
+            json.dumps(
+                {
+                    "name": name,
+                    "adapters": adapters,
+                    "default_adapter": None,
+                    "rate_limits": {"requests_per_minute": 5, "tokens_per_minute": None},
+                    "key_hash": hash_api_key(key),
+                    "created_at": 1000.0,
+                }
+            ),
+        )
     acme = TenantRecord("acme", ("sql",), None, RateLimits(5), (hash_api_key(acme_key),), 1000.0)
     try:
         with open_store("unused", redis_url=redis_url, redis_prefix=prefix) as store:
-            assert client.hgetall(prefix + "keys") == {hash_api_key(acme_key): "acme",
-                                                       hash_api_key(globex_key): "globex"}
+            assert client.hgetall(prefix + "keys") == {
+                hash_api_key(acme_key): "acme",
+                hash_api_key(globex_key): "globex",
+            }
             assert store.get_tenant("acme") == acme and store.authenticate("acme", acme_key) == acme
             assert store.tenant_by_key(acme_key) == acme and store.tenant_by_key(globex_key).name == "globex"
             rotated, new_key = store.issue_key("acme")
             assert store.tenant_by_key(acme_key) == rotated and store.tenant_by_key(new_key) == rotated
             assert json.loads(client.hget(prefix + "tenants", "acme"))["key_hashes"] == [
-                hash_api_key(acme_key), hash_api_key(new_key)]
+                hash_api_key(acme_key),
+                hash_api_key(new_key),
+            ]
             assert store.delete_tenant("acme")
             assert client.hgetall(prefix + "keys") == {hash_api_key(globex_key): "globex"}
     finally:
@@ -763,8 +791,11 @@ def test_locked_or_unopenable_sqlite_file_is_unavailable(tmp_path: Path):
     store.create_tenant("acme", [])
     with closing(sqlite3.connect(path, isolation_level=None)) as other_process:
         other_process.execute("BEGIN IMMEDIATE")  # holds the write lock past the store's timeout
-        for write in (lambda: store.take("acme", "requests", 1, 10), lambda: store.add_usage("acme", None, 1, 1),
-                      lambda: store.issue_key("acme")):
+        for write in (
+            lambda: store.take("acme", "requests", 1, 10),
+            lambda: store.add_usage("acme", None, 1, 1),
+            lambda: store.issue_key("acme"),
+        ):
             with pytest.raises(StoreUnavailableError, match="database is locked"):
                 write()
         assert store.get_tenant("acme") is not None  # WAL: readers do not wait for the writer

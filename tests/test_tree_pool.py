@@ -188,8 +188,14 @@ def test_full_host_drops_the_colder_kv():
 def test_keys_isolate_adapters_versions_tenants_and_domains():
     a11, a20 = AdapterKey(1, 1), AdapterKey(2, 0)
     tree = make_tree(gpu_blocks=40, adapters=((A1, 1), (a11, 1), (a20, 1)))
-    keys = [K1, PrefixKey("chat", "t1", 1, 1), PrefixKey("chat", "t1", 2, 0), PrefixKey("chat", "t2", 1, 0),
-            PrefixKey("completion", "t1", 1, 0), PrefixKey("chat", "t1", BASE_ADAPTER_ID, 0)]
+    keys = [
+        K1,
+        PrefixKey("chat", "t1", 1, 1),
+        PrefixKey("chat", "t1", 2, 0),
+        PrefixKey("chat", "t2", 1, 0),
+        PrefixKey("completion", "t1", 1, 0),
+        PrefixKey("chat", "t1", BASE_ADAPTER_ID, 0),
+    ]
     tokens = [1, 2, 3, 4, 5, 6]
     put(tree, K1, tokens, now=1.0)
     for key in keys[1:]:
@@ -234,12 +240,13 @@ def test_drop_adapter_drops_exactly_its_subtrees():
 
 
 def test_tree_cost_eval_by_hand():
-    policy = TreeCost(PolicyParams(h2d_bytes_per_s=1000.0, recompute_s_per_token=0.01, window_s=10.0,
-                                   batch_size=2.0), block_bytes=100)
+    policy = TreeCost(
+        PolicyParams(h2d_bytes_per_s=1000.0, recompute_s_per_token=0.01, window_s=10.0, batch_size=2.0), block_bytes=100
+    )
     a, b = AdapterKey(1, 0), AdapterKey(2, 0)
     for t, key in [(0.0, a), (0.5, b), (1.0, a), (1.0, b)]:
         policy.observe(key, t)
-    assert policy.expected_adapters() == pytest.approx(2 * (1 - 0.5 ** 2))
+    assert policy.expected_adapters() == pytest.approx(2 * (1 - 0.5**2))
 
     tree = make_tree(adapters=((a, 5),))
     node = tree.path(put(tree, PrefixKey("chat", "t1", 1, 0), [1, 2, 3, 4], now=0.0))[-1]
@@ -258,9 +265,16 @@ def test_tree_cost_eval_by_hand():
 
 
 def pool_of(policy: str, **kw) -> UnifiedPool:
-    cfg = dict(num_gpu_blocks=8, num_host_blocks=4, block_size=4, block_bytes=100, policy=policy,
-               params=PolicyParams(h2d_bytes_per_s=1e6, recompute_s_per_token=1e-3, window_s=100.0),
-               adapter_slots=1, adapter_slot_blocks=2)
+    cfg = dict(
+        num_gpu_blocks=8,
+        num_host_blocks=4,
+        block_size=4,
+        block_bytes=100,
+        policy=policy,
+        params=PolicyParams(h2d_bytes_per_s=1e6, recompute_s_per_token=1e-3, window_s=100.0),
+        adapter_slots=1,
+        adapter_slot_blocks=2,
+    )
     cfg.update(kw)
     return UnifiedPool(PoolConfig(**cfg))
 
@@ -289,8 +303,10 @@ def test_tree_cost_pool_by_hand():
 
     adm = pool.admit(k2, p2, 3.0)  # adapter 2 takes 2 of the 4 free blocks
     table = pool.allocate(3, 3.0)  # 2 free: the tail of adapter 1's KV goes to the host
-    assert pool.take_copy_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0), slot=1),
-                                    CopyOp(OpKind.KV_SWAP_OUT, (3,), (0,))]
+    assert pool.take_copy_ops() == [
+        CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0), slot=1),
+        CopyOp(OpKind.KV_SWAP_OUT, (3,), (0,)),
+    ]
     assert table == [4, 5, 3]  # the block freed by the swap-out is reused after its copy-out
     pool.release(adm, p2, table, 3.0)
     pool.check_integrity()
@@ -364,7 +380,7 @@ class Running:
 
 
 def content(key: PrefixKey, tokens: list[int], block: int, bs: int) -> tuple:
-    return (key, tuple(tokens[:(block + 1) * bs]))
+    return (key, tuple(tokens[: (block + 1) * bs]))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -372,10 +388,19 @@ def test_random_operations_keep_integrity(policy):
     """A simulated engine: blocks hold (key, tokens) contents, copies move them as the pool asks. Every matched
     block must hold exactly its key's tokens, locked paths never move, and check_integrity() holds throughout."""
     rng = random.Random(20250503)
-    pool = UnifiedPool(PoolConfig(
-        num_gpu_blocks=40, num_host_blocks=12, block_size=4, block_bytes=64, policy=policy,
-        params=PolicyParams(h2d_bytes_per_s=1e5, recompute_s_per_token=1e-2, window_s=2.0, batch_size=4.0),
-        adapter_slots=2, adapter_slot_blocks=4, free_watermark_blocks=3))
+    pool = UnifiedPool(
+        PoolConfig(
+            num_gpu_blocks=40,
+            num_host_blocks=12,
+            block_size=4,
+            block_bytes=64,
+            policy=policy,
+            params=PolicyParams(h2d_bytes_per_s=1e5, recompute_s_per_token=1e-2, window_s=2.0, batch_size=4.0),
+            adapter_slots=2,
+            adapter_slot_blocks=4,
+            free_watermark_blocks=3,
+        )
+    )
     bs = pool.config.block_size
     versions: dict[int, int | None] = {i: 0 for i in (1, 2, 3, 4)}
     for i in versions:
@@ -431,7 +456,7 @@ def test_random_operations_keep_integrity(policy):
             try:
                 r.table += pool.allocate(pool.gpu.blocks_for_tokens(len(tokens)) - len(r.table), now)
             except OutOfBlocksError:
-                end(r, tokens[:adm.num_cached_tokens])
+                end(r, tokens[: adm.num_cached_tokens])
                 continue
             execute_copies()
             compute(r)

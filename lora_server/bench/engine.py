@@ -56,8 +56,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: int = 0,
-                          targets: tuple[str, ...] = PEFT_TARGETS) -> list[str]:
+def write_random_adapters(
+    root: Path, n: int, rank: int, engine: Engine, seed: int = 0, targets: tuple[str, ...] = PEFT_TARGETS
+) -> list[str]:
     """n PEFT adapter directories with random weights on `targets` (PEFT module names) of every layer."""
     info = engine.describe()
     arch, shapes = info.arch, info.adapter_features
@@ -77,14 +78,22 @@ def write_random_adapters(root: Path, n: int, rank: int, engine: Engine, seed: i
         path = root / f"bench-{i}"
         path.mkdir(parents=True)
         save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps(
-            dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(targets), bias="none")))
+        (path / "adapter_config.json").write_text(
+            json.dumps(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(targets), bias="none"))
+        )
         names.append(path.name)
     return names
 
 
-def run_point(engine: Engine, batch: int, adapter_names: list[str], prompt_len: int, output_len: int,
-              bandwidth: float, adapter_bytes: int) -> BenchPoint:
+def run_point(
+    engine: Engine,
+    batch: int,
+    adapter_names: list[str],
+    prompt_len: int,
+    output_len: int,
+    bandwidth: float,
+    adapter_bytes: int,
+) -> BenchPoint:
     info = engine.describe()
     gen = torch.Generator().manual_seed(batch * 1000 + prompt_len)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -112,14 +121,27 @@ def run_point(engine: Engine, batch: int, adapter_names: list[str], prompt_len: 
     mean_context = sum(contexts) / max(1, len(contexts))
     floor_bytes = info.weight_bytes + adapter_bytes * len(adapter_names) + info.kv_bytes_per_token * mean_context
     floor = floor_bytes / (bandwidth * 1e9)
-    return BenchPoint(batch, len(adapter_names), prompt_len, round(step * 1e3, 3), round(batch / step, 1),
-                      round(floor * 1e3, 3), round(floor / step, 3), round(batch * prompt_len / prefill_time, 1))
+    return BenchPoint(
+        batch,
+        len(adapter_names),
+        prompt_len,
+        round(step * 1e3, 3),
+        round(batch / step, 1),
+        round(floor * 1e3, 3),
+        round(floor / step, 3),
+        round(batch * prompt_len / prefill_time, 1),
+    )
 
 
 def bench(args, base: EngineConfig) -> dict:
     """Every (prompt length, batch, distinct adapters) point on an engine built from ``base``, sized for them."""
-    config = dataclasses.replace(base, max_num_seqs=max(args.batch), max_loras=max(1, max(args.adapters)),
-                                 max_lora_rank=args.rank, max_model_len=max(args.prompt_len) + args.output_len)
+    config = dataclasses.replace(
+        base,
+        max_num_seqs=max(args.batch),
+        max_loras=max(1, max(args.adapters)),
+        max_lora_rank=args.rank,
+        max_model_len=max(args.prompt_len) + args.output_len,
+    )
     engine = Engine(config)
     info = engine.describe()
     device = info.device
@@ -136,14 +158,28 @@ def bench(args, base: EngineConfig) -> dict:
         for prompt_len in args.prompt_len:
             for batch in args.batch:
                 for n in args.adapters:
-                    point = run_point(engine, batch, names[: min(n, batch)] if n else [], prompt_len,
-                                      args.output_len, bandwidth, adapter_bytes)
+                    point = run_point(
+                        engine,
+                        batch,
+                        names[: min(n, batch)] if n else [],
+                        prompt_len,
+                        args.output_len,
+                        bandwidth,
+                        adapter_bytes,
+                    )
                     points.append(point)
                     print(_row(point), flush=True)
-    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  model=config.model, quantization=config.quantization, dtype=str(info.dtype),
-                  copy_bandwidth_GBps=round(bandwidth, 1), weight_bytes=info.weight_bytes,
-                  rank=args.rank, output_len=args.output_len, points=[asdict(p) for p in points])
+    result = dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        model=config.model,
+        quantization=config.quantization,
+        dtype=str(info.dtype),
+        copy_bandwidth_GBps=round(bandwidth, 1),
+        weight_bytes=info.weight_bytes,
+        rank=args.rank,
+        output_len=args.output_len,
+        points=[asdict(p) for p in points],
+    )
     json_path = Path(args.json) if args.json else Path(args.out) / "bench-engine.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
@@ -154,21 +190,26 @@ def bench(args, base: EngineConfig) -> dict:
 def _header(info: ModelInfo, config: EngineConfig, bandwidth: float, args) -> str:
     a = info.arch
     device = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
-    return "\n".join([
-        f"bench-engine: {config.model or 'the embedded SmolLM2-135M-Instruct'} ({config.load_format} weights, "
-        f"quantization {config.quantization}), {a.num_layers} layers, hidden {a.hidden_size}, "
-        f"{a.num_heads}/{a.num_kv_heads} heads, vocab {a.vocab_size}; dtype {info.dtype}, device {device}",
-        f"resident weights {info.weight_bytes / 2**30:.2f} GiB; rank-{args.rank} adapters on every projection; "
-        f"{args.output_len} tokens per request, EOS ignored",
-        f"device copy bandwidth measured now: {bandwidth:.1f} GB/s (reads + writes)",
-        "decode: mean time of the steps where every request decodes one token; floor: the bytes such a step must "
-        "read once (weights + the batch's distinct adapters + every sequence's KV) / that bandwidth; share: floor / "
-        "decode (1.0 = reading every byte once at copy speed); prefill: prompt tokens / time of the other steps",
-    ])
+    return "\n".join(
+        [
+            f"bench-engine: {config.model or 'the embedded SmolLM2-135M-Instruct'} ({config.load_format} weights, "
+            f"quantization {config.quantization}), {a.num_layers} layers, hidden {a.hidden_size}, "
+            f"{a.num_heads}/{a.num_kv_heads} heads, vocab {a.vocab_size}; dtype {info.dtype}, device {device}",
+            f"resident weights {info.weight_bytes / 2**30:.2f} GiB; rank-{args.rank} adapters on every projection; "
+            f"{args.output_len} tokens per request, EOS ignored",
+            f"device copy bandwidth measured now: {bandwidth:.1f} GB/s (reads + writes)",
+            "decode: mean time of the steps where every request decodes one token; floor: the bytes such a step "
+            "must read once (weights + the batch's distinct adapters + every sequence's KV) / that bandwidth; share: "
+            "floor / decode (1.0 = reading every byte once at copy speed); prefill: prompt tokens / time of the other "
+            "steps",
+        ]
+    )
 
 
 def _row(p: BenchPoint) -> str:
-    return (f"batch {p.batch:4d}  adapters {p.adapters:3d}  prompt {p.prompt_len:5d}  "
-            f"decode {p.decode_ms_per_step:9.3f} ms/step  {p.output_tok_per_s:9.1f} tok/s  "
-            f"floor {p.floor_ms_per_step:8.3f} ms  "
-            f"share {p.share_of_bandwidth:6.1%}  prefill {p.prefill_tok_per_s:9.1f} tok/s")
+    return (
+        f"batch {p.batch:4d}  adapters {p.adapters:3d}  prompt {p.prompt_len:5d}  "
+        f"decode {p.decode_ms_per_step:9.3f} ms/step  {p.output_tok_per_s:9.1f} tok/s  "
+        f"floor {p.floor_ms_per_step:8.3f} ms  "
+        f"share {p.share_of_bandwidth:6.1%}  prefill {p.prefill_tok_per_s:9.1f} tok/s"
+    )

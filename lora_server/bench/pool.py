@@ -92,8 +92,14 @@ class PolicyResult:
     outputs: dict[str, list[int]] = field(repr=False)  # "session/turn" -> answer tokens
 
 
-def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceSpec,
-               systems: list[tuple[int, ...]], sessions: list[Session]) -> PolicyResult:
+def run_policy(
+    engine: Engine,
+    adapter_dir: Path,
+    names: list[str],
+    spec: TraceSpec,
+    systems: list[tuple[int, ...]],
+    sessions: list[Session],
+) -> PolicyResult:
     """Run the trace on a fresh engine (its policy is the engine's) and shut the engine down."""
     config = engine.config
     for name in names:
@@ -115,8 +121,9 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
         while arrivals and arrivals[0][0] <= now:
             at, i, turn = heapq.heappop(arrivals)
             history[i] += sessions[i].user[turn]
-            request = engine.make_request(list(history[i]), params, names[sessions[i].adapter],
-                                          request_id=f"{i}/{turn}")
+            request = engine.make_request(
+                list(history[i]), params, names[sessions[i].adapter], request_id=f"{i}/{turn}"
+            )
             request.arrival_time = t0 + at
             requests[request.request_id] = request
             engine.add(request)
@@ -153,16 +160,32 @@ def run_policy(engine: Engine, adapter_dir: Path, names: list[str], spec: TraceS
 
     queueing = [r.scheduled_time - r.arrival_time for r in done]  # type: ignore[operator]
     adapter = [r.adapter_load_s for r in done]
-    prefill = [t - q - a for t, q, a in zip((r.first_token_time - r.arrival_time for r in done),  # type: ignore
-                                            queueing, adapter, strict=True)]
+    prefill = [
+        t - q - a
+        for t, q, a in zip(
+            (r.first_token_time - r.arrival_time for r in done),  # type: ignore
+            queueing,
+            adapter,
+            strict=True,
+        )
+    ]
     return PolicyResult(
-        policy=config.pool_policy, requests=n, ttft_mean_s=mean(ttfts),
+        policy=config.pool_policy,
+        requests=n,
+        ttft_mean_s=mean(ttfts),
         ttft_p99_s=ttfts[min(n - 1, int(0.99 * n))] if n else 0.0,
-        queueing_mean_s=mean(queueing), adapter_loading_mean_s=mean(adapter), prefill_mean_s=mean(prefill),
+        queueing_mean_s=mean(queueing),
+        adapter_loading_mean_s=mean(adapter),
+        prefill_mean_s=mean(prefill),
         adapter_hit_rate=sum(not r.adapter_loaded for r in done) / max(1, n),
         kv_token_hit_rate=sum(r.num_cached_tokens for r in done) / max(1, sum(r.num_prompt_tokens for r in done)),
-        invalid_kv_ratio=mean(invalid), bytes_to_gpu=stats["bytes_to_gpu"], bytes_to_host=stats["bytes_to_host"],
-        evicted_blocks=stats["evicted_blocks"], duration_s=duration, outputs=outputs)
+        invalid_kv_ratio=mean(invalid),
+        bytes_to_gpu=stats["bytes_to_gpu"],
+        bytes_to_host=stats["bytes_to_host"],
+        evicted_blocks=stats["evicted_blocks"],
+        duration_s=duration,
+        outputs=outputs,
+    )
 
 
 def bench(args, base: EngineConfig) -> dict:
@@ -176,34 +199,67 @@ def bench(args, base: EngineConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         names: list[str] = []
         for n, alpha, rate in settings:
-            spec = TraceSpec(n, alpha, rate, args.sessions, args.turns, args.system_tokens, args.user_tokens,
-                             args.output_tokens, args.think_s, args.trace_seed)
+            spec = TraceSpec(
+                n,
+                alpha,
+                rate,
+                args.sessions,
+                args.turns,
+                args.system_tokens,
+                args.user_tokens,
+                args.output_tokens,
+                args.think_s,
+                args.trace_seed,
+            )
             systems, sessions = make_trace(spec, arch.vocab_size)
             row = {"adapters": n, "alpha": alpha, "rate": rate, "policies": {}}
             for policy in args.policies:
-                engine = Engine(dataclasses.replace(probe, pool_policy=policy,
-                                                    host_kv_bytes=args.host_blocks * block_bytes))
+                engine = Engine(
+                    dataclasses.replace(probe, pool_policy=policy, host_kv_bytes=args.host_blocks * block_bytes)
+                )
                 if not names:
                     names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
-                print(f"N={n} alpha={alpha} rate={rate}: running {policy} on {len(sessions)} sessions x "
-                      f"{spec.turns} turns ...", flush=True)
+                print(
+                    f"N={n} alpha={alpha} rate={rate}: running {policy} on {len(sessions)} sessions x "
+                    f"{spec.turns} turns ...",
+                    flush=True,
+                )
                 res = run_policy(engine, Path(tmp), names[:n], spec, systems, sessions)
                 row["policies"][policy] = res
                 print(_line(n, alpha, rate, res, "device" if device == "cpu" else "GPU"), flush=True)
             outs = [r.outputs for r in row["policies"].values()]
             row["same_tokens"] = all(o == outs[0] for o in outs)  # exact KV reuse (fp32; bf16 rounding may differ)
             if "tree-cost" in row["policies"] and "lru-separate" in row["policies"]:
-                row["ttft_ratio_tree_cost_vs_lru_separate"] = (row["policies"]["tree-cost"].ttft_mean_s
-                                                               / row["policies"]["lru-separate"].ttft_mean_s)
-                print(f"  tree-cost mean TTFT / lru-separate: {row['ttft_ratio_tree_cost_vs_lru_separate']:.3f}; "
-                      f"same tokens under every policy: {row['same_tokens']}", flush=True)
+                row["ttft_ratio_tree_cost_vs_lru_separate"] = (
+                    row["policies"]["tree-cost"].ttft_mean_s / row["policies"]["lru-separate"].ttft_mean_s
+                )
+                print(
+                    f"  tree-cost mean TTFT / lru-separate: {row['ttft_ratio_tree_cost_vs_lru_separate']:.3f}; "
+                    f"same tokens under every policy: {row['same_tokens']}",
+                    flush=True,
+                )
             results.append(row)
-    report = {"device": device, "model": base.model or "SmolLM2-135M-Instruct (embedded)",
-              "kv_blocks": base.num_kv_blocks,
-              "host_blocks": args.host_blocks, "block_bytes": block_bytes, "max_loras": base.max_loras,
-              "rank": args.rank, "targets": list(TARGETS), "sessions": args.sessions, "turns": args.turns,
-              "settings": [{**row, "policies": {p: {k: v for k, v in asdict(r).items() if k != "outputs"}
-                                                for p, r in row["policies"].items()}} for row in results]}
+    report = {
+        "device": device,
+        "model": base.model or "SmolLM2-135M-Instruct (embedded)",
+        "kv_blocks": base.num_kv_blocks,
+        "host_blocks": args.host_blocks,
+        "block_bytes": block_bytes,
+        "max_loras": base.max_loras,
+        "rank": args.rank,
+        "targets": list(TARGETS),
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "settings": [
+            {
+                **row,
+                "policies": {
+                    p: {k: v for k, v in asdict(r).items() if k != "outputs"} for p, r in row["policies"].items()
+                },
+            }
+            for row in results
+        ],
+    }
     out = Path(args.out)
     json_path = Path(args.json) if args.json else out / "bench-pool.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,18 +273,21 @@ def bench(args, base: EngineConfig) -> dict:
 def _line(n: int, alpha: float, rate: float, r: PolicyResult, device: str) -> str:
     """One policy's figures; ``device`` names the pool's device tier ("GPU", or "device" on the CPU, where both
     tiers are host memory)."""
-    return (f"N={n:<5d} alpha={alpha:<4} rate={rate:<5} {r.policy:<13} TTFT mean {r.ttft_mean_s * 1e3:8.1f} ms  "
-            f"p99 {r.ttft_p99_s * 1e3:8.1f} ms  (queue {r.queueing_mean_s * 1e3:7.1f}, adapter "
-            f"{r.adapter_loading_mean_s * 1e3:6.1f}, prefill {r.prefill_mean_s * 1e3:7.1f})  adapter hit "
-            f"{r.adapter_hit_rate:5.1%}  KV hit {r.kv_token_hit_rate:5.1%}  invalid KV {r.invalid_kv_ratio:5.1%}  "
-            f"to {device} {r.bytes_to_gpu / 2**20:7.1f} MiB  to host {r.bytes_to_host / 2**20:7.1f} MiB  "
-            f"{r.requests} requests in {r.duration_s:.1f} s")
+    return (
+        f"N={n:<5d} alpha={alpha:<4} rate={rate:<5} {r.policy:<13} TTFT mean {r.ttft_mean_s * 1e3:8.1f} ms  "
+        f"p99 {r.ttft_p99_s * 1e3:8.1f} ms  (queue {r.queueing_mean_s * 1e3:7.1f}, adapter "
+        f"{r.adapter_loading_mean_s * 1e3:6.1f}, prefill {r.prefill_mean_s * 1e3:7.1f})  adapter hit "
+        f"{r.adapter_hit_rate:5.1%}  KV hit {r.kv_token_hit_rate:5.1%}  invalid KV {r.invalid_kv_ratio:5.1%}  "
+        f"to {device} {r.bytes_to_gpu / 2**20:7.1f} MiB  to host {r.bytes_to_host / 2**20:7.1f} MiB  "
+        f"{r.requests} requests in {r.duration_s:.1f} s"
+    )
 
 
 def plot(report: dict, path: Path) -> None:
     """Mean and p99 TTFT, and the hit rates, per setting and policy (needs matplotlib)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -244,12 +303,15 @@ def plot(report: dict, path: Path) -> None:
         for k, policy in enumerate(policies):
             values = [s["policies"][policy][key] for s in settings]
             ax.bar([i + k * width for i in range(len(settings))], values, width, label=policy)
-        ax.set_xticks([i + width * (len(policies) - 1) / 2 for i in range(len(settings))], labels, rotation=20,
-                      fontsize=8)
+        ax.set_xticks(
+            [i + width * (len(policies) - 1) / 2 for i in range(len(settings))], labels, rotation=20, fontsize=8
+        )
         ax.set_title(title)
     axes[0].legend()
-    fig.suptitle(f"bench-pool on {report['device']}: {report['model']}, {report['kv_blocks']} device KV blocks, "
-                 f"{report['host_blocks']} host blocks")
+    fig.suptitle(
+        f"bench-pool on {report['device']}: {report['model']}, {report['kv_blocks']} device KV blocks, "
+        f"{report['host_blocks']} host blocks"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot written to {path}")

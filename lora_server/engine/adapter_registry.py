@@ -52,8 +52,14 @@ class AdapterRegistry:
     names, the engine thread takes changes and weights. A version lives while it is current or a request holds
     it: unloading or replacing a name retires the old version once its last request ends."""
 
-    def __init__(self, shapes: BaseShapes, max_rank: int, device_dtype: torch.dtype,
-                 allowed_roots: list[Path] | None, max_pinned: int) -> None:
+    def __init__(
+        self,
+        shapes: BaseShapes,
+        max_rank: int,
+        device_dtype: torch.dtype,
+        allowed_roots: list[Path] | None,
+        max_pinned: int,
+    ) -> None:
         self.shapes, self.max_rank, self.device_dtype = shapes, max_rank, device_dtype
         self.allowed_roots, self.max_pinned = allowed_roots, max_pinned
         self._lock = threading.Lock()
@@ -67,8 +73,9 @@ class AdapterRegistry:
 
     # ---- names (any thread) ---------------------------------------------------------------------------------
 
-    def register(self, name: str, path: str | Path, pinned: bool = False, version: int | None = None,
-                 source: str = "api") -> AdapterHandle:
+    def register(
+        self, name: str, path: str | Path, pinned: bool = False, version: int | None = None, source: str = "api"
+    ) -> AdapterHandle:
         """Validate and read a PEFT directory (AdapterError with the reason) and make it the current version of
         ``name``; the old version lives on until its requests end. ``version``: at least one above the name's
         latest (the registry store's version when reloading); default the next one. A pin beyond ``max_pinned``
@@ -78,11 +85,14 @@ class AdapterRegistry:
             old = self._current.get(name)
             pins = sum(h.pinned for h in self._current.values()) - (old is not None and old.pinned)
             if pinned and pins >= self.max_pinned:
-                raise AdapterError(f"at most {self.max_pinned} adapters can be pinned (the device keeps a slot for "
-                                   "the others); unpin one first")
+                raise AdapterError(
+                    f"at most {self.max_pinned} adapters can be pinned (the device keeps a slot for "
+                    "the others); unpin one first"
+                )
             number = max(self._versions.get(name, 0) + 1, version or 0)
-            handle = AdapterHandle(name, next(self._ids), number, adapter.nbytes * self.device_dtype.itemsize // 4,
-                                   pinned, source)
+            handle = AdapterHandle(
+                name, next(self._ids), number, adapter.nbytes * self.device_dtype.itemsize // 4, pinned, source
+            )
             self._versions[name] = number
             self._current[name] = handle
             self._weights[handle.adapter_id] = adapter
@@ -149,8 +159,11 @@ class AdapterRegistry:
     def _retire_if_unused(self, adapter_id: int) -> None:
         """Retire a version no request holds and no name points to (called with the lock held); its weights stay
         until the engine thread takes the retirement, so a load it decided before then still finds them."""
-        if adapter_id in self._refs and self._refs[adapter_id] == 0 and \
-                adapter_id not in {h.adapter_id for h in self._current.values()}:
+        if (
+            adapter_id in self._refs
+            and self._refs[adapter_id] == 0
+            and adapter_id not in {h.adapter_id for h in self._current.values()}
+        ):
             del self._refs[adapter_id]
             self._retired.append(adapter_id)
 

@@ -35,8 +35,14 @@ from lora_server.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Sampled = tuple[int, list[TokenLogprob] | None]  # a sampled token and its logprobs entry, if asked for
-_DEVICE_FAULTS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "CUDNN_STATUS", "illegal memory access",
-                  "unspecified launch failure")
+_DEVICE_FAULTS = (
+    "CUDA error",
+    "device-side assert",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "illegal memory access",
+    "unspecified launch failure",
+)
 log = logging.getLogger("lora_server")
 
 
@@ -71,28 +77,46 @@ class EngineCore:
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, checkpoint, wanted_len)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
-        self.adapters = AdapterRegistry(self.runner.adapter_shapes, config.max_lora_rank, self.runner.dtype, roots,
-                                        max_pinned=config.max_loras - 1)
+        self.adapters = AdapterRegistry(
+            self.runner.adapter_shapes, config.max_lora_rank, self.runner.dtype, roots, max_pinned=config.max_loras - 1
+        )
         runner = self.runner
-        self.pool = UnifiedPool(PoolConfig.for_budget(
-            runner.num_blocks, runner.num_host_blocks, config.block_size, runner.kv_bytes_per_block,
-            config.pool_policy, PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()), config.max_loras,
-            runner.lora.slot_nbytes))
+        self.pool = UnifiedPool(
+            PoolConfig.for_budget(
+                runner.num_blocks,
+                runner.num_host_blocks,
+                config.block_size,
+                runner.kv_bytes_per_block,
+                config.pool_policy,
+                PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()),
+                config.max_loras,
+                runner.lora.slot_nbytes,
+            )
+        )
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
-                                                   config.enable_chunked_prefill, config.max_waiting_requests),
-                                   self.pool, self.adapters)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs,
+                budget,
+                self.max_model_len,
+                config.enable_chunked_prefill,
+                config.max_waiting_requests,
+            ),
+            self.pool,
+            self.adapters,
+        )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
 
     # ---- admission -----------------------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                     adapter: str | None = None, cache_salt: str = "") -> Request:
+    def make_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, adapter: str | None = None, cache_salt: str = ""
+    ) -> Request:
         """Validate and tokenize (safe from any thread); raises InvalidRequestError (ContextLengthExceededError,
         UnknownAdapterError) and changes nothing. ``adapter`` names a registered adapter; None is the base model.
         Requests share cached KV only when their adapter version and ``cache_salt`` are equal.
@@ -110,7 +134,8 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
             if bad:
                 raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})", param="prompt")
+                    f"token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})", param="prompt"
+                )
         if not ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         self._check_vocab_bounds(params)
@@ -118,17 +143,18 @@ class EngineCore:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
-                f"completion). Please reduce the prompt or max_tokens.")
+                f"completion). Please reduce the prompt or max_tokens."
+            )
         if adapter is not None:
             need = self.pool.blocks_needed(len(ids) + params.max_tokens, self.adapters.get(adapter).device_nbytes)
             if need > self.pool.request_blocks:
                 raise ContextLengthExceededError(
                     f"{len(ids)} prompt tokens and max_tokens {params.max_tokens} with adapter `{adapter}` need "
                     f"{need} KV blocks (the adapter's weights included); the pool has {self.pool.request_blocks}. "
-                    "Please reduce the prompt or max_tokens.")
+                    "Please reduce the prompt or max_tokens."
+                )
         handle = None if adapter is None else self.adapters.acquire(adapter)  # last: nothing raises after it
-        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle,
-                       cache_salt=cache_salt)
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle, cache_salt=cache_salt)
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a prompt's text; a text too long for the context by its length alone (at least
@@ -138,7 +164,9 @@ class EngineCore:
         if len(text) > self.max_model_len * self.tokenizer.max_token_chars:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt's "
-                f"{len(text)} characters need more.", param=param)
+                f"{len(text)} characters need more.",
+                param=param,
+            )
         return self.tokenizer.encode(text, add_special_tokens)
 
     def _check_vocab_bounds(self, params: SamplingParams) -> None:
@@ -158,9 +186,17 @@ class EngineCore:
 
     def add(self, request: Request) -> None:
         """Queue a made request (QueueFullError, or ValueError for a duplicate id: then nothing changed)."""
-        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.params.stop, request.params.skip_special_tokens,
-            request.params.include_stop_str_in_output)
+        detokenizer = (
+            None
+            if self.tokenizer is None
+            else IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                request.params.stop,
+                request.params.skip_special_tokens,
+                request.params.include_stop_str_in_output,
+            )
+        )
         self.scheduler.add(request)
         if detokenizer is not None:
             self._detokenizers[request.request_id] = detokenizer
@@ -285,17 +321,34 @@ class EngineCore:
         """The pool's figures and the TTFT split, as plain data (engine thread)."""
         stats = self.pool.stats()
         figures: dict[str, Any] = {name: getattr(stats, name) for name in stats.__slots__}
-        figures["kv_tokens_by_salt"] = {salt: {"prompt_tokens": p, "cached_tokens": c}
-                                        for salt, (p, c) in stats.kv_tokens_by_salt.items()}
+        figures["kv_tokens_by_salt"] = {
+            salt: {"prompt_tokens": p, "cached_tokens": c} for salt, (p, c) in stats.kv_tokens_by_salt.items()
+        }
         names = self.adapters.names_by_id()
-        placement = [{"name": "<base>" if p.key.adapter_id == BASE_ADAPTER_ID else names.get(p.key.adapter_id),
-                      "version": p.key.version, "tier": p.tier, "slot": p.slot, "pinned": p.pinned,
-                      "weight_blocks": p.weight_blocks, "kv_blocks_gpu": p.kv_blocks_gpu,
-                      "kv_blocks_host": p.kv_blocks_host} for p in self.pool.adapter_placement()]
-        return {"policy": self.pool.config.policy, "block_size": self.config.block_size,
-                "gpu_blocks": self.pool.config.num_gpu_blocks, "host_blocks": self.pool.config.num_host_blocks,
-                "block_bytes": self.pool.config.block_bytes, "request_blocks": len(self.pool.held_blocks()),
-                **figures, "adapters": placement, "ttft": self.ttft.figures()}
+        placement = [
+            {
+                "name": "<base>" if p.key.adapter_id == BASE_ADAPTER_ID else names.get(p.key.adapter_id),
+                "version": p.key.version,
+                "tier": p.tier,
+                "slot": p.slot,
+                "pinned": p.pinned,
+                "weight_blocks": p.weight_blocks,
+                "kv_blocks_gpu": p.kv_blocks_gpu,
+                "kv_blocks_host": p.kv_blocks_host,
+            }
+            for p in self.pool.adapter_placement()
+        ]
+        return {
+            "policy": self.pool.config.policy,
+            "block_size": self.config.block_size,
+            "gpu_blocks": self.pool.config.num_gpu_blocks,
+            "host_blocks": self.pool.config.num_host_blocks,
+            "block_bytes": self.pool.config.block_bytes,
+            "request_blocks": len(self.pool.held_blocks()),
+            **figures,
+            "adapters": placement,
+            "ttft": self.ttft.figures(),
+        }
 
 
 @dataclass(slots=True)
@@ -318,26 +371,38 @@ class TtftSplit:
 
     def figures(self) -> dict[str, float]:
         n = max(1, self.count)
-        return {"requests": self.count, "mean_s": (self.queueing_s + self.adapter_s + self.prefill_s) / n,
-                "queueing_mean_s": self.queueing_s / n, "adapter_loading_mean_s": self.adapter_s / n,
-                "prefill_mean_s": self.prefill_s / n}
+        return {
+            "requests": self.count,
+            "mean_s": (self.queueing_s + self.adapter_s + self.prefill_s) / n,
+            "queueing_mean_s": self.queueing_s / n,
+            "adapter_loading_mean_s": self.adapter_s / n,
+            "prefill_mean_s": self.prefill_s / n,
+        }
 
 
 def _output(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
     return RequestOutput(
-        request_id=request.request_id, text=text, token_ids=token_ids, logprobs=logprobs,
+        request_id=request.request_id,
+        text=text,
+        token_ids=token_ids,
+        logprobs=logprobs,
         finished=request.finished,
         finish_reason=None if request.finish_reason is None else request.finish_reason.value,
-        stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
+        stop_reason=request.stop_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )
 
 
 def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:
     if result is None or result.logprobs is None or result.top_logprobs is None:
         return {}
-    return {r.request_id: [TokenLogprob(tok, lp, top)]
-            for r, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
-            if r.params.logprobs is not None}
+    return {
+        r.request_id: [TokenLogprob(tok, lp, top)]
+        for r, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
+        if r.params.logprobs is not None
+    }
 
 
 def _open_tokenizer(fmt: str, path: Path | None) -> Tokenizer | None:
@@ -346,5 +411,3 @@ def _open_tokenizer(fmt: str, path: Path | None) -> Tokenizer | None:
     if fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
         return Tokenizer.from_hf_dir(path)
     return None
-
-

@@ -115,11 +115,17 @@ class Engine:
 
         running = scheduler.running
         decoding = bool(running) and not scheduler.waiting and all(r.num_uncomputed_tokens == 1 for r in running)
-        return EngineSnapshot(len(running), len(scheduler.waiting), decoding, sum(r.num_tokens for r in running),
-                              scheduler.num_preemptions,
-                              names(scheduler.running), names(scheduler.waiting),
-                              {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
-                              self.core.pool_figures())
+        return EngineSnapshot(
+            len(running),
+            len(scheduler.waiting),
+            decoding,
+            sum(r.num_tokens for r in running),
+            scheduler.num_preemptions,
+            names(scheduler.running),
+            names(scheduler.waiting),
+            {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
+            self.core.pool_figures(),
+        )
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -128,10 +134,16 @@ class Engine:
 
     def describe(self) -> ModelInfo:
         runner = self.core.runner
-        return ModelInfo(self.core.arch, *self.core.source, dict(runner.adapter_shapes.features), runner.device,
-                         runner.dtype,
-                         resident_bytes(runner.model), runner.kv_bytes_per_block // runner.block_size,
-                         self.max_model_len)
+        return ModelInfo(
+            self.core.arch,
+            *self.core.source,
+            dict(runner.adapter_shapes.features),
+            runner.device,
+            runner.dtype,
+            resident_bytes(runner.model),
+            runner.kv_bytes_per_block // runner.block_size,
+            self.max_model_len,
+        )
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -147,8 +159,9 @@ class Engine:
 
     # ---- adapters (any thread) -------------------------------------------------------------------------------
 
-    def add_adapter(self, name: str, path: str | Path, pinned: bool = False, version: int | None = None,
-                    source: str = "api") -> AdapterHandle:
+    def add_adapter(
+        self, name: str, path: str | Path, pinned: bool = False, version: int | None = None, source: str = "api"
+    ) -> AdapterHandle:
         """Register a PEFT LoRA directory under ``name`` (a new version if the name exists; ``version``: at least
         the one given); raises AdapterError with the reason when it cannot be served. A pinned adapter is loaded
         onto the device as soon as there is room and never evicted. Safe while serving: running requests are not
@@ -171,9 +184,16 @@ class Engine:
         except UnknownAdapterError:
             return None
         slot = self.snapshot().resident_slots.get(handle.adapter_id)
-        return {"path": str(path), "source": handle.source, "version": handle.version, "pinned": handle.pinned,
-                "state": "resident" if slot is not None else "registered", "slot": slot, "bytes": nbytes,
-                "device_bytes": handle.device_nbytes}
+        return {
+            "path": str(path),
+            "source": handle.source,
+            "version": handle.version,
+            "pinned": handle.pinned,
+            "state": "resident" if slot is not None else "registered",
+            "slot": slot,
+            "bytes": nbytes,
+            "device_bytes": handle.device_nbytes,
+        }
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt (blocking; see EngineCore.encode)."""
@@ -188,8 +208,13 @@ class Engine:
 
     # ---- offline -------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
-                 adapters: str | None | Sequence[str | None] = None, cache_salt: str = "") -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams],
+        adapters: str | None | Sequence[str | None] = None,
+        cache_salt: str = "",
+    ) -> list[Completion]:
         """Run all prompts to completion in continuous batches; results in prompt order. ``adapters`` names one
         adapter for all prompts or one per prompt (None: the base model); ``cache_salt`` as in make_request. A
         request whose serving failed comes back with finish_reason "error" and ``error`` set."""
@@ -204,8 +229,9 @@ class Engine:
             for r in requests:
                 self.core.discard(r)
             raise
-        results = {r.request_id: Completion(r.request_id, r.prompt_token_ids, "", [], None, None, None)
-                   for r in requests}
+        results = {
+            r.request_id: Completion(r.request_id, r.prompt_token_ids, "", [], None, None, None) for r in requests
+        }
         pending = list(requests)
         while pending or self.has_work():
             while pending and len(self.core.scheduler.waiting) < self.config.max_waiting_requests:
@@ -233,8 +259,14 @@ class Engine:
 
     # ---- async ---------------------------------------------------------------------------------------------
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None, cache_salt: str = "",
-                     request_id: str | None = None) -> Request:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        adapter: str | None = None,
+        cache_salt: str = "",
+        request_id: str | None = None,
+    ) -> Request:
         """Validate and tokenize, from any thread (the server calls it off the event loop); raises
         InvalidRequestError / ContextLengthExceededError / UnknownAdapterError and changes nothing. The request
         holds its adapter version: ``submit`` it or ``discard`` it. ``cache_salt``: only requests with the same
@@ -267,8 +299,14 @@ class Engine:
         self._wake.set()
         return stream
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    adapter: str | None = None, cache_salt: str = "") -> _Stream:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        adapter: str | None = None,
+        cache_salt: str = "",
+    ) -> _Stream:
         """make_request and submit in one call (on the event loop)."""
         return self.submit(self.make_request(prompt, params, adapter, cache_salt, request_id))
 

@@ -52,8 +52,13 @@ KV_DOMAIN = "text"  # the domain tag of prefix keys: token KV of this model
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: UnifiedPool, adapters: AdapterRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: UnifiedPool,
+        adapters: AdapterRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.adapters = adapters
@@ -140,8 +145,13 @@ class Scheduler:
         """Take the request into the pool: its cached prefix counts as computed, and the blocks of its first
         chunk (at most `budget` tokens; the whole rest without chunked prefill) are allocated. Returns the chunk's
         size, or None when the pool cannot take it now (it stays first in line)."""
-        admission = self.pool.admit(self.prefix_key(request), request.token_ids, now, token_budget=budget,
-                                    partial=self.config.enable_chunked_prefill)
+        admission = self.pool.admit(
+            self.prefix_key(request),
+            request.token_ids,
+            now,
+            token_budget=budget,
+            partial=self.config.enable_chunked_prefill,
+        )
         if admission is None:
             return None
         request.admission = admission
@@ -157,7 +167,7 @@ class Scheduler:
         """Give the request's blocks back to the pool, offering its computed full blocks as cached KV (unless
         ``cache`` is False: a failed request's KV is not trusted)."""
         if request.admission is not None:
-            tokens = request.token_ids[:request.num_computed_tokens] if cache else []
+            tokens = request.token_ids[: request.num_computed_tokens] if cache else []
             self.pool.release(request.admission, tokens, request.block_table, self.clock())
             request.admission = None
         request.block_table = []

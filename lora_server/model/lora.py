@@ -30,8 +30,15 @@ class LoraSlots:
     layer and fused group, stacked at the largest rank. Which adapter sits in which slot is the pool's decision
     (kv_pool): the runner executes its ADAPTER_LOAD / ADAPTER_UNLOAD operations with ``write`` and ``clear``."""
 
-    def __init__(self, shapes: BaseShapes, num_layers: int, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        shapes: BaseShapes,
+        num_layers: int,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots]
         self.buffers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # [layer][group] -> (A, B)
@@ -40,8 +47,10 @@ class LoraSlots:
             for group, modules in GROUPS.items():
                 in_f = shapes.features[modules[0]][0]
                 out_total = sum(shapes.features[m][1] for m in modules)
-                layer[group] = (torch.zeros(len(modules), max_loras, max_rank, in_f, dtype=dtype, device=device),
-                                torch.zeros(max_loras, out_total, max_rank, dtype=dtype, device=device))
+                layer[group] = (
+                    torch.zeros(len(modules), max_loras, max_rank, in_f, dtype=dtype, device=device),
+                    torch.zeros(max_loras, out_total, max_rank, dtype=dtype, device=device),
+                )
             self.buffers.append(layer)
         self.slice_starts = {g: _starts([shapes.features[m][1] for m in ms]) for g, ms in GROUPS.items()}
 
@@ -64,7 +73,7 @@ class LoraSlots:
                     a, b = pair
                     r = a.shape[0]
                     a_buf[k, slot, :r] = a.to(self.dtype)
-                    b_buf[slot, starts[k]:starts[k + 1], :r] = b.to(self.dtype)
+                    b_buf[slot, starts[k] : starts[k + 1], :r] = b.to(self.dtype)
         self.ranks[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
@@ -102,9 +111,16 @@ class LoraLinear(nn.Module):
         if lora is not None and self.lora_a is not None:
             assert self.lora_b is not None and self.ranks is not None
             if lora.slot_ids is not None:
-                ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
-                               slot_ids=lora.slot_ids)
+                ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts, slot_ids=lora.slot_ids)
             else:
-                ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts,
-                               seg_starts=lora.seg_starts, seg_slots=lora.seg_slots)
+                ops.apply_lora(
+                    x,
+                    out,
+                    self.lora_a,
+                    self.lora_b,
+                    self.ranks,
+                    self.slice_starts,
+                    seg_starts=lora.seg_starts,
+                    seg_slots=lora.seg_slots,
+                )
         return out

@@ -77,8 +77,9 @@ class Int4Linear(nn.Module):
     scales: torch.Tensor
     mins: torch.Tensor
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         assert packed.dtype == torch.uint8 and scales.shape == mins.shape
         self.register_buffer("packed", packed)  # [out, in // 2]
@@ -117,8 +118,10 @@ class Int4CpuLinear(nn.Module):
         self.register_buffer("cpu_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale: [groups, out, 2]
         scales, mins = source.scales.float(), source.mins.float()
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scales.t(), (mins + 8 * scales).t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([scales.t(), (mins + 8 * scales).t()], dim=-1).to(torch.bfloat16).contiguous(),
+        )
         self.bias = source.bias
 
     @staticmethod
@@ -130,14 +133,18 @@ class Int4CpuLinear(nn.Module):
         return self.cpu_packed.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.cpu_packed, self.group_size,
-                                                       self.scales_and_zeros).to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.cpu_packed, self.group_size, self.scales_and_zeros
+        ).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.cpu_packed, self.group_size,
-                                                          self.scales_and_zeros).t().to(dtype)
+        return (
+            torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.cpu_packed, self.group_size, self.scales_and_zeros)
+            .t()
+            .to(dtype)
+        )
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.dequantize(dtype)[ids]
@@ -200,9 +207,16 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
     """Fuse linears along the output dimension (q|k|v, gate|up). Parts of one format and group size stay in
     that format; mixed formats fall back to per-channel int8 of the dequantized weights."""
     biases = [p.bias for p in parts]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else torch.zeros(p.out_features, dtype=dtype, device=_dev(p))
-         for b, p in zip(biases, parts, strict=True)])
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [
+                b if b is not None else torch.zeros(p.out_features, dtype=dtype, device=_dev(p))
+                for b, p in zip(biases, parts, strict=True)
+            ]
+        )
+    )
     kinds = {type(p) for p in parts}
     groups = {getattr(p, "scales", None).shape[1] for p in parts if hasattr(p, "scales")}  # type: ignore[union-attr]
     if kinds == {DenseLinear}:
@@ -212,8 +226,12 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
         return Int8Linear(torch.cat([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), bias)
     if kinds == {Int4Linear} and len(groups) == 1:
         int4 = [cast(Int4Linear, p) for p in parts]
-        return Int4Linear(torch.cat([p.packed for p in int4]), torch.cat([p.scales for p in int4]),
-                          torch.cat([p.mins for p in int4]), bias)
+        return Int4Linear(
+            torch.cat([p.packed for p in int4]),
+            torch.cat([p.scales for p in int4]),
+            torch.cat([p.mins for p in int4]),
+            bias,
+        )
     w = torch.cat([p.dequantize(torch.float32) for p in parts])
     return Int8Linear(*quantize_int8(w), bias=bias)
 

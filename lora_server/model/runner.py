@@ -37,23 +37,35 @@ class ModelRunner:
         self.arch = checkpoint.arch
         self.block_size = config.block_size
         with torch.no_grad():
-            self.model: LlamaModel = build_llama(checkpoint, config.quantization, self.dtype, self.device,
-                                                 max_model_len, config.show_progress)
+            self.model: LlamaModel = build_llama(
+                checkpoint, config.quantization, self.dtype, self.device, max_model_len, config.show_progress
+            )
         arch = self.arch
-        self.adapter_shapes = BaseShapes.llama(arch.num_layers, arch.hidden_size, arch.intermediate_size,
-                                               arch.q_size, arch.kv_size)
-        self.lora = LoraSlots(self.adapter_shapes, arch.num_layers, config.max_loras, config.max_lora_rank,
-                              self.device, self.dtype)
+        self.adapter_shapes = BaseShapes.llama(
+            arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+        )
+        self.lora = LoraSlots(
+            self.adapter_shapes, arch.num_layers, config.max_loras, config.max_lora_rank, self.device, self.dtype
+        )
         self.lora.attach(self.model.lora_wrappers())
         self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.kv_bytes_per_block)
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(self.arch.num_layers, 2, self.num_blocks, self.block_size,
-                                    self.arch.num_kv_heads, self.arch.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            self.arch.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         # The host tier, one contiguous block per index so that a block moves in one copy:
         # [host blocks, layers, 2, block_size, kv_heads, head_dim], pinned on CUDA
         self.num_host_blocks = config.host_kv_bytes // self.kv_bytes_per_block
-        self.host_kv = torch.zeros(self.num_host_blocks, *self.kv_cache[:, :, 0].shape, dtype=self.dtype,
-                                   pin_memory=self.device.type == "cuda")
+        self.host_kv = torch.zeros(
+            self.num_host_blocks, *self.kv_cache[:, :, 0].shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
+        )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler(self.arch.vocab_size)
 

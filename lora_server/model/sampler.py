@@ -33,8 +33,9 @@ class Sampler:
         A row whose logits are not all finite (an adapter's or the model's arithmetic overflowed) samples no token:
         its token id is NON_FINITE, and the engine fails that request alone."""
         logits = logits[:, : self.vocab_size]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) \
-            else None
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
+        )
         finite = torch.isfinite(logits).all(-1)  # [S]
         logits = self._apply_penalties_and_masks(logits.clone(), requests)
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
@@ -50,8 +51,16 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         k = max(r.params.logprobs or 0 for r in requests)
         top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
-        tops = [list(zip(top_ids[i, : r.params.logprobs or 0].tolist(), top_vals[i, : r.params.logprobs or 0].tolist(),
-                         strict=True)) for i, r in enumerate(requests)]
+        tops = [
+            list(
+                zip(
+                    top_ids[i, : r.params.logprobs or 0].tolist(),
+                    top_vals[i, : r.params.logprobs or 0].tolist(),
+                    strict=True,
+                )
+            )
+            for i, r in enumerate(requests)
+        ]
         return SampleResult(token_list, chosen, tops)
 
     def _apply_penalties_and_masks(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> torch.Tensor:
@@ -70,8 +79,9 @@ class Sampler:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             if r.num_output_tokens < p.min_tokens:
-                banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids))
-                          if t < self.vocab_size]
+                banned = [
+                    t for t in (*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids)) if t < self.vocab_size
+                ]
                 logits[i, banned] = _NEG_INF
         return logits
 
@@ -80,8 +90,9 @@ class Sampler:
         device = logits.device
         temps = torch.tensor([r.params.temperature for r in requests], device=device)
         logits = logits / temps[:, None]
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests],
-                             device=device)
+        top_k = torch.tensor(
+            [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests], device=device
+        )
         top_p = torch.tensor([r.params.top_p for r in requests], device=device)
         min_p = torch.tensor([r.params.min_p for r in requests], device=device)
         if (top_k < self.vocab_size).any() or (top_p < 1).any():

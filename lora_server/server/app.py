@@ -73,9 +73,14 @@ class EngineAdapters:
         """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
         scheduler's queues."""
         snap = self.engine.snapshot()
-        return {**snap.pool, "num_preemptions": snap.num_preemptions, "running": snap.running,
-                "waiting": snap.waiting, "adapter_slots": self.engine.config.max_loras,
-                "registered_adapters": self.engine.adapter_names()}
+        return {
+            **snap.pool,
+            "num_preemptions": snap.num_preemptions,
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "adapter_slots": self.engine.config.max_loras,
+            "registered_adapters": self.engine.adapter_names(),
+        }
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
@@ -121,8 +126,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = ApiError(413, f"the request body is larger than {self.max_bytes} bytes", param=None,
-                       code="request_too_large")
+        err = ApiError(
+            413, f"the request body is larger than {self.max_bytes} bytes", param=None, code="request_too_large"
+        )
         await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
@@ -134,19 +140,25 @@ class RefuseWhileDraining:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.state.draining and scope["path"] != "/metrics":
-            err = ApiError(503, "the server is shutting down; retry on another replica", "service_unavailable",
-                           headers={"Retry-After": "5"})
+            err = ApiError(
+                503,
+                "the server is shutting down; retry on another replica",
+                "service_unavailable",
+                headers={"Retry-After": "5"},
+            )
             await JSONResponse(err.body(), status_code=503, headers=err.headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, model_id: str,
-              admin_key: str) -> FastAPI:
+def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, model_id: str, admin_key: str) -> FastAPI:
     """The app of one engine and one registry store; ``model_id`` is the base model's id in the API, ``admin_key``
     the admin API's key."""
-    app = FastAPI(title="lora-server", description="Many LoRA adapters of one base model behind an OpenAI-compatible "
-                  "API, with an admin API for adapters and tenants.")
+    app = FastAPI(
+        title="lora-server",
+        description="Many LoRA adapters of one base model behind an OpenAI-compatible "
+        "API, with an admin API for adapters and tenants.",
+    )
     metrics = Metrics(model_id, engine)
     serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
@@ -175,7 +187,8 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-            exc.status_code, "invalid_request_error")
+            exc.status_code, "invalid_request_error"
+        )
         return error(ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {})))
 
     @app.exception_handler(LoraServerError)
@@ -186,8 +199,15 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     @app.exception_handler(StoreUnavailableError)
     async def _store_down(_: Request, exc: StoreUnavailableError) -> JSONResponse:
         log.warning("registry store unavailable: %s", exc)
-        return error(ApiError(503, "the registry store is unavailable; retry shortly", "service_unavailable",
-                              code="store_unavailable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)}))
+        return error(
+            ApiError(
+                503,
+                "the registry store is unavailable; retry shortly",
+                "service_unavailable",
+                code="store_unavailable",
+                headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+            )
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -207,13 +227,28 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     def models(allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
         served = engine.adapter_names()
         names = served if allowed is None else [a for a in allowed if a in served]
-        base = {"id": model_id, "object": "model", "created": 0, "owned_by": "lora-server",
-                "root": model_id, "parent": None, "max_model_len": engine.max_model_len}
+        base = {
+            "id": model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "lora-server",
+            "root": model_id,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
         data = [base]
         for name in names:
             info = engine.adapter_info(name) if show_paths else None
-            data.append({"id": name, "object": "model", "created": 0, "owned_by": "lora-server",
-                         "root": info["path"] if info else name, "parent": model_id})
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "lora-server",
+                    "root": info["path"] if info else name,
+                    "parent": model_id,
+                }
+            )
         return {"object": "list", "data": data}
 
     # ---- who is asking ------------------------------------------------------------------------------------
@@ -233,10 +268,16 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
                 return tenant
         if settings.api_key is None and await run_in_threadpool(tenants.anonymous_open, settings.allow_anonymous):
             return None
-        raise ApiError(401, "a valid API key is required: a tenant's key" +
-                       (" or the server's --api-key" if settings.api_key else
-                        " (anonymous /v1 access closes once tenants exist unless the server runs with "
-                        "--allow-anonymous)"), "authentication_error")
+        raise ApiError(
+            401,
+            "a valid API key is required: a tenant's key"
+            + (
+                " or the server's --api-key"
+                if settings.api_key
+                else " (anonymous /v1 access closes once tenants exist unless the server runs with --allow-anonymous)"
+            ),
+            "authentication_error",
+        )
 
     async def tenant_of(name: str, request: Request) -> TenantRecord:
         key = _bearer(request)
@@ -252,11 +293,13 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         if not model or model == model_id:
             return None
         if tenant is not None and model not in tenant.adapters:
-            raise ApiError(403, f"model {model!r} is not available to tenant {tenant.name!r}", "permission_error",
-                           param="model")
+            raise ApiError(
+                403, f"model {model!r} is not available to tenant {tenant.name!r}", "permission_error", param="model"
+            )
         if model not in engine.adapter_names():
-            raise ApiError(404, f"The model `{model}` does not exist.", "not_found_error", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", "not_found_error", param="model", code="model_not_found"
+            )
         return model
 
     # ---- the completion endpoints ---------------------------------------------------------------------------
@@ -269,14 +312,14 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
         prepared: Prepared = await run_in_threadpool(prepare, req, adapter, cache_salt(tenant))  # type: ignore[arg-type]
         try:
-            meter = None if tenant is None else await run_in_threadpool(TenantMeter.admit, store, tenant, adapter,
-                                                                        prepared)
+            meter = (
+                None if tenant is None else await run_in_threadpool(TenantMeter.admit, store, tenant, adapter, prepared)
+            )
         except BaseException:
             serving.discard(prepared.requests)
             raise
         try:
-            result = await serving.run(prepared, req.model or adapter or model_id, meter,
-                                       _disconnected(request))
+            result = await serving.run(prepared, req.model or adapter or model_id, meter, _disconnected(request))
         except ClientDisconnected:
             return Response(status_code=499)
         if isinstance(result, dict):
@@ -367,9 +410,13 @@ class TenantMeter:
         is used up, 400 when the request could never fit the tokens limit. A refusal takes nothing."""
         limits, amount = tenant.rate_limits, prepared.max_tokens
         if limits.tokens_per_minute is not None and amount > limits.tokens_per_minute:
-            raise ApiError(400, f"this request may use {amount} tokens (prompt plus n x max_tokens), more than the "
-                           f"tenant's limit of {limits.tokens_per_minute} tokens per minute: lower max_tokens",
-                           param="max_tokens", code="tokens_limit_exceeded")
+            raise ApiError(
+                400,
+                f"this request may use {amount} tokens (prompt plus n x max_tokens), more than the "
+                f"tenant's limit of {limits.tokens_per_minute} tokens per minute: lower max_tokens",
+                param="max_tokens",
+                code="tokens_limit_exceeded",
+            )
         requests = None
         if limits.requests_per_minute is not None:
             requests = store.take(tenant.name, "requests", 1, limits.requests_per_minute)
@@ -389,15 +436,24 @@ class TenantMeter:
             if self.tokens_window is not None and unused > 0:
                 self.store.give_back(self.tenant, "tokens", self.tokens_window.window, unused)
         except StoreUnavailableError as exc:
-            log.warning("usage of tenant %s not recorded (%d prompt, %d completion tokens): %s", self.tenant,
-                        prompt_tokens, completion_tokens, exc)
+            log.warning(
+                "usage of tenant %s not recorded (%d prompt, %d completion tokens): %s",
+                self.tenant,
+                prompt_tokens,
+                completion_tokens,
+                exc,
+            )
 
 
 def _refuse_unless_allowed(decision: RateDecision, limit: int, kind: str) -> None:
     if not decision.allowed:
-        raise ApiError(429, f"rate limit of {limit} {kind} per minute reached", "rate_limit_error",
-                       code="rate_limit_exceeded",
-                       headers={"Retry-After": str(max(1, math.ceil(decision.retry_after)))})
+        raise ApiError(
+            429,
+            f"rate limit of {limit} {kind} per minute reached",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(max(1, math.ceil(decision.retry_after)))},
+        )
 
 
 def cache_salt(tenant: TenantRecord | None) -> str:
@@ -419,8 +475,12 @@ async def _disconnected(request: Request) -> None:
 
 def _body_schema(model: type) -> dict[str, Any]:
     """openapi_extra of a route that parses its own body (off the event loop) as ``model``."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
 def _add_body_schemas(app: FastAPI, models: tuple[type, ...]) -> None:
@@ -438,4 +498,3 @@ def _add_body_schemas(app: FastAPI, models: tuple[type, ...]) -> None:
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
-

@@ -17,14 +17,86 @@ from prometheus_client.registry import Collector
 from lora_server.engine import Engine
 
 # vLLM's bucket edges (vllm/v1/metrics/loggers.py), so dashboards and routers built for vLLM read ours unchanged
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
-POOL_FIGURES = ("adapter_hit_rate", "kv_token_hit_rate", "invalid_kv_ratio", "bytes_to_gpu", "bytes_to_host",
-                "gpu_free", "gpu_cached", "gpu_in_use", "host_free", "host_cached")
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+POOL_FIGURES = (
+    "adapter_hit_rate",
+    "kv_token_hit_rate",
+    "invalid_kv_ratio",
+    "bytes_to_gpu",
+    "bytes_to_host",
+    "gpu_free",
+    "gpu_cached",
+    "gpu_in_use",
+    "host_free",
+    "host_cached",
+)
 
 
 class Metrics:
@@ -67,35 +139,59 @@ class EngineCollector(Collector):
         snap = self.engine.snapshot()
         pool: dict[str, Any] = snap.pool
         salts = pool["kv_tokens_by_salt"].values()
-        counters = {"vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
-                    "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
-                                                  sum(s["prompt_tokens"] for s in salts)),
-                    "vllm:prefix_cache_hits": ("Prompt tokens served from the prefix cache.",
-                                               sum(s["cached_tokens"] for s in salts))}
-        gauges = {"vllm:num_requests_running": ("Requests in the running batch.", snap.running),
-                  "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", snap.waiting),
-                  "vllm:kv_cache_usage_perc": ("Fraction of GPU KV blocks held by requests.",
-                                               pool["request_blocks"] / pool["gpu_blocks"]),
-                  "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
-                  "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
-                  **{f"lora_server:pool_{name}": (f"Pool figure {name} (see /admin/pool).", pool[name])
-                     for name in POOL_FIGURES},
-                  **{f"lora_server:pool_evicted_blocks_{kind}": (f"Blocks evicted so far by {kind}.", n)
-                     for kind, n in pool["evicted_blocks"].items()},
-                  **{f"lora_server:ttft_{part}_mean_seconds": (f"Mean {part} share of TTFT in seconds.",
-                                                               pool["ttft"][f"{part}_mean_s"])
-                     for part in ("queueing", "adapter_loading", "prefill")}}
+        counters = {
+            "vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
+            "vllm:prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                sum(s["prompt_tokens"] for s in salts),
+            ),
+            "vllm:prefix_cache_hits": (
+                "Prompt tokens served from the prefix cache.",
+                sum(s["cached_tokens"] for s in salts),
+            ),
+        }
+        gauges = {
+            "vllm:num_requests_running": ("Requests in the running batch.", snap.running),
+            "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", snap.waiting),
+            "vllm:kv_cache_usage_perc": (
+                "Fraction of GPU KV blocks held by requests.",
+                pool["request_blocks"] / pool["gpu_blocks"],
+            ),
+            "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
+            "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
+            **{
+                f"lora_server:pool_{name}": (f"Pool figure {name} (see /admin/pool).", pool[name])
+                for name in POOL_FIGURES
+            },
+            **{
+                f"lora_server:pool_evicted_blocks_{kind}": (f"Blocks evicted so far by {kind}.", n)
+                for kind, n in pool["evicted_blocks"].items()
+            },
+            **{
+                f"lora_server:ttft_{part}_mean_seconds": (
+                    f"Mean {part} share of TTFT in seconds.",
+                    pool["ttft"][f"{part}_mean_s"],
+                )
+                for part in ("queueing", "adapter_loading", "prefill")
+            },
+        }
         for kind, figures in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
             for name, (help_text, value) in figures.items():
                 family = kind(name, help_text, labels=["model_name"])
                 family.add_metric([self.model_name], value)
                 yield family
-        cache = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (value 1).",
-                                  labels=["block_size", "num_gpu_blocks"])
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "KV cache configuration (value 1).", labels=["block_size", "num_gpu_blocks"]
+        )
         cache.add_metric([str(pool["block_size"]), str(pool["gpu_blocks"])], 1)
         yield cache
-        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting adapters (value: wall-clock time).",
-                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        lora.add_metric([",".join(snap.running_adapters), ",".join(snap.waiting_adapters),
-                         str(self.engine.config.max_loras)], time.time())
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running and waiting adapters (value: wall-clock time).",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        lora.add_metric(
+            [",".join(snap.running_adapters), ",".join(snap.waiting_adapters), str(self.engine.config.max_loras)],
+            time.time(),
+        )
         yield lora

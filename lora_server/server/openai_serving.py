@@ -91,19 +91,28 @@ class OpenAIServing:
             prompts = [self.engine.encode(p) if isinstance(p, str) and p else p for p in prompts]
         longest = max(len(p) for p in prompts)
         params = req.to_params(self.engine.max_model_len - longest)
-        return self._prepare("completion", prompts, params, req.n, req.stream, _include_usage(req), adapter,
-                             cache_salt)
+        return self._prepare("completion", prompts, params, req.n, req.stream, _include_usage(req), adapter, cache_salt)
 
-    def _prepare(self, kind: str, prompts: list[Prompt], params: SamplingParams, n: int, stream: bool,
-                 include_usage: bool, adapter: str | None, cache_salt: str) -> Prepared:
+    def _prepare(
+        self,
+        kind: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        stream: bool,
+        include_usage: bool,
+        adapter: str | None,
+        cache_salt: str,
+    ) -> Prepared:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         requests: list[Request] = []
         try:
             for p_index, prompt in enumerate(prompts):
                 for i in range(n):
                     sub = params if params.seed is None or n == 1 else replace(params, seed=_seed(params.seed + i))
-                    requests.append(self.engine.make_request(prompt, sub, adapter, cache_salt,
-                                                             f"{request_id}-{p_index}-{i}"))
+                    requests.append(
+                        self.engine.make_request(prompt, sub, adapter, cache_salt, f"{request_id}-{p_index}-{i}")
+                    )
         except LoraServerError:
             self.discard(requests)
             raise
@@ -115,8 +124,9 @@ class OpenAIServing:
 
     # ---- stage 2 (event loop) -------------------------------------------------------------------------------
 
-    async def run(self, prepared: Prepared, model: str, meter: Meter | None,
-                  disconnected: Awaitable[None]) -> dict[str, Any] | AsyncIterator[str]:
+    async def run(
+        self, prepared: Prepared, model: str, meter: Meter | None, disconnected: Awaitable[None]
+    ) -> dict[str, Any] | AsyncIterator[str]:
         """Submit every request (all or none: a full queue aborts those already in) and answer: a JSON body, or
         for streams an iterator of server-sent events. ``disconnected`` completes when a non-streaming client goes
         away: its requests are aborted at once and ClientDisconnected is raised."""
@@ -127,7 +137,7 @@ class OpenAIServing:
         except LoraServerError:
             for s in streams:
                 await s.aclose()
-            self.discard(prepared.requests[len(streams) + 1:])  # submit discarded the one it refused
+            self.discard(prepared.requests[len(streams) + 1 :])  # submit discarded the one it refused
             raise
         request_id = prepared.requests[0].request_id.rsplit("-", 2)[0]
         created = int(time.time())
@@ -147,8 +157,7 @@ class OpenAIServing:
         if not collect.done() or collect.cancelled():
             raise ClientDisconnected
         collect.result()  # re-raises an engine error
-        return self._final(prepared.kind, request_id, created, model, [choices[i] for i in sorted(choices)],
-                           prepared.n)
+        return self._final(prepared.kind, request_id, created, model, [choices[i] for i in sorted(choices)], prepared.n)
 
     async def _tracked(self, index: int, stream) -> AsyncIterator[tuple[int, RequestOutput]]:
         start = last = time.monotonic()
@@ -203,8 +212,9 @@ class OpenAIServing:
         finally:
             await merged.aclose()
 
-    async def _sse(self, prepared: Prepared, request_id: str, created: int, model: str, streams: list,
-                   meter: Meter | None) -> AsyncIterator[str]:
+    async def _sse(
+        self, prepared: Prepared, request_id: str, created: int, model: str, streams: list, meter: Meter | None
+    ) -> AsyncIterator[str]:
         kind = prepared.kind
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         choices: dict[int, _Choice] = {}
@@ -213,16 +223,30 @@ class OpenAIServing:
         try:
             if kind == "chat":
                 for i in range(len(streams)):
-                    yield _event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}]})
+                    yield _event(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
             async for index, out in merged:
                 c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
                 _add(c, out)
                 if not out.text and not out.finished and not out.logprobs:
                     continue
                 lp = self._logprobs(kind, out.logprobs) if out.logprobs else None
-                choice: dict[str, Any] = {"index": index, "logprobs": lp,
-                                          "finish_reason": out.finish_reason if out.finished else None}
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "logprobs": lp,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
                 if kind == "chat":
                     choice["delta"] = {"content": out.text} if out.text else {}
                 else:
@@ -231,29 +255,46 @@ class OpenAIServing:
                     choice["stop_reason"] = out.stop_reason
                 yield _event({**base, "choices": [choice]})
             if prepared.include_usage:
-                yield _event({**base, "choices": [], "usage": _usage([choices[i] for i in sorted(choices)],
-                                                                     prepared.n)})
+                yield _event(
+                    {**base, "choices": [], "usage": _usage([choices[i] for i in sorted(choices)], prepared.n)}
+                )
         except LoraServerError as exc:  # after the stream started, an error arrives as an event
-            yield _event({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
-                                    "code": exc.code}})
+            yield _event(
+                {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+            )
         finally:  # also when the client dropped the stream (the generator is closed): abort, then settle
             await merged.aclose()
             _settle(meter, choices, prepared.n)
         yield "data: [DONE]\n\n"
 
-    def _final(self, kind: str, request_id: str, created: int, model: str, choices: list[_Choice],
-               n: int) -> dict[str, Any]:
+    def _final(
+        self, kind: str, request_id: str, created: int, model: str, choices: list[_Choice], n: int
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "created": created, "model": model, "usage": _usage(choices, n)}
         if kind == "chat":
             body["object"] = "chat.completion"
-            body["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+            body["choices"] = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in choices
+            ]
         else:
             body["object"] = "text_completion"
-            body["choices"] = [{"index": c.index, "text": c.text,
-                                "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+            body["choices"] = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in choices
+            ]
         return body
 
     def _token(self, token_id: int) -> str:
@@ -262,13 +303,25 @@ class OpenAIServing:
 
     def _logprobs(self, kind: str, entries: list[TokenLogprob]) -> dict[str, Any]:
         if kind == "chat":
-            return {"content": [
-                {"token": (t := self._token(e.token_id)), "logprob": _finite(e.logprob), "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": (s := self._token(i)), "logprob": _finite(v), "bytes": list(s.encode())}
-                                  for i, v in e.top]} for e in entries]}
-        return {"tokens": [self._token(e.token_id) for e in entries],
-                "token_logprobs": [_finite(e.logprob) for e in entries],
-                "top_logprobs": [{self._token(i): _finite(v) for i, v in e.top} for e in entries]}
+            return {
+                "content": [
+                    {
+                        "token": (t := self._token(e.token_id)),
+                        "logprob": _finite(e.logprob),
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [
+                            {"token": (s := self._token(i)), "logprob": _finite(v), "bytes": list(s.encode())}
+                            for i, v in e.top
+                        ],
+                    }
+                    for e in entries
+                ]
+            }
+        return {
+            "tokens": [self._token(e.token_id) for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{self._token(i): _finite(v) for i, v in e.top} for e in entries],
+        }
 
 
 def _finite(logprob: float) -> float:
@@ -293,11 +346,15 @@ def _add(c: _Choice, out: RequestOutput) -> None:
 
 
 def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
-    prompt = sum(c.prompt_tokens for c in choices[::max(1, n)])
+    prompt = sum(c.prompt_tokens for c in choices[:: max(1, n)])
     completion = sum(len(c.token_ids) for c in choices)
-    cached = sum(c.cached_tokens for c in choices[::max(1, n)])
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    cached = sum(c.cached_tokens for c in choices[:: max(1, n)])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _settle(meter: Meter | None, choices: dict[int, _Choice], n: int) -> None:
@@ -305,8 +362,7 @@ def _settle(meter: Meter | None, choices: dict[int, _Choice], n: int) -> None:
     if meter is None:
         return
     usage = _usage([choices[i] for i in sorted(choices)], n)
-    asyncio.get_running_loop().run_in_executor(None, meter.settle, usage["prompt_tokens"],
-                                               usage["completion_tokens"])
+    asyncio.get_running_loop().run_in_executor(None, meter.settle, usage["prompt_tokens"], usage["completion_tokens"])
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -42,14 +42,17 @@ def serve(config: ServerConfig) -> int:
     store = open_store(data_dir, config.redis_url)
     status = store.status()
     if status.persistent is False:
-        log.warning("the registry's Redis keeps nothing on disk (no AOF, no RDB): every tenant and adapter is lost "
-                    "when it restarts; enable appendonly or save")
+        log.warning(
+            "the registry's Redis keeps nothing on disk (no AOF, no RDB): every tenant and adapter is lost "
+            "when it restarts; enable appendonly or save"
+        )
     demos = demo_adapters()
     for spec in config.adapters if config.adapters is not None else list(demos):
         name, _, path = spec.partition("=")
         if not path and name not in demos:
-            raise AdapterError(f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); "
-                               "use NAME=PATH")
+            raise AdapterError(
+                f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); use NAME=PATH"
+            )
         engine.add_adapter(name, path or demos[name], source="command line" if path else "demo")
     for record in store.list_adapters():  # registered through the admin API earlier, or by another replica
         try:
@@ -76,8 +79,9 @@ def serve(config: ServerConfig) -> int:
     return 1 if engine.dead.is_set() else 0
 
 
-def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStatus, data_dir: str,
-            key_source: str) -> str:
+def summary(
+    config: ServerConfig, engine: Engine, base_id: str, store: StoreStatus, data_dir: str, key_source: str
+) -> str:
     """What the server serves, in a few lines for its log at start."""
     info, pool = engine.describe(), engine.snapshot().pool
     a = info.arch
@@ -88,24 +92,31 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
         if adapter is not None:
             by_source.setdefault(adapter["source"], []).append(name)
     gib, dtype = 2**30, str(info.dtype).removeprefix("torch.")
-    return "\n".join([
-        f"serving {base_id}: {info.format} weights from {info.path or 'dummy weights'}",
-        f"  model: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_heads}/{a.num_kv_heads} heads, context "
-        f"{info.max_model_len}; quantization {config.engine.quantization}, dtype {dtype}, device {info.device}; "
-        f"resident weights {info.weight_bytes / 2**20:.0f} MiB",
-        f"  device budget: {blocks} KV blocks x {block_size} tokens = {blocks * block_size} tokens "
-        f"({blocks * pool['block_bytes'] / gib:.2f} GiB, adapters charged to it), {config.engine.max_loras} adapter "
-        f"slots, policy {pool['policy']}; host tier {pool['host_blocks']} blocks "
-        f"({pool['host_blocks'] * pool['block_bytes'] / gib:.2f} GiB)",
-        "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
-        f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
-        f"  registry: {store.backend} at {store.detail if store.backend == 'redis' else data_dir}",
-        f"  admin key: {key_source}; /v1 access: "
-        + ("--api-key or a tenant's key" if config.api_key else "anyone" if config.allow_anonymous
-           else "anyone while no tenant exists, then a tenant's key"),
-        f"  listening on http://{config.host}:{config.port} (OpenAI API at /v1, admin at /admin, status page at "
-        "/admin/ui)",
-    ])
+    return "\n".join(
+        [
+            f"serving {base_id}: {info.format} weights from {info.path or 'dummy weights'}",
+            f"  model: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_heads}/{a.num_kv_heads} heads, context "
+            f"{info.max_model_len}; quantization {config.engine.quantization}, dtype {dtype}, device {info.device}; "
+            f"resident weights {info.weight_bytes / 2**20:.0f} MiB",
+            f"  device budget: {blocks} KV blocks x {block_size} tokens = {blocks * block_size} tokens "
+            f"({blocks * pool['block_bytes'] / gib:.2f} GiB, adapters charged to it), {config.engine.max_loras} "
+            f"adapter slots, policy {pool['policy']}; host tier {pool['host_blocks']} blocks "
+            f"({pool['host_blocks'] * pool['block_bytes'] / gib:.2f} GiB)",
+            "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
+            f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
+            f"  registry: {store.backend} at {store.detail if store.backend == 'redis' else data_dir}",
+            f"  admin key: {key_source}; /v1 access: "
+            + (
+                "--api-key or a tenant's key"
+                if config.api_key
+                else "anyone"
+                if config.allow_anonymous
+                else "anyone while no tenant exists, then a tenant's key"
+            ),
+            f"  listening on http://{config.host}:{config.port} (OpenAI API at /v1, admin at /admin, status page at "
+            "/admin/ui)",
+        ]
+    )
 
 
 def _exit_when_dead(engine: Engine, server) -> None:
@@ -131,8 +142,11 @@ def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout
                 self.should_exit = self.force_exit = True
                 return
             app.state.draining = True
-            log.info("draining: new requests get 503; waiting up to %.0f s for %d in flight", timeout,
-                     engine.num_unfinished())
+            log.info(
+                "draining: new requests get 503; waiting up to %.0f s for %d in flight",
+                timeout,
+                engine.num_unfinished(),
+            )
             threading.Thread(target=self._drain, args=(sig, frame), name="drain", daemon=True).start()
 
         def _drain(self, sig: int, frame) -> None:
@@ -141,5 +155,6 @@ def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout
                 time.sleep(0.05)
             super().handle_exit(sig, frame)
 
-    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                         timeout_graceful_shutdown=timeout))
+    return DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=timeout)
+    )
