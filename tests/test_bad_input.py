@@ -465,6 +465,7 @@ def _tokens_left(server: Server, tenant: str, limit: int) -> int:
         return store.take(tenant, "tokens", 0, limit).remaining
 
 
+@pytest.mark.slow
 def test_tenants_are_charged_the_bound_then_what_they_used(server):
     limit = 3000
     key = _tenant(server, "metered", rate_limits={"requests_per_minute": 3, "tokens_per_minute": limit})
@@ -504,6 +505,7 @@ def test_tenants_are_charged_the_bound_then_what_they_used(server):
     assert _tokens_left(server, "metered", limit) == limit - used
 
 
+@pytest.mark.slow
 def test_dropped_stream_is_charged_what_it_produced(server):
     limit = 5000
     key = _tenant(server, "dropper", rate_limits={"tokens_per_minute": limit})

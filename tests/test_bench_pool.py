@@ -130,6 +130,7 @@ def _bench(tmp_path, kv_blocks: int, max_loras: int, plot: bool = False) -> dict
     return policies
 
 
+@pytest.mark.slow
 def test_bench_pool_without_evictions_matches_the_trace(tmp_path):
     """Room for every adapter and all KV: nothing is evicted, so each adapter the trace uses is loaded once (its
     first request misses, every other hits), each turn 2 reuses turn 1's full blocks (not lru-unified, which keeps
@@ -146,6 +147,7 @@ def test_bench_pool_without_evictions_matches_the_trace(tmp_path):
         assert set(fig["evicted_blocks"].values()) == {0}, name
 
 
+@pytest.mark.slow
 def test_bench_pool_under_pressure_moves_what_it_counts(tmp_path):
     """20 device blocks for two adapter slots and the KV of six sessions: adapters are unloaded and reloaded,
     tree-cost swaps KV to the host and back, lru-separate drops it. Whatever the timing, the bytes moved are the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from adapters import demo_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
@@ -21,6 +23,7 @@ EFFECTS = {
 }
 
 
+@pytest.mark.slow
 def test_demo_effects_in_one_batch():
     assert set(EFFECTS) <= set(demo_adapters()), "the demo adapters are shipped in adapters/demo"
     engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=128 << 20, show_progress=False))

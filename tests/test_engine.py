@@ -34,12 +34,14 @@ def alone(engine_fp32, prompts):
     return [engine_fp32.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
+@pytest.mark.slow
 def test_same_tokens_all_at_once(engine_fp32, prompts, alone):
     assert [c.token_ids for c in engine_fp32.generate(prompts, GREEDY)] == alone
     engine_fp32.core.check_integrity()
     assert not engine_fp32.core.pool.held_blocks()  # no request holds a block
 
 
+@pytest.mark.slow
 def test_same_tokens_with_different_lengths_and_small_chunks(prompts, alone):
     # a 7-token budget splits every prompt into chunks and mixes decodes with prefill chunks in one step
     engine = _engine(max_num_batched_tokens=7)
@@ -48,11 +50,13 @@ def test_same_tokens_with_different_lengths_and_small_chunks(prompts, alone):
     assert [c.token_ids for c in outs] == [ref[:n] for ref, n in zip(alone, lengths, strict=True)]
 
 
+@pytest.mark.slow
 def test_same_tokens_without_chunked_prefill(prompts, alone):
     engine = _engine(enable_chunked_prefill=False, max_num_batched_tokens=16)
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == alone
 
 
+@pytest.mark.slow
 def test_same_tokens_under_preemption(prompts, alone):
     # 12 blocks of 16 tokens cannot hold five ~60-token sequences at once: requests get preempted and recomputed
     engine = _engine(num_kv_blocks=12, block_size=16)
@@ -63,6 +67,7 @@ def test_same_tokens_under_preemption(prompts, alone):
     assert not engine.core.pool.held_blocks()  # no request holds a block
 
 
+@pytest.mark.slow
 def test_staggered_arrivals_async(prompts, alone):
     engine = _engine()
 
@@ -87,6 +92,7 @@ def test_staggered_arrivals_async(prompts, alone):
     engine.core.check_integrity()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_ignores_batch_company(engine_fp32, prompts):
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = engine_fp32.generate([prompts[1]], seeded)[0].text
@@ -101,6 +107,7 @@ def test_seeded_sampling_ignores_batch_company(engine_fp32, prompts):
     assert other_seed != alone  # the seed matters (16 sampled tokens colliding by chance is negligible)
 
 
+@pytest.mark.slow
 def test_stop_strings_and_stop_reasons(engine_fp32, prompts, alone):
     full = engine_fp32.tokenizer.decode(alone[0])
     stop = full[10:14]
@@ -113,6 +120,7 @@ def test_stop_strings_and_stop_reasons(engine_fp32, prompts, alone):
     assert c.token_ids == alone[0][:5] and c.finish_reason == "stop" and c.stop_reason == alone[0][4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bad, error",
     [
@@ -159,6 +167,7 @@ def test_invalid_sampling_values_are_typed_errors(values):
     assert info.value.param in values
 
 
+@pytest.mark.slow
 def test_bad_request_while_others_stream(prompts, alone):
     engine = _engine()
 
@@ -226,6 +235,7 @@ QUANT_BOUNDS = {  # mode: (min agreement, max fp32 rank of the diverging token, 
 }
 
 
+@pytest.mark.slow
 def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
     """Greedy agreement of int8 / int4 / the GGUF's own blocks with fp32 (bounds in QUANT_BOUNDS), divergences only
     where fp32 was nearly undecided, and resident weight bytes (int8 one byte a weight, int4 half of that)."""

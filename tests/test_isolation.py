@@ -84,7 +84,7 @@ def _assert_clean(engine) -> None:
     assert not engine.core.scheduler.has_work()
 
 
-@pytest.mark.parametrize("site", ["forward", "sampling", "detokenizing"])
+@pytest.mark.parametrize("site", ["forward", pytest.param("sampling", marks=pytest.mark.slow), "detokenizing"])
 def test_failure_in_one_request_fails_it_alone(monkeypatch, engine, prompts, alone, site):
     _inject(monkeypatch, engine, prompts, site, Injected("boom"))
     out = engine.generate(prompts, GREEDY)
@@ -98,6 +98,7 @@ def test_failure_in_one_request_fails_it_alone(monkeypatch, engine, prompts, alo
     assert engine.generate([prompts[VICTIM]], GREEDY)[0].token_ids == alone[VICTIM]  # the engine is whole
 
 
+@pytest.mark.slow
 def test_failure_in_a_running_stream_fails_that_stream_alone(monkeypatch, engine, prompts, alone):
     _inject(monkeypatch, engine, prompts, "detokenizing", Injected("mid-stream"))
 
@@ -137,6 +138,7 @@ def _overflowing_adapter(path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_overflowing_adapter_fails_its_request_alone(tmp_path, engine, prompts, alone):
     _overflowing_adapter(tmp_path / "overflow")
     engine.add_adapter("overflow", tmp_path / "overflow")

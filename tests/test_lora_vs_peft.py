@@ -117,6 +117,7 @@ def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
     engine.core.check_integrity()
 
 
+@pytest.mark.slow
 def test_more_adapters_than_slots_and_unload(peft_dirs, peft_model):
     """Two device slots for four adapters: requests wait for a slot, adapters are swapped in and out, results
     stay exact; unloading refuses new requests while the version in flight finishes."""
@@ -140,6 +141,7 @@ def test_more_adapters_than_slots_and_unload(peft_dirs, peft_model):
     assert engine.adapter_names() == sorted(names[1:])
 
 
+@pytest.mark.slow
 def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
     """Three conversations (base, two adapters) of three turns each, one batch per turn; between turns a long
     filler request takes most of the device budget, so the tree-cost pool swaps the conversations' KV to the host

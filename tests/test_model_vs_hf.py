@@ -58,6 +58,7 @@ def test_smollm2_matches_hf_on_chat_prompts(engine_fp32, hf_smollm2):
     _compare(engine_fp32, hf_smollm2, prompts)
 
 
+@pytest.mark.slow
 def test_native_gguf_blocks_give_hf_logits(hf_smollm2):
     """quantization=auto keeps the file's Q4_1/Q8_0 blocks (int4/int8 resident); they are the same numbers HF
     dequantizes, so the logits agree too (activations in fp32 except the CPU int4 kernel's bf16 inputs)."""

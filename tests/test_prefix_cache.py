@@ -67,6 +67,7 @@ def test_hits_only_under_the_same_adapter_version_and_salt():
     assert figures["request_blocks"] == 0 and figures["gpu_in_use"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, invalid", [("tree-cost", 0.0), ("lru-unified", 0.0), ("lru-separate", 1 / 3)])
 def test_invalid_kv_after_adapter_churn(policy, invalid):
     """Two adapter places, three adapters used in turn with prompts of the same length: the third evicts the
@@ -88,6 +89,7 @@ def test_invalid_kv_after_adapter_churn(policy, invalid):
         assert _cached(engine, prompt, "upper") == _hit(prompt)
 
 
+@pytest.mark.slow
 def test_an_adapter_request_too_big_for_the_pool_is_refused():
     from lora_server.errors import ContextLengthExceededError
 

@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.servers import ADMIN, Server
 
 CLI = Path(sys.executable).parent / "schemathesis"  # installed beside this interpreter by the test extra
 
 
+@pytest.mark.slow
 def test_no_server_errors(tmp_path):
     assert CLI.exists(), f"{CLI} is missing: install the test extra (pip install -e .[test])"
     # a short context bounds how long any generated request can run on the CPU

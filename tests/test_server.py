@@ -75,6 +75,7 @@ def test_models_and_basic_calls(server):
     assert len(many.choices) == 3 and len(many.choices[0].logprobs.top_logprobs[0]) == 2
 
 
+@pytest.mark.slow
 def test_demo_adapters_through_the_api_and_concurrent_streams(server):
     client = server.client()
     question = "Name a large animal that lives in the ocean."
@@ -130,6 +131,7 @@ def test_admin_refusals(server, dirs):
     assert chat(server.client(), BASE, "Hi!").choices[0].message.content  # still serving
 
 
+@pytest.mark.slow
 def test_tenants(server, dirs):
     path = write_adapter(dirs / "adapters" / "acme-bot", seed=6)
     assert server.admin("POST", "/admin/adapters", json={"name": "acme-bot", "path": str(path)}).status_code == 200
@@ -187,6 +189,7 @@ def test_tenants_share_no_cached_prefix(server):
     assert red == blue and red["cached_tokens"] > 0 and red["prompt_tokens"] > red["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_shutdown_drains_in_flight_and_refuses_new(dirs):
     data = dirs / "drain"
     data.mkdir()
@@ -296,6 +299,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert values["lora_server:pool_invalid_kv_ratio"] == 0.0  # tree-cost, the default policy
 
 
+@pytest.mark.slow
 def test_restart_keeps_adapters_and_tenants(dirs):
     data = dirs / "restart"
     data.mkdir()
@@ -316,6 +320,7 @@ def test_restart_keeps_adapters_and_tenants(dirs):
         second.stop()
 
 
+@pytest.mark.slow
 def test_two_replicas_share_redis(dirs):
     assert shutil.which("redis-server"), "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     port = free_port()
@@ -341,6 +346,7 @@ def test_two_replicas_share_redis(dirs):
         redis.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_first_hour(tmp_path):
     """What a newcomer meets: the start-up summary, the registry in the user's data directory (nothing in the working
     directory), every served adapter listed with its source and in agreement with /admin/pool, 409 for a name

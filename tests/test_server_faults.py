@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from tests.device_fault_server import FAULT_MAX_TOKENS
 from tests.servers import BASE, Server, free_port
@@ -28,6 +29,7 @@ def _shaped(r: httpx.Response, status: int) -> dict:
     return err
 
 
+@pytest.mark.slow
 def test_a_tenant_key_means_its_tenant_and_anonymous_access_closes(tmp_path):
     s = Server(tmp_path, [tmp_path])  # neither --api-key nor --allow-anonymous
     try:
@@ -65,6 +67,7 @@ def test_a_tenant_key_means_its_tenant_and_anonymous_access_closes(tmp_path):
         s.stop()
 
 
+@pytest.mark.slow
 def test_second_sigterm_stops_at_once(tmp_path):
     s = Server(tmp_path, [tmp_path], ["--allow-anonymous", "--shutdown-timeout", "120"])
     body = {**GOOD_CHAT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -84,6 +87,7 @@ def test_second_sigterm_stops_at_once(tmp_path):
         s.stop()
 
 
+@pytest.mark.slow
 def test_device_fault_exits_non_zero_within_seconds(tmp_path):
     s = Server(tmp_path, [tmp_path], ["--allow-anonymous"], module="tests.device_fault_server")
     try:
@@ -114,6 +118,7 @@ def _redis(port: int, data_dir, persistent: bool) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_redis_going_away_gives_503s_and_recovery(tmp_path):
     assert shutil.which("redis-server"), "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
     port = free_port()

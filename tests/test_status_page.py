@@ -39,6 +39,7 @@ def test_the_page_needs_the_admin_key(server):
     assert ok.status_code == 200 and "lora-server status" in ok.text
 
 
+@pytest.mark.slow
 def test_the_page_shows_what_the_admin_api_says(server):
     from playwright.sync_api import sync_playwright
 
