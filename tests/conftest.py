@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -59,3 +60,51 @@ CHAT_PROMPTS = [
     "What is 12 times 7?",
     "Give me a name for a pet turtle.",
 ]
+
+# adapters of different ranks and targets (rsLoRA, regex targets, rank and alpha patterns): the HF + PEFT tests'
+ADAPTERS = {
+    "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=list(range(0, 30, 3))),
+    "all-r8-rslora": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "regex-o-down-r16": dict(
+        r=16, lora_alpha=8, target_modules=r".*\.layers\.(\d*[02468])\.(self_attn\.o_proj|mlp\.down_proj)"
+    ),
+    "patterns": dict(
+        r=2,
+        lora_alpha=4,
+        target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"],
+        rank_pattern={"q_proj": 6},
+        alpha_pattern={"gate_proj": 12},
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def peft_dirs(tmp_path_factory, hf_smollm2):
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    for i, (name, cfg) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(init_lora_weights=False, **cfg))
+        with torch.no_grad():  # PEFT's random init moves the model a lot; keep the effect clear but sane
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(0.3)
+        model.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="session")
+def peft_model(hf_smollm2, peft_dirs):
+    from peft import PeftModel
+
+    names = list(ADAPTERS)
+    model = PeftModel.from_pretrained(copy.deepcopy(hf_smollm2), peft_dirs / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(peft_dirs / name, adapter_name=name)
+    return model.eval()

@@ -22,8 +22,8 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.outputs import Completion
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import CHAT_PROMPTS
-from tests.test_lora_vs_peft import ADAPTERS, _peft_logprobs
+from tests.conftest import ADAPTERS, CHAT_PROMPTS
+from tests.test_lora_vs_peft import _peft_logprobs
 from tests.test_model_vs_hf import LOGPROB_TOL, _hf_greedy, _hf_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -133,35 +133,6 @@ def test_cuda_bf16_within_bf16_error_of_hf(hf_smollm2):
     for prompt, completion in zip(prompts, engine.generate(prompts, params), strict=True):
         diffs += _follows(completion, prompt, reference, BF16_MAX_DIFF, BF16_MAX_GAP)
     assert statistics.mean(diffs) <= BF16_MEAN_DIFF, statistics.mean(diffs)
-
-
-@pytest.fixture(scope="module")
-def peft_dirs(tmp_path_factory, hf_smollm2):
-    """The CPU tier's adapters (tests/test_lora_vs_peft.py ADAPTERS: ranks 2 to 16, different targets, rsLoRA,
-    rank and alpha patterns), written by PEFT with random weights."""
-    from peft import LoraConfig, get_peft_model
-
-    root = tmp_path_factory.mktemp("adapters")
-    for i, (name, cfg) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(init_lora_weights=False, **cfg))
-        with torch.no_grad():  # PEFT's random init moves the model a lot; keep the effect clear but sane
-            for pname, p in model.named_parameters():
-                if "lora_B" in pname:
-                    p.mul_(0.3)
-        model.save_pretrained(root / name)
-    return root
-
-
-@pytest.fixture(scope="module")
-def peft_model(hf_smollm2, peft_dirs):
-    from peft import PeftModel
-
-    names = list(ADAPTERS)
-    model = PeftModel.from_pretrained(copy.deepcopy(hf_smollm2), peft_dirs / names[0], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(peft_dirs / name, adapter_name=name)
-    return model.eval()
 
 
 def test_cuda_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
