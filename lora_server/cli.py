@@ -16,7 +16,8 @@ from lora_server.config import EngineConfig, ServerConfig
 
 DESCRIPTION = (
     "Serve many LoRA adapters of one quantized base model behind an OpenAI-compatible API (serve), or run "
-    "the engine offline (generate) and its benchmarks (bench-engine, bench-pool). "
+    "the engine offline (generate) and its benchmarks (bench-engine, bench-pool; bench serve loads any "
+    "OpenAI-compatible server). "
     "Run 'lora-server COMMAND --help' for a command's options."
 )
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -228,6 +229,37 @@ def _bench_pool(args: argparse.Namespace) -> int:
         args.adapters, args.alpha, args.rate, args.sessions, args.turns = [20], [1.0], [0.5], 8, 3
     bench(args, config_from_flags(EngineConfig, args, show_progress=False))
     return 0
+
+
+def _bench_serve_args(p: argparse.ArgumentParser) -> None:
+    from lora_server.bench.serve import add_args
+
+    add_args(p)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from lora_server.bench.serve import main
+
+    return main(args)
+
+
+# lora-server bench NAME: vLLM's shape (vllm bench serve); engine and pool are bench-engine and bench-pool again
+BENCHMARKS = {
+    "serve": ("load an OpenAI-compatible server the way vllm bench serve does", _bench_serve_args, _bench_serve),
+    "engine": COMMANDS["bench-engine"],
+    "pool": COMMANDS["bench-pool"],
+}
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{serve,engine,pool}")
+    for name, (help_text, add_args, _) in BENCHMARKS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+
+
+@command("bench", "benchmarks: serve (any OpenAI-compatible server), engine, pool", _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    return BENCHMARKS[args.benchmark][2](args)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
