@@ -1,0 +1,279 @@
+"""``lora-server bench serve``: its arrival process against the gamma distribution's own moments, its prompts against
+the real tokenizer, its figures against hand-computed values, its client against hand-written SSE streams, and a
+whole run against our real server, whose /metrics counters and per-tenant usage (admin API) are the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lora_server.bench.serve import Client
+from lora_server.bench.serve_data import TraceSpec, arrival_times, make_trace, sample_len
+from lora_server.bench.serve_metrics import RequestResult, parse_goodput, summarize
+from lora_server.cli import main, main_parser
+from tests.servers import Server
+
+# --- the trace -------------------------------------------------------------------------------------------------
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip([0.0, *times], times, strict=False)]
+
+
+def test_arrivals_are_a_gamma_process_with_the_asked_rate():
+    n, rate = 20000, 5.0
+    poisson = arrival_times(n, rate, 1.0, random.Random(1))
+    assert poisson[-1] == pytest.approx(n / rate) and poisson == sorted(poisson)
+    gaps = _gaps(poisson)
+    assert statistics.mean(gaps) == pytest.approx(1 / rate)
+    # exponential gaps: coefficient of variation 1, P(gap < mean) = 1 - 1/e
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, abs=0.04)
+    assert sum(g < 1 / rate for g in gaps) / n == pytest.approx(1 - math.exp(-1), abs=0.02)
+    # gamma with shape k: coefficient of variation 1 / sqrt(k)
+    for k in (0.25, 4.0):
+        gaps = _gaps(arrival_times(n, rate, k, random.Random(2)))
+        assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(1 / math.sqrt(k), rel=0.05)
+    assert arrival_times(4, math.inf, 1.0, random.Random(0)) == [0.0] * 4
+    assert arrival_times(4, 2.0, math.inf, random.Random(0)) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    with pytest.raises(ValueError):
+        arrival_times(4, 2.0, 0.0, random.Random(0))
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    """The embedded model's tokenizer: what our server counts prompts with."""
+    from lora_server.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_path)
+
+
+def test_prompts_have_the_asked_lengths_in_real_tokens(tok):
+    spec = TraceSpec(30, 40, 8, 0.5, prefix_len=5, seed=3)
+    trace = make_trace(spec, ["a", "b", "c"], "round-robin", 2)
+    assert [c.adapter for c in trace[:4]] == ["a", "b", "c", "a"] and [c.tenant for c in trace[:3]] == [0, 1, 0]
+    for conv in trace:
+        (text,), (words,), (out,) = conv.user, conv.words, conv.max_tokens
+        assert len(tok.encode(text, add_special_tokens=False)) == words + 5  # the shared prefix's 5 words too
+        assert 20 <= words <= 60 and 4 <= out <= 12 and conv.system is None
+    assert len({c.user for c in trace}) == 30  # each prompt its own, after the same 5 words
+    assert len({tuple(c.user[0].split()[:5]) for c in trace}) == 1
+    assert make_trace(spec, ["a", "b", "c"], "round-robin", 2) == trace  # the seed fixes the trace
+    rng = random.Random(0)
+    assert {sample_len(rng, 10, 0.0) for _ in range(50)} == {10}
+
+
+def test_multi_turn_conversations_share_their_adapters_system_prompt(tok):
+    trace = make_trace(TraceSpec(12, 10, 4, 0.0, turns=3, system_len=24, seed=0), ["x", "y"], "random", 0)
+    systems: dict[str, set] = {}
+    for conv in trace:
+        systems.setdefault(conv.adapter, set()).add(conv.system)
+        assert len(conv.user) == 3 and conv.words == (10, 10, 10) and conv.tenant == -1
+        assert len(tok.encode(conv.system, add_special_tokens=False)) == 24
+    assert {len(s) for s in systems.values()} == {1} and len(set.union(*systems.values())) == 2
+
+
+# --- the figures -------------------------------------------------------------------------------------------------
+
+
+def _result(ttft: float, itl: list[float], out: int, ok: bool = True, adapter: str = "a") -> RequestResult:
+    return RequestResult(
+        adapter, "-", success=ok, prompt_tokens=10, output_tokens=out, cached_tokens=4, usage_reported=True,
+        ttft=ttft, itl=itl, latency=ttft + sum(itl),
+    )  # fmt: skip
+
+
+def test_summary_matches_hand_computed_figures():
+    results = [
+        _result(0.1, [0.1, 0.1, 0.1], 4),  # e2el 0.4, tpot 0.1
+        _result(0.3, [0.2, 0.2, 0.2], 4),  # e2el 0.9, tpot 0.2
+        _result(0.2, [], 1),  # e2el 0.2, no tpot (one token)
+        _result(0.0, [], 0, ok=False),
+    ]
+    s = summarize(results, 2.0, ["ttft", "tpot", "itl", "e2el"], [50, 100], {"ttft": 250, "e2el": 500})
+    assert (s["completed"], s["failed"], s["total_input_tokens"], s["total_output_tokens"]) == (3, 1, 30, 9)
+    assert s["request_throughput"] == 1.5 and s["output_throughput"] == 4.5 and s["total_token_throughput"] == 19.5
+    assert s["cached_tokens"] == 12 and s["cached_token_share"] == pytest.approx(0.4)
+    assert s["request_goodput"] == 1.0  # ttft <= 250 ms and e2el <= 500 ms: the first and the third
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_ttft_ms"] == pytest.approx(200)
+    assert s["p100_ttft_ms"] == pytest.approx(300) and s["p50_ttft_ms"] == pytest.approx(200)
+    assert s["mean_tpot_ms"] == pytest.approx(150) and s["p100_tpot_ms"] == pytest.approx(200)
+    assert s["mean_itl_ms"] == pytest.approx(150) and s["median_itl_ms"] == pytest.approx(150)
+    assert s["mean_e2el_ms"] == pytest.approx(500) and s["median_e2el_ms"] == pytest.approx(400)
+    assert s["std_ttft_ms"] == pytest.approx(statistics.pstdev([100, 300, 200]))
+    none = summarize([_result(0, [], 0, ok=False)], 1.0, ["ttft"], [99], {})
+    assert (none["completed"], none["mean_ttft_ms"], none["request_goodput"]) == (0, 0.0, None)
+    assert parse_goodput(["ttft:5", "tpot:2.5"]) == {"ttft": 5.0, "tpot": 2.5}
+    for bad in (["ttft"], ["itl:3"], ["e2el:-1"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+
+
+# --- the client, on hand-written streams --------------------------------------------------------------------------
+
+
+def _sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def _send(stream: bytes, status: int = 200, chat: bool = True) -> tuple[RequestResult, dict]:
+    seen: dict = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content), auth=request.headers.get("authorization"))
+        return httpx.Response(status, content=stream, headers={"content-type": "text/event-stream"})
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            result = RequestResult("a", "t")
+            await Client(http, "http://x/v1/chat/completions", chat, {}, {"ignore_eos": True}).send(
+                "a", [{"role": "user", "content": "hi"}] if chat else "hi", 5, "k1", result
+            )
+            return result
+
+    return asyncio.run(go()), seen
+
+
+def test_client_reads_streams_usage_and_failures():
+    usage = {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    ok, body = _send(
+        _sse(role, *[{"choices": [{"index": 0, "delta": {"content": t}}]} for t in ("Hel", "lo")],
+             {"choices": [], "usage": usage}, "[DONE]")
+    )  # fmt: skip
+    assert ok.success and ok.text == "Hello" and len(ok.itl) == 1 and 0 <= ok.ttft <= ok.latency
+    assert (ok.prompt_tokens, ok.output_tokens, ok.cached_tokens) == (7, 2, 3)
+    assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_completion_tokens"] == 5
+    assert body["ignore_eos"] and body["auth"] == "Bearer k1"
+    # a stream that yields no content has failed, even with usage
+    empty, _ = _send(_sse(role, {"choices": [], "usage": {**usage, "completion_tokens": 1}}, "[DONE]"))
+    assert not empty.success and "no content" in empty.error
+    err, _ = _send(_sse({"error": {"message": "boom", "type": "server_error"}}, "[DONE]"))
+    assert not err.success and "boom" in err.error
+    bad, _ = _send(json.dumps({"error": {"message": "The model `zz` does not exist."}}).encode(), status=404)
+    assert not bad.success and bad.error == "HTTP 404: The model `zz` does not exist."
+    # completions; without usage the content chunks are counted
+    text, body = _send(_sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, "[DONE]"), chat=False)
+    assert text.success and text.output_tokens == 2 and not text.usage_reported and body["max_tokens"] == 5
+
+
+def test_cli_has_bench_serve_and_keeps_the_old_benchmarks(capsys):
+    args = main_parser().parse_args(["bench", "serve", "--lora-modules", "a", "b", "--request-rate", "4"])
+    assert (args.lora_modules, args.request_rate, args.burstiness, args.num_prompts) == (["a", "b"], 4.0, 1.0, 1000)
+    assert main_parser().parse_args(["bench-pool", "--quick"]).quick
+    assert main_parser().parse_args(["bench", "engine", "--quick"]).quick
+    # bad flags fail before any request is sent (nothing listens on port 9)
+    assert main(["bench", "serve", "--port", "9", "--goodput", "itl:5"]) == 2
+    assert main(["bench", "serve", "--port", "9", "--dataset-name", "multi-turn"]) == 2
+    assert "chat/completions" in capsys.readouterr().err
+
+
+# --- a real server ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("bench-serve"), [], ["--allow-anonymous"])
+    yield s
+    s.stop()
+
+
+def counters(server: Server) -> dict[str, float]:
+    """The server's counters once it is idle (its engine snapshot is republished every ~0.1 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        page = httpx.get(server.url + "/metrics", timeout=10).text
+        values = {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
+        idle = values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            time.sleep(0.3)
+            page = httpx.get(server.url + "/metrics", timeout=10).text
+            return {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
+        time.sleep(0.2)
+
+
+def bench(server: Server, tmp_path, *flags: str) -> dict:
+    out = tmp_path / f"result-{time.monotonic_ns()}.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--disable-tqdm", "--save-result", "--save-detailed"]
+    assert main([*argv, "--result-filename", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def check_orderings(r: dict, percentiles: list[str]) -> None:
+    ok = [i for i, e in enumerate(r["errors"]) if not e]
+    for i in ok:
+        assert 0 < r["ttfts"][i] <= r["e2els"][i] and sum(r["itls"][i]) <= r["e2els"][i] - r["ttfts"][i] + 1e-6
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        values = [r[f"p{p}_{m}_ms"] for p in percentiles]
+        assert values == sorted(values) and r[f"median_{m}_ms"] == pytest.approx(r[f"p50_{m}_ms"])
+    for p in percentiles:  # ttft <= e2el for every request, so for every order statistic too
+        assert r[f"p{p}_ttft_ms"] <= r[f"p{p}_e2el_ms"]
+
+
+@pytest.mark.slow
+def test_random_trace_against_the_servers_own_counts(server, tmp_path):
+    keys = {}
+    for name in ("acme", "beta"):
+        made = server.admin("POST", "/admin/tenants", json={"name": name, "adapters": ["upper", "pirate", "nope"]})
+        keys[name] = made.json()["api_key"]
+    before = counters(server)
+    r = bench(
+        server, tmp_path, "--num-prompts", "12", "--random-input-len", "16", "--random-output-len", "4",
+        "--lora-modules", "upper", "pirate", "nope", "--lora-assignment", "round-robin",
+        "--tenant-keys", ",".join(f"{n}={k}" for n, k in keys.items()),
+        "--metric-percentiles", "25,50,90,99", "--goodput", "e2el:3600000",
+    )  # fmt: skip
+    after = counters(server)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    # the server counted what the benchmark reports; 8 requests to served adapters x 4 tokens (EOS ignored)
+    assert r["completed"] == delta("vllm:request_success_total") == 8 and r["failed"] == 4
+    assert r["total_output_tokens"] == delta("vllm:generation_tokens_total") == 32
+    assert r["total_input_tokens"] == delta("vllm:prompt_tokens_total")
+    assert [n for n, e in zip(r["input_lens"], r["errors"], strict=True) if not e] == [16] * 8  # 16 words, 16 tokens
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # an SLO of an hour: every request meets it
+    # the unknown adapter's requests failed with the server's 404, and only they
+    assert r["per_adapter"]["nope"]["failed"] == 4 and r["per_adapter"]["nope"]["completed"] == 0
+    assert {a: r["per_adapter"][a]["completed"] for a in ("upper", "pirate")} == {"upper": 4, "pirate": 4}
+    assert all("404" in e for e, a in zip(r["errors"], r["adapters"], strict=True) if a == "nope")
+    # per tenant, against the usage the server metered for each tenant (settled off its event loop: polled)
+    for name in keys:
+        mine = r["per_tenant"][name]
+        deadline = time.monotonic() + 10
+        while True:
+            usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"].values()
+            metered = [sum(u[k] for u in usage) for k in ("requests", "prompt_tokens", "completion_tokens")]
+            if metered[0] >= mine["completed"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert metered == [mine["completed"], mine["total_input_tokens"], mine["total_output_tokens"]]
+        assert mine["completed"] + mine["failed"] == 6
+    check_orderings(r, ["25", "50", "90", "99"])
+
+
+@pytest.mark.slow
+def test_multi_turn_at_a_poisson_rate_reports_the_prefix_cache(server, tmp_path):
+    before = counters(server)
+    r = bench(
+        server, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset-name", "multi-turn",
+        "--num-prompts", "4", "--turns", "3", "--system-prompt-len", "40", "--random-input-len", "12",
+        "--random-output-len", "3", "--lora-modules", "upper", "pirate", "--request-rate", "8",
+        "--max-concurrency", "2", "--metric-percentiles", "50,99", "--seed", "11",
+    )  # fmt: skip
+    after = counters(server)
+    assert r["completed"] == after["vllm:request_success_total"] - before["vllm:request_success_total"] == 12
+    assert r["total_output_tokens"] == after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    # the cached tokens the server reported per request add up to its prefix-cache hits; later turns hit
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    assert r["cached_tokens"] == hits > 0 and r["cached_token_share"] == r["cached_tokens"] / r["total_input_tokens"]
+    assert r["request_rate"] == 8.0 and r["max_concurrency"] == 2
+    check_orderings(r, ["50", "99"])
