@@ -36,7 +36,15 @@ from lora_server.bench.serve_metrics import (
     summarize,
 )
 
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty")
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 TIMEOUT_S = 6 * 3600.0  # one request's limit (vLLM's)
 
 
