@@ -5,6 +5,7 @@ whole run against our real server, whose /metrics counters and per-tenant usage 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import random
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_server.bench.serve import Client
+from lora_server.bench.serve import Client, plot
 from lora_server.bench.serve_data import TraceSpec, arrival_times, make_trace, sample_len
 from lora_server.bench.serve_metrics import RequestResult, parse_goodput, summarize
 from lora_server.cli import main, main_parser
@@ -164,7 +165,7 @@ def test_client_reads_streams_usage_and_failures():
     assert text.success and text.output_tokens == 2 and not text.usage_reported and body["max_tokens"] == 5
 
 
-def test_cli_has_bench_serve_and_keeps_the_old_benchmarks(capsys):
+def test_cli_has_bench_serve_and_keeps_the_old_benchmarks(capsys, monkeypatch):
     args = main_parser().parse_args(["bench", "serve", "--lora-modules", "a", "b", "--request-rate", "4"])
     assert (args.lora_modules, args.request_rate, args.burstiness, args.num_prompts) == (["a", "b"], 4.0, 1.0, 1000)
     assert main_parser().parse_args(["bench-pool", "--quick"]).quick
@@ -173,6 +174,23 @@ def test_cli_has_bench_serve_and_keeps_the_old_benchmarks(capsys):
     assert main(["bench", "serve", "--port", "9", "--goodput", "itl:5"]) == 2
     assert main(["bench", "serve", "--port", "9", "--dataset-name", "multi-turn"]) == 2
     assert "chat/completions" in capsys.readouterr().err
+    # --plot-rates says what it misses before it sends anything
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
+    assert main(["bench", "serve", "--port", "9", "--plot-rates", "1,2"]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_plot_draws_a_png(tmp_path):
+    runs = [
+        {"request_rate": rate, "output_throughput": tput, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
+         "median_e2el_ms": 10 * ttft, "p99_e2el_ms": 20 * ttft, "model_id": "m", "base_url": "http://x"}
+        for rate, tput, ttft in ((0.5, 4.0, 100.0), (1.0, 7.0, 300.0), ("inf", 9.0, 2000.0))
+    ]  # fmt: skip
+    plot(runs, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- a real server ------------------------------------------------------------------------------------------------

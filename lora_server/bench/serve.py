@@ -345,7 +345,8 @@ async def benchmark(
     show_progress: bool,
 ) -> tuple[list[RequestResult], float]:
     """Run the trace: conversation i starts at its arrival time; returns every request's result (in the order
-    they were sent) and the run's duration in seconds (first arrival to the last answer)."""
+    they were sent) and the run's duration in seconds (from the start, before the first arrival, to the last
+    answer: vLLM's)."""
     starts = arrival_times(len(trace), rate, burstiness, random.Random(seed))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[RequestResult] = []
