@@ -5,12 +5,14 @@ It sends a trace of conversations (lora_server.bench.serve_data) at the arrival 
 at most ``--max-concurrency`` requests at a time, each a streamed completion or chat request with
 ``stream_options.include_usage``, spread over ``--lora-modules`` (adapters) and tenant keys; it times each request
 from the client's side and summarizes (lora_server.bench.serve_metrics). ``--plot-rates`` repeats the run at each
-rate and draws latency against throughput. Only httpx and the standard library speak to the server."""
+rate (each with its own prompts) and draws latency against throughput. Only httpx and the standard library speak to
+the server."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import math
@@ -403,12 +405,18 @@ async def run_all(args: argparse.Namespace, rates: list[float]) -> list[dict[str
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S, connect=30.0), limits=limits) as http:
         model = args.model or await first_model(http, base, {**headers, **_auth(keys)})
-        trace = make_trace(spec, args.lora_modules or [model], args.lora_assignment, len(keys))
         client = Client(http, base + args.endpoint, chat, headers, body)
         out = []
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            # each rate its own prompts (seed + i): a repeated trace would be served from the previous run's cache
+            trace = make_trace(
+                dataclasses.replace(spec, seed=args.seed + i),
+                args.lora_modules or [model],
+                args.lora_assignment,
+                len(keys),
+            )
             results, duration = await benchmark(
-                client, trace, keys, rate, args.burstiness, args.max_concurrency, args.seed, not args.disable_tqdm
+                client, trace, keys, rate, args.burstiness, args.max_concurrency, args.seed + i, not args.disable_tqdm
             )
             settings = {
                 "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
