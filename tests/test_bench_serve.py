@@ -170,6 +170,14 @@ def test_cli_has_bench_serve_and_keeps_the_old_benchmarks(capsys, monkeypatch):
     assert (args.lora_modules, args.request_rate, args.burstiness, args.num_prompts) == (["a", "b"], 4.0, 1.0, 1000)
     assert main_parser().parse_args(["bench-pool", "--quick"]).quick
     assert main_parser().parse_args(["bench", "engine", "--quick"]).quick
+    # every flag says what it does and its default (test_server's rule for the other commands)
+    bench = main_parser()._subparsers._group_actions[0].choices["bench"]
+    serve = bench._subparsers._group_actions[0].choices["serve"]
+    for action in serve._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+            if action.default not in (None, False):
+                assert "default" in action.help, action.option_strings
     # bad flags fail before any request is sent (nothing listens on port 9)
     assert main(["bench", "serve", "--port", "9", "--goodput", "itl:5"]) == 2
     assert main(["bench", "serve", "--port", "9", "--dataset-name", "multi-turn"]) == 2
