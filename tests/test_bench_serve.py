@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_server.bench.serve import Client, plot
+from lora_server.bench.serve import Client, plot, tenant_keys
 from lora_server.bench.serve_data import TraceSpec, arrival_times, make_trace, sample_len
 from lora_server.bench.serve_metrics import RequestResult, parse_goodput, summarize
 from lora_server.cli import main, main_parser
@@ -178,6 +178,10 @@ def test_cli_has_bench_serve_and_keeps_the_old_benchmarks(capsys, monkeypatch):
             assert action.help, action.option_strings
             if action.default not in (None, False):
                 assert "default" in action.help, action.option_strings
+    given = main_parser().parse_args(
+        ["bench", "serve", "--api-key", "k1", "--api-key", "b=k2", "--tenant-keys", "c=k3,k4=="]
+    )
+    assert tenant_keys(given) == [("key1", "k1"), ("b", "k2"), ("c", "k3"), ("key4", "k4==")]
     # bad flags fail before any request is sent (nothing listens on port 9)
     assert main(["bench", "serve", "--port", "9", "--goodput", "itl:5"]) == 2
     assert main(["bench", "serve", "--port", "9", "--dataset-name", "multi-turn"]) == 2

@@ -210,7 +210,7 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
 
 def tenant_keys(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(label, key) of every key given: --api-key, then --tenant-keys (a file if one exists there, else a
-    comma-separated list). A key without NAME= is labelled keyN."""
+    comma-separated list). A key without NAME= is labelled keyN (a key's own trailing '=' padding is no name)."""
     entries = list(args.api_key or [])
     if args.tenant_keys:
         path = Path(args.tenant_keys)
@@ -219,7 +219,7 @@ def tenant_keys(args: argparse.Namespace) -> list[tuple[str, str]]:
     keys = []
     for i, entry in enumerate(entries):
         name, sep, key = entry.partition("=")
-        keys.append((name, key) if sep else (f"key{i + 1}", entry))
+        keys.append((name, key) if name and key.strip("=") else (f"key{i + 1}", entry))
     return keys
 
 
