@@ -1,14 +1,20 @@
 """Tenants share the engine fairly: the waiting line (engine.fair_queue) against orderings computed by hand
 (weights 1:1 and 2:1, priorities, caps, preemption back to the front, idle tenants earn no credit, FIFO when fair
 sharing is off), the scheduler with several tenants (caps, token shares by weight, integrity after every step),
-and the real engine on the embedded model: a tenant that floods the queue does not hold back one that comes later
-(counted in engine steps, against the same run without fair sharing)."""
+the real engine on the embedded model (a tenant that floods the queue does not hold back one that comes later,
+counted in engine steps, against the same run without fair sharing), and the real server through the openai
+client: weight and cap round-trip through the admin API, a cap set there holds, priority is validated, and the
+flood over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import Counter
 
+import httpx
+import openai
 import pytest
 
 from kv_pool.unified_pool import PoolConfig, UnifiedPool
@@ -19,6 +25,7 @@ from lora_server.engine.request import FinishReason, Request
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.errors import InvalidRequestError
 from lora_server.sampling_params import SamplingParams
+from tests.servers import BASE, Server
 
 EOS = 2
 
@@ -336,3 +343,126 @@ def test_a_flooding_tenant_does_not_hold_back_another():
     assert engine.make_request([1, 2, 3], params, priority=-(2**31)).priority == -(2**31)
     _, fifo_waits = flood(fair=False, max_steps=12)
     assert all(w is None for w in fifo_waits.values()), fifo_waits  # same run, arrival order: b still waits
+
+
+# ---- the server, through the openai client -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fair")
+    s = Server(root, [root], ["--max-num-seqs", "4", "--adapter", "", "--allow-anonymous"])
+    yield s
+    s.stop()
+
+
+def make_tenant(server: Server, name: str, **share) -> str:
+    r = server.admin("POST", "/admin/tenants", json={"name": name, "adapters": [], **share})
+    assert r.status_code == 200, r.text
+    return r.json()["api_key"]
+
+
+def test_weight_and_cap_round_trip_through_the_admin_api(server):
+    r = server.admin("POST", "/admin/tenants", json={"name": "gold", "weight": 2.5, "max_running": 3})
+    body = r.json()
+    assert (body["weight"], body["max_running"]) == (2.5, 3)
+    plain = server.admin("POST", "/admin/tenants", json={"name": "plain"}).json()
+    assert (plain["weight"], plain["max_running"]) == (1.0, 0)  # defaults: equal shares, no cap
+    r = server.admin("PATCH", "/admin/tenants/gold", json={"max_running": 0})
+    assert r.status_code == 200 and (r.json()["weight"], r.json()["max_running"]) == (2.5, 0)
+    got = server.admin("GET", "/admin/tenants/gold").json()
+    assert (got["weight"], got["max_running"]) == (2.5, 0)
+    listed = {t["name"]: (t["weight"], t["max_running"]) for t in server.admin("GET", "/admin/tenants").json()["data"]}
+    assert listed["gold"] == (2.5, 0) and listed["plain"] == (1.0, 0)
+    for bad in ({"weight": 0}, {"weight": -1}, {"weight": 1001}, {"weight": "2"}, {"max_running": -1}, {}, {"x": 1}):
+        r = server.admin("PATCH", "/admin/tenants/gold", json=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = server.admin("POST", "/admin/tenants", json={"name": "bad", "weight": True})
+    assert r.status_code == 400 and server.admin("GET", "/admin/tenants/bad").status_code == 404
+    assert server.admin("PATCH", "/admin/tenants/nobody", json={"weight": 2}).status_code == 404
+    got = server.admin("GET", "/admin/tenants/gold").json()
+    assert (got["weight"], got["max_running"]) == (2.5, 0)  # the refused changes changed nothing
+
+
+def test_priority_is_validated(server):
+    client = server.client()
+    for bad in ("high", 1.5, 2**40, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=BASE, prompt="Hi", max_tokens=1, extra_body={"priority": bad})
+        assert info.value.body["param"] == "priority"
+    r = client.completions.create(model=BASE, prompt="Hi", max_tokens=1, extra_body={"priority": -3})
+    assert r.usage.completion_tokens == 1
+
+
+def spans(server: Server, tenant: str, key: str, n: int) -> list[tuple[float, float]]:
+    """n streamed completions at once, read on one event loop: (first token's time, end's time) of each, sorted."""
+    return asyncio.run(_spans(openai.AsyncOpenAI(base_url=f"{server.url}/t/{tenant}/v1", api_key=key), n))
+
+
+async def _spans(client: openai.AsyncOpenAI, n: int) -> list[tuple[float, float]]:
+
+    async def one() -> tuple[float, float]:
+        first = None
+        stream = await client.completions.create(
+            model=BASE, prompt="Count: one, two,", max_tokens=6, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.monotonic()
+        assert first is not None
+        return first, time.monotonic()
+
+    async with client:
+        return sorted(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def test_a_cap_set_through_the_admin_api_holds(server):
+    """Cap 1: a tenant's concurrent requests run one at a time (each starts after the one before ended: 5 steps
+    later, against a slack of 0.05 s for reading two sockets); once the cap is lifted they run together."""
+    key = make_tenant(server, "capped", max_running=1)
+    capped = spans(server, "capped", key, 3)
+    assert all(later[0] > earlier[1] - 0.05 for earlier, later in zip(capped, capped[1:], strict=False)), capped
+    assert server.admin("PATCH", "/admin/tenants/capped", json={"max_running": 0}).status_code == 200
+    free = spans(server, "capped", key, 3)
+    assert free[-1][0] < free[0][1], free  # the last started before the first ended
+
+
+@pytest.mark.slow
+def test_a_flooding_tenant_does_not_hold_back_another_over_http(server):
+    """Tenant heavy streams 50 requests at once, tenant light 5 a moment later (4 run at once): every one of
+    light's requests has its first token while most of heavy's have not started; then heavy's are dropped."""
+    keys = {name: make_tenant(server, name) for name in ("heavy", "light")}
+
+    async def main() -> tuple[list[float], list[float | None]]:
+        clients = {n: openai.AsyncOpenAI(base_url=f"{server.url}/t/{n}/v1", api_key=k) for n, k in keys.items()}
+        async with clients["heavy"], clients["light"]:
+            return await flood(clients)
+
+    async def flood(clients: dict[str, openai.AsyncOpenAI]) -> tuple[list[float], list[float | None]]:
+        async def first_token(name: str) -> float:
+            """The time of the request's first token; it is read to its end."""
+            first = None
+            stream = await clients[name].completions.create(
+                model=BASE, prompt="Count: one, two,", max_tokens=8, temperature=0, stream=True
+            )
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].text:
+                    first = time.monotonic()
+            assert first is not None
+            return first
+
+        heavy = [asyncio.create_task(first_token("heavy")) for _ in range(50)]
+        await asyncio.wait(heavy, return_when=asyncio.FIRST_COMPLETED)  # heavy's first round has ended
+        light = await asyncio.gather(*(first_token("light") for _ in range(5)))
+        started = [t.result() if t.done() else None for t in heavy]  # None: still running or waiting
+        for t in heavy:
+            t.cancel()
+        await asyncio.gather(*heavy, return_exceptions=True)
+        return light, started
+
+    light, heavy_done = asyncio.run(main())
+    # light's five ended (each ran 8 steps) while at least 30 of heavy's had not: arrival order would have served
+    # all 50 of heavy's first
+    assert sum(t is None for t in heavy_done) >= 30, heavy_done
+    assert httpx.get(f"{server.url}/health").status_code == 200
