@@ -230,6 +230,27 @@ def _bench_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fair_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, EngineConfig, quantization="none", max_num_seqs=8, kv_cache_bytes=0.25, host_kv_bytes=0)
+    p.add_argument("--heavy", type=int, default=50, help="the heavy tenant's requests, queued at once (default: 50)")
+    p.add_argument("--light", type=int, default=5, help="the light tenant's requests per round (default: 5)")
+    p.add_argument("--rounds", type=int, default=4, help="the light tenant's rounds (default: 4)")
+    p.add_argument("--gap", type=int, default=12, help="steps between the light tenant's rounds (default: 12)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of every request (default: 32)")
+    p.add_argument("--output-len", type=int, default=8, help="tokens generated per request (default: 8)")
+    p.add_argument("--trace-seed", dest="trace_seed", type=int, default=0, help="the prompts' seed (default: 0)")
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
+    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-fair.json)")
+
+
+@command("bench-fair", "a light tenant's TTFT beside a flooding one, fair sharing on and off", _bench_fair_args)
+def _bench_fair(args: argparse.Namespace) -> int:
+    from lora_server.bench.fair import bench
+
+    bench(args, config_from_flags(EngineConfig, args, show_progress=False))
+    return 0
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, EngineConfig)
     add_config_flags(p, ServerConfig)
