@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from admin.errors import ApiError
 from admin.keys import constant_time_equals
 from admin.store import (
+    MAX_TENANT_WEIGHT,
     AdapterRecord,
     RateLimits,
     RegistryStore,
@@ -66,12 +67,25 @@ class RateLimitsBody(BaseModel):
     tokens_per_minute: StrictInt | None = Field(default=None, ge=1)
 
 
+Weight = StrictInt | StrictFloat  # a tenant's share of the engine's tokens, relative to other tenants'
+
+
 class TenantBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
     adapters: list[str] = Field(default_factory=list)
     default_adapter: str | None = None
     rate_limits: RateLimitsBody | None = None
+    weight: Weight = Field(default=1.0, gt=0, le=MAX_TENANT_WEIGHT)
+    max_running: StrictInt = Field(default=0, ge=0)  # the most of its requests running at once; 0: no cap
+
+
+class TenantShareBody(BaseModel):
+    """PATCH /admin/tenants/{name}: the fields given change, the others stay."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight: Weight | None = Field(default=None, gt=0, le=MAX_TENANT_WEIGHT)
+    max_running: StrictInt | None = Field(default=None, ge=0)
 
 
 def presented_key(request: Request) -> str:
@@ -108,6 +122,8 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
             "requests_per_minute": t.rate_limits.requests_per_minute,
             "tokens_per_minute": t.rate_limits.tokens_per_minute,
         },
+        "weight": t.weight,
+        "max_running": t.max_running,
         "key_ids": list(t.key_ids),
         "created_at": t.created_at,
     }
@@ -219,6 +235,8 @@ def admin_router(
                 body.adapters,
                 body.default_adapter,
                 RateLimits(limits.requests_per_minute, limits.tokens_per_minute),
+                body.weight,
+                body.max_running,
             )
         except TenantExistsError as exc:
             raise ApiError(409, str(exc), param="name", code="tenant_exists") from exc
@@ -243,6 +261,19 @@ def admin_router(
             raise _no_tenant(name)
         usage = {a or "<base>": _usage_json(u) for a, u in store.usage(name).items()}
         return {**tenant_json(record), "usage": usage}
+
+    @router.patch("/admin/tenants/{name}")
+    def update_tenant(name: str, body: TenantShareBody) -> dict[str, Any]:
+        """Change the tenant's weight and/or cap of running requests; its requests sent from then on carry them."""
+        if body.weight is None and body.max_running is None:
+            raise ApiError(400, "give weight and/or max_running to change")
+        try:
+            record = store.set_share(name, body.weight, body.max_running)
+        except UnknownTenantError as exc:
+            raise _no_tenant(name) from exc
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        return tenant_json(record)
 
     @router.delete("/admin/tenants/{name}")
     def delete_tenant(name: str) -> dict[str, Any]:

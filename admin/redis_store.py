@@ -115,6 +115,8 @@ def _tenant_from_json(text: str) -> TenantRecord:
         rate_limits=RateLimits(**fields["rate_limits"]),
         key_hashes=tuple(key_hashes),
         created_at=fields["created_at"],
+        weight=fields.get("weight", 1.0),  # JSON written before tenants had a share: the default one
+        max_running=fields.get("max_running", 0),
     )
 
 
@@ -284,21 +286,35 @@ class RedisStore(RegistryStore):
         return None if text is None else _tenant_from_json(text)
 
     @_reachable
-    def _add_key(self, name: str, key_hash: str) -> TenantRecord | None:
-        def add(key_hashes: tuple[str, ...]) -> tuple[str, ...]:
-            return (*key_hashes, key_hash) if len(key_hashes) < MAX_KEYS_PER_TENANT else key_hashes
+    def _set_share(self, name: str, weight: float | None, max_running: int | None) -> TenantRecord | None:
+        def change(record: TenantRecord) -> TenantRecord:
+            return replace(
+                record,
+                weight=record.weight if weight is None else weight,
+                max_running=record.max_running if max_running is None else max_running,
+            )
 
-        return self._update_keys(name, add)
+        return self._update_tenant(name, change)
+
+    @_reachable
+    def _add_key(self, name: str, key_hash: str) -> TenantRecord | None:
+        def add(record: TenantRecord) -> TenantRecord:
+            full = len(record.key_hashes) >= MAX_KEYS_PER_TENANT
+            return record if full else replace(record, key_hashes=(*record.key_hashes, key_hash))
+
+        return self._update_tenant(name, add)
 
     @_reachable
     def _remove_key(self, name: str, key_hash: str) -> TenantRecord | None:
-        def remove(key_hashes: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(h for h in key_hashes if h != key_hash) if len(key_hashes) > 1 else key_hashes
+        def remove(record: TenantRecord) -> TenantRecord:
+            if len(record.key_hashes) == 1:
+                return record
+            return replace(record, key_hashes=tuple(h for h in record.key_hashes if h != key_hash))
 
-        return self._update_keys(name, remove)
+        return self._update_tenant(name, remove)
 
-    def _update_keys(self, name: str, update: Callable[[tuple[str, ...]], tuple[str, ...]]) -> TenantRecord | None:
-        """Replace the tenant's keys by ``update(its keys)``, in its record and in the key index, in one
+    def _update_tenant(self, name: str, update: Callable[[TenantRecord], TenantRecord]) -> TenantRecord | None:
+        """Replace the tenant's record by ``update(its record)``, and its keys in the key index, in one
         transaction; returns the record afterwards, None if no such tenant."""
 
         def rewrite(pipe: redis.client.Pipeline) -> TenantRecord | None:
@@ -307,7 +323,7 @@ class RedisStore(RegistryStore):
             if text is None:
                 return None
             old = _tenant_from_json(cast(str, text))
-            new = replace(old, key_hashes=update(old.key_hashes))
+            new = update(old)
             if new == old:
                 return old
             pipe.hset(self._tenants_key, name, _tenant_to_json(new))

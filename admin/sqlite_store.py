@@ -6,7 +6,8 @@ transactions, which take the file's write lock up front, so that several process
 also the index from key hash to tenant.
 
 Schema versions (``PRAGMA user_version``): 1 kept one key hash per tenant in ``tenants.key_hash``; 2 keeps them in
-``tenant_keys``. Opening a version 1 file migrates it, in one transaction.
+``tenant_keys``; 3 adds each tenant's share of the engine (``weight``, ``max_running``; 1 and 0 for tenants made
+before). Opening an older file migrates it, in one transaction.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from admin.store import (
     Usage,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS adapters (
         name TEXT PRIMARY KEY, path TEXT NOT NULL, version INTEGER NOT NULL, pinned INTEGER NOT NULL,
@@ -38,7 +39,8 @@ _SCHEMA = (
     # adapters: a JSON list of names, in the order given
     """CREATE TABLE IF NOT EXISTS tenants (
         name TEXT PRIMARY KEY, adapters TEXT NOT NULL, default_adapter TEXT, requests_per_minute INTEGER,
-        tokens_per_minute INTEGER, created_at REAL NOT NULL)""",
+        tokens_per_minute INTEGER, created_at REAL NOT NULL, weight REAL NOT NULL DEFAULT 1.0,
+        max_running INTEGER NOT NULL DEFAULT 0)""",
     # 1 or 2 rows per tenant; rowid order is the order the keys were added in
     "CREATE TABLE IF NOT EXISTS tenant_keys (key_hash TEXT PRIMARY KEY, tenant TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS tenant_keys_by_tenant ON tenant_keys (tenant)",
@@ -52,7 +54,8 @@ _SCHEMA = (
         completion_tokens INTEGER NOT NULL, PRIMARY KEY (tenant, adapter))""",
 )
 _ADAPTER_COLUMNS = "name, path, version, pinned, created_at"
-_TENANT_COLUMNS = "name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at"
+_TENANT_COLUMNS_V2 = "name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at"
+_TENANT_COLUMNS = f"{_TENANT_COLUMNS_V2}, weight, max_running"
 # The OperationalErrors that mean the file cannot be used now (busy, gone, unreadable), not that a statement is wrong.
 _UNAVAILABLE_MESSAGES = (
     "database is locked",
@@ -78,7 +81,7 @@ def _select_tenants(conn: sqlite3.Connection, where: str = "", params: tuple = (
     ):
         key_hashes.setdefault(tenant, []).append(key_hash)
     records = []
-    for name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at in rows:
+    for name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at, weight, cap in rows:
         records.append(
             TenantRecord(
                 name=name,
@@ -87,6 +90,8 @@ def _select_tenants(conn: sqlite3.Connection, where: str = "", params: tuple = (
                 rate_limits=RateLimits(requests_per_minute, tokens_per_minute),
                 key_hashes=tuple(key_hashes[name]),
                 created_at=created_at,
+                weight=weight,
+                max_running=cap,
             )
         )
     return records
@@ -103,9 +108,15 @@ def _migrate_from_v1(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE tenants RENAME TO tenants_v1")
     for statement in _SCHEMA:
         conn.execute(statement)
-    conn.execute(f"INSERT INTO tenants ({_TENANT_COLUMNS}) SELECT {_TENANT_COLUMNS} FROM tenants_v1")
+    conn.execute(f"INSERT INTO tenants ({_TENANT_COLUMNS_V2}) SELECT {_TENANT_COLUMNS_V2} FROM tenants_v1")
     conn.execute("INSERT INTO tenant_keys (key_hash, tenant) SELECT key_hash, name FROM tenants_v1 ORDER BY name")
     conn.execute("DROP TABLE tenants_v1")
+
+
+def _migrate_from_v2(conn: sqlite3.Connection) -> None:
+    """Give every tenant the default share: weight 1, no cap of running requests."""
+    conn.execute("ALTER TABLE tenants ADD COLUMN weight REAL NOT NULL DEFAULT 1.0")
+    conn.execute("ALTER TABLE tenants ADD COLUMN max_running INTEGER NOT NULL DEFAULT 0")
 
 
 class SQLiteStore(RegistryStore):
@@ -128,7 +139,9 @@ class SQLiteStore(RegistryStore):
                     f"this one knows versions up to {SCHEMA_VERSION}"
                 )
             if version == 1:
-                _migrate_from_v1(conn)
+                _migrate_from_v1(conn)  # to the current tenants table at once
+            elif version == 2:
+                _migrate_from_v2(conn)
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -199,7 +212,7 @@ class SQLiteStore(RegistryStore):
     def _insert_tenant(self, record: TenantRecord) -> bool:
         with self._transaction() as conn:
             cursor = conn.execute(
-                f"INSERT OR IGNORE INTO tenants ({_TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO tenants ({_TENANT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.name,
                     json.dumps(list(record.adapters)),
@@ -207,6 +220,8 @@ class SQLiteStore(RegistryStore):
                     record.rate_limits.requests_per_minute,
                     record.rate_limits.tokens_per_minute,
                     record.created_at,
+                    record.weight,
+                    record.max_running,
                 ),
             )
             if cursor.rowcount == 0:
@@ -235,6 +250,15 @@ class SQLiteStore(RegistryStore):
             conn.execute("DELETE FROM usage WHERE tenant = ?", (name,))
             conn.execute("DELETE FROM rate_windows WHERE tenant = ?", (name,))
             return deleted
+
+    def _set_share(self, name: str, weight: float | None, max_running: int | None) -> TenantRecord | None:
+        with self._transaction() as conn:
+            conn.execute(
+                "UPDATE tenants SET weight = COALESCE(?, weight), max_running = COALESCE(?, max_running) "
+                "WHERE name = ?",
+                (weight, max_running, name),
+            )
+            return _select_tenant(conn, name)
 
     def _tenant_by_key_hash(self, key_hash: str) -> TenantRecord | None:
         with self._transaction(write=False) as conn:

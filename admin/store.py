@@ -26,6 +26,7 @@ BASE_ADAPTER = ""  # the usage key of requests served by the base model (no adap
 SQLITE_FILENAME = "registry.sqlite3"
 DEFAULT_REDIS_PREFIX = "lora-server:"
 MAX_KEYS_PER_TENANT = 2  # the old key and its successor, while clients move over
+MAX_TENANT_WEIGHT = 1000.0
 KEY_ID_HEX_DIGITS = 12
 
 
@@ -38,7 +39,8 @@ class TenantExistsError(Exception):
 
 
 class UnknownTenantError(Exception):
-    """``issue_key`` or ``retire_key`` was given a tenant that does not exist (reads answer None instead)."""
+    """``issue_key``, ``retire_key`` or ``set_share`` was given a tenant that does not exist (reads answer None
+    instead)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(f"tenant {name!r} does not exist")
@@ -87,6 +89,13 @@ def _check_kind(kind: object) -> None:
         raise ValueError(f"rate-limit kind must be one of {RATE_KINDS}, got {kind!r}")
 
 
+def check_weight(value: object) -> float:
+    """A tenant's weight: a number in (0, MAX_TENANT_WEIGHT], else ValueError saying why."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TENANT_WEIGHT:
+        raise ValueError(f"weight must be a number in (0, {MAX_TENANT_WEIGHT:g}], got {value!r}")
+    return float(value)
+
+
 def _check_count(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
@@ -123,7 +132,11 @@ class RateLimits:
 class TenantRecord:
     """A tenant. ``adapters`` is its allow-list; ``default_adapter`` (one of them, or None for the base model) serves
     requests that name no adapter. ``key_hashes`` are the hashes of its API keys, oldest first: one, or two while a
-    key is being rotated; each of them authenticates the tenant. The keys themselves are kept nowhere."""
+    key is being rotated; each of them authenticates the tenant. The keys themselves are kept nowhere.
+
+    Its share of the engine: ``weight`` (waiting requests are admitted by weighted fair sharing of tokens across
+    tenants: weight 2 gets twice the tokens of weight 1 while both wait) and ``max_running``, the most of its
+    requests running at once (0: no cap)."""
 
     name: str
     adapters: tuple[str, ...]
@@ -131,6 +144,8 @@ class TenantRecord:
     rate_limits: RateLimits
     key_hashes: tuple[str, ...]
     created_at: float  # seconds since the epoch
+    weight: float = 1.0
+    max_running: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.key_hashes) <= MAX_KEYS_PER_TENANT:
@@ -217,10 +232,14 @@ class RegistryStore(ABC):
         adapters: Sequence[str],
         default_adapter: str | None = None,
         rate_limits: RateLimits | None = None,
+        weight: float = 1.0,
+        max_running: int = 0,
     ) -> tuple[TenantRecord, str]:
         """Create a tenant with a new API key; returns the record and the plaintext key, which is stored nowhere
         and cannot be read back. Raises TenantExistsError if the name is taken, ValueError on invalid arguments."""
         validate_name(name, "tenant name")
+        weight = check_weight(weight)
+        _check_count(max_running, "max_running")
         if isinstance(adapters, str):
             raise ValueError("adapters must be a list of adapter names, not a string")
         allowed = tuple(dict.fromkeys(validate_name(a, "adapter name") for a in adapters))
@@ -237,6 +256,8 @@ class RegistryStore(ABC):
             rate_limits=rate_limits,
             key_hashes=(hash_api_key(api_key),),
             created_at=time.time(),
+            weight=weight,
+            max_running=max_running,
         )
         if not self._insert_tenant(record):
             raise TenantExistsError(name)
@@ -244,6 +265,21 @@ class RegistryStore(ABC):
 
     def get_tenant(self, name: str) -> TenantRecord | None:
         return self._get_tenant(name) if is_valid_name(name) else None
+
+    def set_share(self, name: str, weight: float | None = None, max_running: int | None = None) -> TenantRecord:
+        """Change the tenant's weight and/or cap of running requests (None: leave it); returns the record
+        afterwards. Atomic: changes of other fields made at the same time are kept. Raises UnknownTenantError if
+        there is no such tenant, ValueError on invalid arguments. Requests already queued keep the share they
+        were sent with; later ones carry the new one."""
+        validate_name(name, "tenant name")
+        if weight is not None:
+            weight = check_weight(weight)
+        if max_running is not None:
+            _check_count(max_running, "max_running")
+        record = self._set_share(name, weight, max_running)
+        if record is None:
+            raise UnknownTenantError(name)
+        return record
 
     def list_tenants(self) -> list[TenantRecord]:
         """All tenants, sorted by name."""
@@ -420,6 +456,11 @@ class RegistryStore(ABC):
     @abstractmethod
     def _delete_tenant(self, name: str) -> bool:
         """Remove the tenant, its keys from the key index, its usage and its rate-limit windows."""
+
+    @abstractmethod
+    def _set_share(self, name: str, weight: float | None, max_running: int | None) -> TenantRecord | None:
+        """Set the fields given (not None) of the tenant's record; returns it afterwards, None if no such
+        tenant."""
 
     @abstractmethod
     def _tenant_by_key_hash(self, key_hash: str) -> TenantRecord | None:

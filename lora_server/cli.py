@@ -231,6 +231,27 @@ def _bench_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fair_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, EngineConfig, quantization="none", max_num_seqs=8, kv_cache_bytes=0.25, host_kv_bytes=0)
+    p.add_argument("--heavy", type=int, default=50, help="the heavy tenant's requests, queued at once (default: 50)")
+    p.add_argument("--light", type=int, default=5, help="the light tenant's requests per round (default: 5)")
+    p.add_argument("--rounds", type=int, default=4, help="the light tenant's rounds (default: 4)")
+    p.add_argument("--gap", type=int, default=12, help="steps between the light tenant's rounds (default: 12)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of every request (default: 32)")
+    p.add_argument("--output-len", type=int, default=8, help="tokens generated per request (default: 8)")
+    p.add_argument("--trace-seed", dest="trace_seed", type=int, default=0, help="the prompts' seed (default: 0)")
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
+    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-fair.json)")
+
+
+@command("bench-fair", "a light tenant's TTFT beside a flooding one, fair sharing on and off", _bench_fair_args)
+def _bench_fair(args: argparse.Namespace) -> int:
+    from lora_server.bench.fair import bench
+
+    bench(args, config_from_flags(EngineConfig, args, show_progress=False))
+    return 0
+
+
 def _bench_serve_args(p: argparse.ArgumentParser) -> None:
     from lora_server.bench.serve import add_args
 
@@ -248,16 +269,17 @@ BENCHMARKS = {
     "serve": ("load an OpenAI-compatible server the way vllm bench serve does", _bench_serve_args, _bench_serve),
     "engine": COMMANDS["bench-engine"],
     "pool": COMMANDS["bench-pool"],
+    "fair": COMMANDS["bench-fair"],
 }
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{serve,engine,pool}")
+    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{serve,engine,pool,fair}")
     for name, (help_text, add_args, _) in BENCHMARKS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
 
 
-@command("bench", "benchmarks: serve (any OpenAI-compatible server), engine, pool", _bench_args)
+@command("bench", "benchmarks: serve (any OpenAI-compatible server), engine, pool, fair", _bench_args)
 def _bench(args: argparse.Namespace) -> int:
     return BENCHMARKS[args.benchmark][2](args)
 

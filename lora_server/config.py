@@ -113,6 +113,14 @@ class EngineConfig:
     max_waiting_requests: int = field(
         default=1024, metadata=flag("requests that may wait beyond the running ones; more get 429")
     )
+    fair_sharing: bool = field(
+        default=True,
+        metadata=flag(
+            "admit waiting requests by weighted fair sharing of tokens across tenants (weights and caps of running "
+            "requests from the admin API), then by priority within a tenant; off: arrival order alone",
+            negate="--no-fair-sharing",
+        ),
+    )
     max_loras: int = field(
         default=8,
         metadata=flag("device slots for adapters: the most distinct adapters resident (and in one batch) at once"),

@@ -481,7 +481,7 @@ def test_randomized_run(chunked, seed):
             and budget - work.num_tokens > 0
         ):
             # the head of the queue was left out only because its blocks do not fit
-            head = sched.waiting[0]
+            head = next(iter(sched.waiting))
             want = min(head.num_uncomputed_tokens, budget - work.num_tokens)
             assert pool.blocks_for_tokens(want) > pool.num_free
 

@@ -315,6 +315,47 @@ def test_tenants_get_list_delete(store: RegistryStore):
     assert store.list_tenants() == [base]
 
 
+def test_tenant_share_is_stored_and_changed_atomically_by_field(backend: Backend, store: RegistryStore):
+    plain, _ = store.create_tenant("plain", [])
+    assert (plain.weight, plain.max_running) == (1.0, 0)  # the defaults: equal shares, no cap
+    heavy, key = store.create_tenant("heavy", ["sql"], weight=2.5, max_running=3)
+    assert (heavy.weight, heavy.max_running) == (2.5, 3) and store.get_tenant("heavy") == heavy
+    assert store.set_share("heavy", max_running=0) == TenantRecord(
+        "heavy", ("sql",), None, RateLimits(), heavy.key_hashes, heavy.created_at, weight=2.5, max_running=0
+    )
+    after = store.set_share("heavy", weight=0.5)
+    assert (after.weight, after.max_running) == (0.5, 0)
+    assert backend.open().tenant_by_key(key) == after == store.get_tenant("heavy")  # another replica sees it
+    for bad in (0, -1, 1001, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="weight"):
+            store.set_share("heavy", weight=bad)
+        with pytest.raises(ValueError, match="weight"):
+            store.create_tenant("other", [], weight=bad)
+    with pytest.raises(ValueError, match="max_running"):
+        store.set_share("heavy", max_running=-1)
+    with pytest.raises(UnknownTenantError):
+        store.set_share("nobody", weight=2)
+    assert store.get_tenant("heavy") == after and store.get_tenant("other") is None
+
+
+def test_concurrent_share_and_key_changes_are_not_lost(backend: Backend):
+    store = backend.open()
+    store.create_tenant("acme", [])
+
+    def change(i: int) -> None:
+        mine = backend.open()
+        if i == 0:
+            mine.issue_key("acme")
+        elif i == 1:
+            mine.set_share("acme", weight=3)
+        else:
+            mine.set_share("acme", max_running=4)
+
+    _run_threads(3, change)
+    record = store.get_tenant("acme")
+    assert (len(record.key_hashes), record.weight, record.max_running) == (2, 3.0, 4)
+
+
 def test_authenticate(store: RegistryStore):
     acme, acme_key = store.create_tenant("acme", ["sql"])
     globex, globex_key = store.create_tenant("globex", [])
@@ -669,12 +710,37 @@ def test_sqlite_file_of_schema_1_is_migrated(tmp_path: Path):
         assert store.take("acme", "tokens", 0, 10, now=6000.0).remaining == 3
         _, new_key = store.issue_key("acme")
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
         assert "key_hash" not in [row[1] for row in conn.execute("PRAGMA table_info(tenants)")]
         assert sorted(conn.execute("SELECT tenant FROM tenant_keys")) == [("acme",), ("acme",), ("globex",)]
     with open_store(tmp_path) as store:  # opening the migrated file again changes nothing
         assert store.tenant_by_key(new_key).key_hashes == (hash_api_key(acme_key), hash_api_key(new_key))
         assert store.get_tenant("globex") == globex
+
+
+# Version 2 (keys in tenant_keys, no share per tenant): version 1's tenants table without key_hash.
+_SQLITE_SCHEMA_2 = (
+    _SQLITE_SCHEMA_1.replace("key_hash TEXT NOT NULL, ", "").replace("user_version = 1", "user_version = 2")
+    + "CREATE TABLE tenant_keys (key_hash TEXT PRIMARY KEY, tenant TEXT NOT NULL);"
+)
+
+
+def test_sqlite_file_of_schema_2_gets_the_default_share(tmp_path: Path):
+    key = generate_api_key()
+    path = tmp_path / SQLITE_FILENAME
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(_SQLITE_SCHEMA_2)
+        conn.execute("""INSERT INTO tenants VALUES ('acme', '["sql"]', 'sql', 5, 500, 1000.0)""")
+        conn.execute("INSERT INTO tenant_keys VALUES (?, 'acme')", (hash_api_key(key),))
+        conn.commit()
+    acme = TenantRecord("acme", ("sql",), "sql", RateLimits(5, 500), (hash_api_key(key),), 1000.0, 1.0, 0)
+    with open_store(tmp_path) as store:
+        assert store.tenant_by_key(key) == acme
+        assert store.set_share("acme", weight=2, max_running=1).weight == 2.0
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    with open_store(tmp_path) as store:  # opening it again changes nothing
+        assert (store.get_tenant("acme").weight, store.get_tenant("acme").max_running) == (2.0, 1)
 
 
 def test_sqlite_file_of_a_newer_schema_is_refused(tmp_path: Path):

@@ -20,7 +20,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
-from lora_server.engine.request import FinishReason, Request
+from lora_server.engine.request import MAX_PRIORITY, MIN_PRIORITY, NO_TENANT, FinishReason, Request, TenantShare
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
@@ -104,6 +104,7 @@ class EngineCore:
                 self.max_model_len,
                 config.enable_chunked_prefill,
                 config.max_waiting_requests,
+                fair_sharing=config.fair_sharing,
             ),
             self.pool,
             self.adapters,
@@ -115,11 +116,21 @@ class EngineCore:
     # ---- admission -----------------------------------------------------------------------------------------
 
     def make_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, adapter: str | None = None, cache_salt: str = ""
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        adapter: str | None = None,
+        cache_salt: str = "",
+        *,
+        tenant: TenantShare = NO_TENANT,
+        priority: int = 0,
     ) -> Request:
         """Validate and tokenize (safe from any thread); raises InvalidRequestError (ContextLengthExceededError,
         UnknownAdapterError) and changes nothing. ``adapter`` names a registered adapter; None is the base model.
-        Requests share cached KV only when their adapter version and ``cache_salt`` are equal.
+        Requests share cached KV only when their adapter version and ``cache_salt`` are equal. ``tenant``: whom it
+        is served for and that tenant's share; ``priority``: its place among the tenant's waiting requests (lower
+        first), an integer in [MIN_PRIORITY, MAX_PRIORITY].
 
         The returned request holds its adapter's current version: pass it to the scheduler (which lets go when it
         ends) or to ``discard``."""
@@ -138,6 +149,10 @@ class EngineCore:
                 )
         if not ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidRequestError(
+                f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}", param="priority"
+            )
         self._check_vocab_bounds(params)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
@@ -154,7 +169,16 @@ class EngineCore:
                     "Please reduce the prompt or max_tokens."
                 )
         handle = None if adapter is None else self.adapters.acquire(adapter)  # last: nothing raises after it
-        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, adapter=handle, cache_salt=cache_salt)
+        return Request(
+            request_id,
+            ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            adapter=handle,
+            cache_salt=cache_salt,
+            tenant=tenant,
+            priority=priority,
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a prompt's text; a text too long for the context by its length alone (at least

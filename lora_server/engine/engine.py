@@ -22,7 +22,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterHandle, UnknownAdapterError
 from lora_server.engine.core import EngineCore, Prompt
 from lora_server.engine.outputs import Completion, RequestOutput
-from lora_server.engine.request import Request
+from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
     EngineDeadError,
@@ -266,12 +266,25 @@ class Engine:
         adapter: str | None = None,
         cache_salt: str = "",
         request_id: str | None = None,
+        *,
+        tenant: TenantShare = NO_TENANT,
+        priority: int = 0,
     ) -> Request:
         """Validate and tokenize, from any thread (the server calls it off the event loop); raises
         InvalidRequestError / ContextLengthExceededError / UnknownAdapterError and changes nothing. The request
         holds its adapter version: ``submit`` it or ``discard`` it. ``cache_salt``: only requests with the same
-        salt share cached KV (per tenant)."""
-        return self.core.make_request(request_id or f"req-{next(self._ids)}", prompt, params, adapter, cache_salt)
+        salt share cached KV (per tenant). ``tenant``: whom it is served for, with the tenant's weight and cap of
+        running requests (waiting requests are admitted by weighted fair sharing across tenants, unless the
+        config turns it off); ``priority``: lower values are admitted first among the tenant's waiting requests."""
+        return self.core.make_request(
+            request_id or f"req-{next(self._ids)}",
+            prompt,
+            params,
+            adapter,
+            cache_salt,
+            tenant=tenant,
+            priority=priority,
+        )
 
     def discard(self, request: Request) -> None:
         """Let go of a made request that will not be submitted."""

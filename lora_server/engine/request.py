@@ -4,6 +4,7 @@ only the request holds these fields."""
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,31 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # serving it raised; it ended alone (RequestFailedError)
 
 
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # vLLM's priority field, held to 32 bits
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """Whom a request is served for, and that tenant's share of the engine (the admin API sets it; the server
+    passes it with each request, so the engine needs no store). Waiting requests are admitted by weighted fair
+    sharing across tenants: a tenant with weight 2 gets twice the tokens of one with weight 1 while both wait
+    (see engine.fair_queue). ``max_running``: the most of its requests running at once, 0 = no cap."""
+
+    name: str = ""  # "": callers without a tenant (anonymous, --api-key) are one tenant
+    weight: float = 1.0
+    max_running: int = 0
+
+    def __post_init__(self) -> None:
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+            raise ValueError(f"a tenant's weight must be a positive finite number, got {self.weight!r}")
+        if isinstance(self.max_running, bool) or not isinstance(self.max_running, int) or self.max_running < 0:
+            raise ValueError(f"a tenant's max_running must be a non-negative integer, got {self.max_running!r}")
+
+
+NO_TENANT = TenantShare()  # requests of callers without a tenant, and offline ones
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -33,6 +59,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     adapter: AdapterHandle | None = None  # None: the base model
     cache_salt: str = ""  # KV is shared only between requests with the same salt (the server's per-tenant salt)
+    tenant: TenantShare = NO_TENANT
+    priority: int = 0  # vLLM's: among its tenant's waiting requests, lower values are admitted first
     admission: Admission | None = None  # its hold on the pool while running
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt + output

@@ -2,8 +2,10 @@
 
 Every request has two counters, tokens in total and tokens computed; a step schedules for each chosen request
 up to (total - computed) tokens. A decode is the case of one token, a prefill (or a chunk of one) the case of
-many: there is one code path. Decodes go first, then running prefills, then waiting requests in arrival order.
-When KV blocks run out the most recently arrived running request is preempted: its blocks are freed and it is
+many: there is one code path. Decodes go first, then running prefills, then waiting requests in the order of the
+waiting line (engine.fair_queue: weighted fair sharing across tenants, each tenant's cap of running requests, then
+priority and arrival; or arrival order alone with fair sharing off). When KV blocks run out the most recently
+admitted running request is preempted: its blocks are freed, it goes back to the front of its tenant's line and is
 recomputed from its tokens later.
 
 Blocks come from the unified pool (kv_pool.UnifiedPool): admission matches the longest cached prefix of the
@@ -14,7 +16,7 @@ as cached KV where the policy reuses KV (a preempted request usually finds its o
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from kv_pool import OutOfBlocksError
 from kv_pool.tree import BASE_ADAPTER_ID, PrefixKey
 from kv_pool.unified_pool import UnifiedPool
 from lora_server.engine.adapter_registry import AdapterRegistry
+from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.request import FinishReason, Request, RequestStatus
 from lora_server.errors import QueueFullError
 
@@ -34,6 +37,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024
     pool_tick_s: float = 0.1  # the pool's policy runs at least this often (and on every allocation failure)
+    fair_sharing: bool = True  # admission by weighted fair sharing across tenants (False: arrival order)
 
 
 @dataclass(slots=True)
@@ -64,7 +68,7 @@ class Scheduler:
         self.adapters = adapters
         self.clock = clock
         self._last_tick = float("-inf")
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue(config.fair_sharing)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -78,7 +82,7 @@ class Scheduler:
         if request.adapter is not None and self.adapters is None:
             raise ValueError("this scheduler serves no adapters")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,18 +112,24 @@ class Scheduler:
             if not self._reserve_or_preempt(request, n, work, now):
                 continue
             work.items.append((request, n))
+            self.waiting.charge(request, n)
             budget -= n
         if work.preempted:
             return work  # blocks are short: admit nobody new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            chunk = self._admit(request, budget, now)
+        running_by_tenant = Counter(r.tenant.name for r in self.running)
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            head = self.waiting.next(running_by_tenant)
+            if head is None:
+                break
+            chunk = self._admit(head, budget, now)
             if chunk is None:
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            work.items.append((request, chunk))
+            self.waiting.admit(head)
+            head.status = RequestStatus.RUNNING
+            self.running.append(head)
+            running_by_tenant[head.tenant.name] += 1
+            work.items.append((head, chunk))
+            self.waiting.charge(head, chunk)
             budget -= chunk
         return work
 
@@ -194,13 +204,15 @@ class Scheduler:
 
     def _preempt(self, request: Request, work: ScheduledWork) -> None:
         self.running.remove(request)
+        for n in [n for r, n in work.items if r is request]:
+            self.waiting.charge(request, -n)  # its tokens of this step are not computed
         work.items = [(r, n) for r, n in work.items if r is not request]
         self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
         work.preempted.append(request)
 
     def update(self, work: ScheduledWork, sampled: dict[str, int]) -> list[Request]:

@@ -32,6 +32,7 @@ from admin.store import RateDecision, RegistryStore, StoreUnavailableError, Tena
 from lora_server.config import ServerConfig
 from lora_server.engine import Engine
 from lora_server.engine.adapter_registry import UnknownAdapterError
+from lora_server.engine.request import NO_TENANT, TenantShare
 from lora_server.errors import LoraServerError
 from lora_server.server.metrics import Metrics
 from lora_server.server.openai_serving import ClientDisconnected, OpenAIServing, Prepared
@@ -310,7 +311,13 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         req = await run_in_threadpool(parse_body, raw, model_cls)
         adapter = resolve(req.model, tenant)
         prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
-        prepared: Prepared = await run_in_threadpool(prepare, req, adapter, cache_salt(tenant))  # type: ignore[arg-type]
+        prepared: Prepared = await run_in_threadpool(
+            prepare,  # type: ignore[arg-type]
+            req,
+            adapter,
+            cache_salt(tenant),
+            tenant_share(tenant),
+        )
         try:
             meter = (
                 None if tenant is None else await run_in_threadpool(TenantMeter.admit, store, tenant, adapter, prepared)
@@ -460,6 +467,14 @@ def cache_salt(tenant: TenantRecord | None) -> str:
     """The prefix-cache salt of a request: each tenant's cached KV is its own; anonymous and --api-key requests
     share "". Derived here, never taken from the client."""
     return "" if tenant is None else f"tenant:{tenant.name}"
+
+
+def tenant_share(tenant: TenantRecord | None) -> TenantShare:
+    """Whom a request is served for, with the tenant's weight and cap as the registry holds them now; anonymous
+    and --api-key requests are one tenant, "" (weight 1, no cap)."""
+    if tenant is None:
+        return NO_TENANT
+    return TenantShare(tenant.name, tenant.weight, tenant.max_running)
 
 
 def _bearer(request: Request) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from lora_server.engine import Engine, Prompt
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
-from lora_server.engine.request import Request
+from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.errors import LoraServerError
 from lora_server.sampling_params import SamplingParams
 from lora_server.server.metrics import Metrics
@@ -79,31 +79,36 @@ class OpenAIServing:
 
     # ---- stage 1 (blocking, in a worker thread) -------------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest, adapter: str | None, cache_salt: str) -> Prepared:
+    def prepare_chat(
+        self, req: ChatCompletionRequest, adapter: str | None, cache_salt: str, tenant: TenantShare = NO_TENANT
+    ) -> Prepared:
+        """``tenant``: whom it is served for, with the tenant's share of the engine (weight, cap)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt = self.engine.chat_prompt(messages)
         params = req.to_params(self.engine.max_model_len - len(prompt))
-        return self._prepare("chat", [prompt], params, req.n, req.stream, _include_usage(req), adapter, cache_salt)
+        return self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant)
 
-    def prepare_completion(self, req: CompletionRequest, adapter: str | None, cache_salt: str) -> Prepared:
+    def prepare_completion(
+        self, req: CompletionRequest, adapter: str | None, cache_salt: str, tenant: TenantShare = NO_TENANT
+    ) -> Prepared:
         prompts: list[Prompt] = list(req.prompts())
         if self.engine.tokenizer is not None:  # tokenized once here; the engine takes the ids
             prompts = [self.engine.encode(p) if isinstance(p, str) and p else p for p in prompts]
         longest = max(len(p) for p in prompts)
         params = req.to_params(self.engine.max_model_len - longest)
-        return self._prepare("completion", prompts, params, req.n, req.stream, _include_usage(req), adapter, cache_salt)
+        return self._prepare("completion", prompts, params, req, adapter, cache_salt, tenant)
 
     def _prepare(
         self,
         kind: str,
         prompts: list[Prompt],
         params: SamplingParams,
-        n: int,
-        stream: bool,
-        include_usage: bool,
+        req: ChatCompletionRequest | CompletionRequest,
         adapter: str | None,
         cache_salt: str,
+        tenant: TenantShare,
     ) -> Prepared:
+        n = req.n
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         requests: list[Request] = []
         try:
@@ -111,12 +116,20 @@ class OpenAIServing:
                 for i in range(n):
                     sub = params if params.seed is None or n == 1 else replace(params, seed=_seed(params.seed + i))
                     requests.append(
-                        self.engine.make_request(prompt, sub, adapter, cache_salt, f"{request_id}-{p_index}-{i}")
+                        self.engine.make_request(
+                            prompt,
+                            sub,
+                            adapter,
+                            cache_salt,
+                            f"{request_id}-{p_index}-{i}",
+                            tenant=tenant,
+                            priority=req.priority,
+                        )
                     )
         except LoraServerError:
             self.discard(requests)
             raise
-        return Prepared(kind, requests, n, stream, include_usage)
+        return Prepared(kind, requests, n, req.stream, _include_usage(req))
 
     def discard(self, requests: list[Request]) -> None:
         for r in requests:

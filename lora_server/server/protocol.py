@@ -45,6 +45,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: StrictInt = 0  # vLLM's: lower values are admitted first among the tenant's waiting requests
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         """default_max: what max_tokens becomes when the request gives none (the room left in the context)."""
