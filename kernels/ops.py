@@ -116,16 +116,22 @@ def apply_lora(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """In place: k_cache.view(-1, KVH, D)[slot_mapping] = k, and v alike (kernels.write_kv; the twin needs every
-    slot >= 0)."""
+    """In place: k_cache.view(-1, KVH, D)[slot_mapping] = k, and v alike; an fp8 cache stores k / k_scale[:, None]
+    clamped to +-448 (kernels.write_kv; the twin needs every slot >= 0)."""
     if use_kernels(k.device):
         from kernels.write_kv import write_kv_cache as kernel
 
-        kernel(k, v, k_cache, v_cache, slot_mapping)
+        kernel(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -137,14 +143,21 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
-    steps and prefill chunks alike (kernels.paged_attention; the twin needs no max_query_len)."""
+    steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]
+    (kernels.paged_attention; the twin needs no max_query_len)."""
     if use_kernels(q.device):
         from kernels.paged_attention import paged_attention as kernel
 
-        return kernel(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return kernel(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, k_scale, v_scale
+        )
+    return reference.paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+    )
 
 
 def int8_matmul(

@@ -1,6 +1,8 @@
 """Paged attention: causal grouped-query attention of each sequence's new queries over its KV cache, read through
 a block table. One kernel for decode (one query per sequence) and for prefill chunks over a cached prefix (n queries
-per sequence, its last n positions). Torch twin: ``kernels.reference.paged_attention``."""
+per sequence, its last n positions). An fp8 cache is read as stored.float() * the KV head's scale: the kernel loads
+fp8, converts it to q's dtype (exact) and applies the key scale to the scores and the value scale to the output.
+Torch twin: ``kernels.reference.paged_attention``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import FP8_KV_DTYPE
 
 
 @triton.jit
@@ -20,6 +24,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -45,12 +51,14 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (b, kv_head, m_tile): the outputs of rows m_tile * BLOCK_M ... of sequence b's (query, head) rows
     of one KV head, row m = query (m // GROUP) with head kv_head * GROUP + m % GROUP, so the GROUP heads that share
     a KV head read each key and value once. Keys stream in BLOCK_N blocks up to the last position a row of the tile
     sees, with an online softmax in fp32 (base 2: qk_scale holds scale * log2(e)). Tiles past the sequence's
-    rows exit at once."""
+    rows exit at once. KV_FP8: the caches hold fp8, k_scale[kv_head] multiplies the scores and v_scale[kv_head]
+    the output."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -81,6 +89,8 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, BLOCK_D]
     if DOT_IN_FP32:
         q = q.to(tl.float32)
+    if KV_FP8:  # q . (k8 * ks) = (q . k8) * ks; sum p (v8 * vs) = vs * sum p v8
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     table_row = block_tables_ptr + b.to(tl.int64) * stride_tb
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of the scaled scores
@@ -96,6 +106,9 @@ def _paged_attention_kernel(
         kv_mask = key_mask[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
         k = tl.load(k_cache_ptr + k_slot[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + v_slot[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if KV_FP8:  # every float8 e4m3 value is exact in fp32, fp16 and bf16
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -111,6 +124,8 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -127,6 +142,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int = 64,
@@ -138,12 +155,13 @@ def paged_attention(
     max_query_len: an upper bound on query_start_loc[b + 1] - query_start_loc[b] over the batch (1 for a pure
     decode step); it sizes the grid, and queries past it would not be computed.
 
-    q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D], q's dtype, H a multiple of KVH (query head h
-    reads KV head h // (H // KVH)); block_tables: [B, max_blocks] int32; seq_lens: [B] and query_start_loc:
+    q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D], q's dtype, or float8_e4m3fn with k_scale,
+    v_scale [KVH] float32 (None otherwise), H a multiple of KVH (query head h reads KV head h // (H // KVH));
+    block_tables: [B, max_blocks] int32; seq_lens: [B] and query_start_loc:
     [B + 1], int32 or int64, with query_start_loc[b + 1] - query_start_loc[b] <= seq_lens[b]. Any strides.
     Returns out [T, H, D] in q's dtype where, for sequence b with n = query_start_loc[b + 1] - query_start_loc[b],
-    L = seq_lens[b], the keys and values K_b, V_b [L, KVH, D] = k_cache[block_tables[b]].flatten(0, 1)[:L] and
-    rows t = query_start_loc[b] + i,
+    L = seq_lens[b], the keys and values K_b, V_b [L, KVH, D] = k_cache[block_tables[b]].flatten(0, 1)[:L] (for an
+    fp8 cache, .float() * k_scale[:, None], and V alike) and rows t = query_start_loc[b] + i,
 
         out[t, h] = softmax(scale * K_b[:L - n + i + 1, h // (H // KVH)].float() @ q[t, h].float())
                     @ V_b[:L - n + i + 1, h // (H // KVH)].float()
@@ -160,7 +178,16 @@ def paged_attention(
     assert kv_dim == head_dim, f"cache head_dim {kv_dim} != q's {head_dim}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly"
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    kv_fp8 = k_cache.dtype == FP8_KV_DTYPE
+    assert kv_fp8 or k_cache.dtype == q.dtype, (q.dtype, k_cache.dtype)
+    if kv_fp8:
+        for kv_scale in (k_scale, v_scale):
+            assert kv_scale is not None, "an fp8 cache needs k_scale and v_scale"
+            assert kv_scale.shape == (num_kv_heads,) and kv_scale.dtype == torch.float32, kv_scale
+            assert kv_scale.device == q.device, (kv_scale.device, q.device)
+    else:
+        assert k_scale is None and v_scale is None, f"scales are for fp8 caches, not {k_cache.dtype}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch, tuple(block_tables.shape)
     assert block_tables.dtype == torch.int32, block_tables.dtype
     assert query_start_loc.shape == (batch + 1,), f"query_start_loc {tuple(query_start_loc.shape)} != ({batch + 1},)"
@@ -188,6 +215,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        k_scale if k_scale is not None else q,  # not read unless KV_FP8
+        v_scale if v_scale is not None else q,
         scale * math.log2(math.e),
         q.stride(0),
         q.stride(1),
@@ -213,6 +242,7 @@ def paged_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_IN_FP32=dot_in_fp32,
         PRECISION="ieee" if dot_in_fp32 or q.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
     )
     return out

@@ -6,16 +6,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The fp8 KV format: float8 e4m3 (finite max 448, 3 mantissa bits) with one float32 scale per KV head (per layer,
+# for K and V apart): the cache stores x / scale clamped to +-448, and x is read back as stored.float() * scale.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x [tokens, kv_heads, head_dim] as a cache of cache_dtype stores it: x.to(cache_dtype), or for an fp8 cache
+    (x.float() / scale[:, None]).clamp(-448, 448).to(FP8_KV_DTYPE) with scale [kv_heads] float32."""
+    if cache_dtype != FP8_KV_DTYPE:
+        assert scale is None, f"scales are for fp8 caches, not {cache_dtype}"
+        return x.to(cache_dtype)
+    assert scale is not None, "an fp8 cache needs a scale per KV head"
+    fp8_max = torch.finfo(FP8_KV_DTYPE).max
+    return (x.float() / scale[:, None]).clamp(-fp8_max, fp8_max).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float32 [..., kv_heads, head_dim] of cache rows: stored.float(), times scale[:, None] for an fp8 cache."""
+    if scale is None:
+        return stored.float()
+    return stored.float() * scale[:, None]
+
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache.view(-1, kv_heads, head_dim)[slot_mapping] = k (and v alike), in place.
+    """k_cache.view(-1, kv_heads, head_dim)[slot_mapping] = quantize_kv(k, k_cache.dtype, k_scale) (and v alike),
+    in place.
 
     k, v: [tokens, kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim];
-    slot_mapping: [tokens] int64, slot = block_id * block_size + offset."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    slot_mapping: [tokens] int64, slot = block_id * block_size + offset; k_scale, v_scale: [kv_heads] float32 for
+    an fp8 cache, else None."""
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows, stored = cache.view(-1, *cache.shape[2:]), quantize_kv(x, cache.dtype, scale)
+        if cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no float8 kernel on the CPU: move the bytes
+            rows, stored = rows.view(torch.uint8), stored.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, stored)
 
 
 def paged_attention(
@@ -26,8 +59,11 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal grouped-query attention of each sequence's new queries over its paged KV.
+    """Causal grouped-query attention of each sequence's new queries over its paged KV, in float32 over the keys
+    and values dequantize_kv reads (an fp8 cache: stored values times k_scale / v_scale [kv_heads]).
 
     q: [tokens, heads, head_dim], the queries of all sequences back to back; sequence b owns rows
     query_start_loc[b]:query_start_loc[b + 1], which are its last (query_start_loc[b+1] - query_start_loc[b])
@@ -42,15 +78,15 @@ def paged_attention(
         if n == 0:
             continue
         blocks = block_tables[b, : (seq_len + block_size - 1) // block_size].long()
-        k_b = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
-        v_b = v_cache[blocks].flatten(0, 1)[:seq_len]
+        k_b = dequantize_kv(k_cache[blocks].flatten(0, 1)[:seq_len], k_scale)  # [seq_len, kv_heads, head_dim]
+        v_b = dequantize_kv(v_cache[blocks].flatten(0, 1)[:seq_len], v_scale)
         # query i sits at position seq_len - n + i and sees keys 0 ..= that position
         key_pos = torch.arange(seq_len, device=q.device)
         mask = key_pos[None, :] <= key_pos[seq_len - n :, None]  # [n, seq_len]
         o = F.scaled_dot_product_attention(
             q_b.transpose(0, 1).float(),
-            k_b.transpose(0, 1).float(),
-            v_b.transpose(0, 1).float(),
+            k_b.transpose(0, 1),
+            v_b.transpose(0, 1),
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,

@@ -1,11 +1,29 @@
-"""Write KV: this step's keys and values into their slots of the paged KV cache (reshape-and-cache). Torch twin:
-``kernels.reference.write_kv_cache``."""
+"""Write KV: this step's keys and values into their slots of the paged KV cache (reshape-and-cache), quantized to
+float8 e4m3 with a scale per KV head where the cache is fp8. Torch twin: ``kernels.reference.write_kv_cache``."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.reference import FP8_KV_DTYPE
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, still as float32, so that the
+    cast to fp8 after it is exact on every backend (the Triton interpreter's float32 -> float8 cast neither rounds
+    ties to even nor carries a rounded-up mantissa into the exponent). e4m3 steps are 2^(e - 3) in [2^e, 2^(e+1))
+    for e >= -6 and 2^-9 below 2^-6 (subnormals); |x| / step < 16, and adding then subtracting 2^23 rounds it to an
+    integer, ties to even. Every product here is by a power of two, hence exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127  # floor(log2 |x|) for normal x
+    exponent = tl.maximum(exponent, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+    inv_step = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (tl.abs(x) * inv_step + 8388608.0) - 8388608.0
+    return tl.where(bits < 0, -steps, steps) * step  # the sign bit: -0.0 stays -0.0
 
 
 @triton.jit
@@ -15,6 +33,8 @@ def _write_kv_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -34,9 +54,13 @@ def _write_kv_cache_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Program (token): copies k[token] and v[token] ([KVH, D], cast to the cache's dtype) into slot
-    slot_mapping[token] = block * PAGE_SIZE + offset. A negative slot (a padding token) writes nothing."""
+    slot_mapping[token] = block * PAGE_SIZE + offset. A negative slot (a padding token) writes nothing. QUANTIZE:
+    the cache is fp8 and each head's values are divided by its scale (k_scale / v_scale [KVH], rounded division as
+    torch's), clamped to +-FP8_MAX and rounded to the e4m3 grid before the cast."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -48,6 +72,11 @@ def _write_kv_cache_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    if QUANTIZE:
+        k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)  # [BLOCK_H, 1]
+        v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
+        k = _round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX))
+        v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX))
     tl.store(
         k_cache_ptr + page * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd,
         k.to(k_cache_ptr.dtype.element_ty),
@@ -61,13 +90,22 @@ def _write_kv_cache_kernel(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """In place, one launch: k_cache.view(-1, KVH, D)[slot_mapping] = k.to(k_cache.dtype), and v alike.
+    """In place, one launch: k_cache.view(-1, KVH, D)[slot_mapping] = k.to(k_cache.dtype), and v alike; for a
+    float8_e4m3fn cache, = (k.float() / k_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn) (v with
+    v_scale), i.e. ``kernels.reference.quantize_kv``.
 
     k, v: [T, KVH, D], any strides (slices of a fused QKV output are fine); k_cache, v_cache: [num_blocks,
     block_size, KVH, D], any strides; slot_mapping: [T] int32 or int64, slot = block_id * block_size + offset,
-    distinct. Tokens with a negative slot are skipped (the twin needs every slot >= 0)."""
+    distinct; k_scale, v_scale: [KVH] float32, given exactly when the caches are fp8. Tokens with a negative slot
+    are skipped (the twin needs every slot >= 0)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"
     assert k_cache.shape == v_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
@@ -76,6 +114,15 @@ def write_kv_cache(
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     for t in (v, k_cache, v_cache, slot_mapping):
         assert t.device == k.device, (t.device, k.device)
+    quantize = k_cache.dtype == FP8_KV_DTYPE
+    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    if quantize:
+        for scale in (k_scale, v_scale):
+            assert scale is not None, "an fp8 cache needs k_scale and v_scale"
+            assert scale.shape == (num_kv_heads,) and scale.dtype == torch.float32, (scale.shape, scale.dtype)
+            assert scale.is_contiguous() and scale.device == k.device, (scale.stride(), scale.device)
+    else:
+        assert k_scale is None and v_scale is None, f"scales are for fp8 caches, not {k_cache.dtype}"
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](
@@ -84,6 +131,8 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if k_scale is not None else k,  # not read unless QUANTIZE
+        v_scale if v_scale is not None else v,
         k.stride(0),
         k.stride(1),
         k.stride(2),
@@ -103,4 +152,6 @@ def write_kv_cache(
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANTIZE=quantize,
+        FP8_MAX=torch.finfo(FP8_KV_DTYPE).max,
     )

@@ -1,6 +1,8 @@
 """Paged attention (kernels/paged_attention.py) and the KV-cache write (kernels/write_kv.py), checked against their
 torch twins (kernels/reference.py), and each twin against a plain float64 loop written here from the contract (the
-independent reference); then the dispatcher's attention ops (kernels/ops.py).
+independent reference); then the dispatcher's attention ops (kernels/ops.py). The fp8 KV format (float8 e4m3, a
+scale per KV head) runs through the same checks: the Triton interpreter handles float8 tensors on the CPU, so the
+fp8 kernels are tested here under TRITON_INTERPRET=1 as well as on the GPU.
 
 The attention sweep covers dtype, block size, head dim, grouped-query ratio, how many queries each sequence brings
 (decode: 1; prefill: the whole context; chunk: any count up to the context) and the kernel's block sizes: every
@@ -92,6 +94,8 @@ class Batch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
     scale: float
+    k_scale: torch.Tensor | None = None  # [KVH] float32 when the caches are fp8: value = stored.float() * scale
+    v_scale: torch.Tensor | None = None
 
 
 def make_batch(
@@ -161,7 +165,10 @@ def loop_attention(batch: Batch) -> torch.Tensor:
     attends to the keys at positions 0 ..= that, key j read from slot j % block_size of block
     block_tables[b, j // block_size]; query head h reads KV head h // (H // KVH). Returns [T, H, D] float64."""
     q = batch.q.double().cpu()
-    k_cache, v_cache = batch.k_cache.double().cpu(), batch.v_cache.double().cpu()
+    k_cache, v_cache = batch.k_cache.float().double().cpu(), batch.v_cache.float().double().cpu()
+    if batch.k_scale is not None:  # an fp8 cache: each KV head's values times its scale
+        k_cache = k_cache * batch.k_scale.double().cpu()[:, None]
+        v_cache = v_cache * batch.v_scale.double().cpu()[:, None]
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     kv_head_of = torch.arange(num_heads) // (num_heads // num_kv_heads)
@@ -199,13 +206,50 @@ def run_kernel(batch: Batch, **blocks) -> torch.Tensor:
         batch.query_start_loc,
         batch.scale,
         batch.max_query_len,
+        batch.k_scale,
+        batch.v_scale,
         **blocks,
     )
 
 
 def run_twin(batch: Batch) -> torch.Tensor:
     return ref.paged_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        batch.k_scale,
+        batch.v_scale,
+    )
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8 e4m3 value
+
+
+def fp8_scales(num_kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_scale, v_scale [KVH] float32 on DEVICE, a different scale in [0.0101, 0.0201) per head: unit normals
+    spread from the subnormals (|x| < 2^-6 x scale) up to the clamp at 448 (|x| > ~4.5 at the smallest scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.rand(2, num_kv_heads, generator=gen) * 0.01 + 0.0101).to(DEVICE).unbind(0))  # type: ignore
+
+
+def to_fp8(batch: Batch, seed: int) -> Batch:
+    """The batch with its caches stored as fp8 with per-head scales (NaN slots stay NaN)."""
+    k_scale, v_scale = fp8_scales(batch.k_cache.shape[2], seed)
+
+    def store(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (cache.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+    return dataclasses.replace(
+        batch,
+        k_cache=store(batch.k_cache, k_scale),
+        v_cache=store(batch.v_cache, v_scale),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -232,6 +276,53 @@ def test_paged_attention_matches_twin_matches_loop(case: Case):
     out_kernel = run_kernel(batch, **blocks)
     assert out_kernel.dtype == case.dtype and out_kernel.shape == batch.q.shape
     torch.testing.assert_close(out_kernel, out_twin, **TOL_VS_TWIN[case.dtype])
+
+
+FP8_CASES = [Case(dtype=d, queries=q) for d in AXES["dtype"] for q in ("decode", "chunk")] + [
+    Case(dtype=torch.float32, block_size=4, group=4, queries="prefill", small_blocks=True, strided_q=True, seed=7),
+    Case(dtype=torch.bfloat16, head_dim=64, group=1, num_kv_heads=1, queries="prefill", seed=8),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+def test_fp8_paged_attention_matches_twin_matches_loop(case: Case):
+    """An fp8 cache (a scale per KV head) read by the kernel and the twin, against the float64 loop over the
+    dequantized values: the same tolerances as a cache in q's dtype, since fp8 -> q's dtype is exact and both
+    compute in fp32."""
+    batch = make_batch(
+        torch.float32,
+        case.block_size,
+        case.head_dim,
+        case.group * case.num_kv_heads,
+        case.num_kv_heads,
+        list(CONTEXTS),
+        query_counts_of(case, CONTEXTS),
+        seed=case.seed,
+        strided_q=case.strided_q,
+    )
+    batch = to_fp8(dataclasses.replace(batch, q=batch.q.to(case.dtype)), seed=case.seed)
+    assert batch.k_cache.dtype == FP8 and torch.isnan(batch.k_cache.float()).any()  # unowned slots still NaN
+    blocks = {"block_m": 16, "block_n": 16} if case.small_blocks else {}
+    out_twin = run_twin(batch)
+    torch.testing.assert_close(out_twin.double().cpu(), loop_attention(batch), **TOL_VS_LOOP[case.dtype])
+    out_kernel = run_kernel(batch, **blocks)
+    assert out_kernel.dtype == case.dtype and out_kernel.shape == batch.q.shape
+    torch.testing.assert_close(out_kernel, out_twin, **TOL_VS_TWIN[case.dtype])
+
+
+def test_fp8_scales_matter():
+    """The scales are applied, each to its own head and tensor: doubling a head's key scale changes that head's
+    rows only, and the loop with the doubled scale is what both the twin and the kernel give."""
+    batch = to_fp8(make_batch(torch.float32, 4, 16, 4, 2, [9, 17], [3, 17], seed=21), seed=22)
+    base = run_twin(batch)
+    k_scale = batch.k_scale.clone()
+    k_scale[1] *= 2
+    doubled = dataclasses.replace(batch, k_scale=k_scale)
+    out_twin = run_twin(doubled)
+    torch.testing.assert_close(out_twin.double().cpu(), loop_attention(doubled), **TOL_VS_LOOP[torch.float32])
+    torch.testing.assert_close(run_kernel(doubled), out_twin, **TOL_VS_TWIN[torch.float32])
+    assert torch.equal(out_twin[:, :2], base[:, :2])  # query heads 0-1 read KV head 0
+    assert not torch.allclose(out_twin[:, 2:], base[:, 2:], atol=1e-3)
 
 
 def test_sweep_covers_every_axis_value():
@@ -324,6 +415,62 @@ def test_write_kv_cache_matches_twin_and_loop(dtype: torch.dtype):
     assert torch.equal(padded, expected)
 
 
+def check_fp8_storage(stored: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> None:
+    """From the e4m3 format itself: stored [T, KVH, D] fp8 is x / scale [KVH] rounded to the nearest e4m3 value (3
+    mantissa bits: within 2^-4 relative above 2^-6, within 2^-10 absolute below) or, past 448, exactly +-448."""
+    target = x.double().cpu() / scale.double().cpu()[:, None]
+    got = stored.float().double().cpu()
+    clamped = target.abs() > FP8_MAX
+    assert torch.equal(got[clamped], target[clamped].sign() * FP8_MAX)
+    err = (got - target).abs()[~clamped]
+    bound = torch.maximum(target.abs()[~clamped] * 2**-4, torch.full_like(err, 2**-10))
+    assert (err <= bound).all(), (err - bound).max()
+
+
+def test_fp8_quantize_hand_values():
+    """x / scale rounded to e4m3 by hand: 1.0 / 0.5 = 2 exactly; 0.3 / 0.5 = 0.6 lies between 0.5625 and 0.625
+    (steps of 2^-4 in [0.5, 1)) and rounds to 0.625; 600 clamps to 448; 0.001 / 0.5 = 0.002 is subnormal (steps
+    of 2^-9 = 0.001953125) and rounds to one step; 0 stays 0. Read back, each is times 0.5."""
+    x = torch.tensor([1.0, 0.3, 300.0, -300.0, 0.001, 0.0]).reshape(6, 1, 1)
+    stored = ref.quantize_kv(x, FP8, torch.tensor([0.5]))
+    expected = [2.0, 0.625, 448.0, -448.0, 2**-9, 0.0]
+    assert stored.dtype == FP8 and stored.flatten().float().tolist() == expected
+    assert ref.dequantize_kv(stored, torch.tensor([0.5])).flatten().tolist() == [e * 0.5 for e in expected]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_fp8_write_kv_cache_matches_twin_and_format(dtype: torch.dtype):
+    """Strided keys and values of any magnitude (some clamp, some subnormal) quantized into an fp8 cache with a
+    scale per head: the kernel writes the twin's bytes, the twin's values are the e4m3 rounding of x / scale, and
+    every other slot keeps its bytes; a negative slot writes nothing."""
+    gen = torch.Generator().manual_seed(2)
+    num_blocks, block_size, num_kv_heads, head_dim, tokens = 6, 4, 2, 16, 9
+    qkv = (torch.randn(tokens, 4 * num_kv_heads * head_dim, generator=gen) * 3).to(DEVICE, dtype)
+    k = qkv[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].unflatten(1, (num_kv_heads, head_dim))
+    v = qkv[:, 3 * num_kv_heads * head_dim :].unflatten(1, (num_kv_heads, head_dim))
+    k_scale, v_scale = fp8_scales(num_kv_heads, seed=3)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, FP8)
+
+    twin, kernel = cache.clone(), cache.clone()
+    ref.write_kv_cache(k, v, twin[0], twin[1], slots, k_scale, v_scale)
+    write_kv_cache(k, v, kernel[0], kernel[1], slots.int(), k_scale, v_scale)
+    assert torch.equal(kernel.view(torch.uint8), twin.view(torch.uint8))
+    rows = twin.flatten(1, 2)  # [2, slots, KVH, D]
+    check_fp8_storage(rows[0, slots], k, k_scale)
+    check_fp8_storage(rows[1, slots], v, v_scale)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(rows[:, untouched].view(torch.uint8), cache.flatten(1, 2)[:, untouched].view(torch.uint8))
+
+    padded = cache.clone()
+    keep = torch.arange(tokens, device=DEVICE) % 2 == 0
+    write_kv_cache(k, v, padded[0], padded[1], torch.where(keep, slots, -1), k_scale, v_scale)
+    expected = cache.clone()
+    ref.write_kv_cache(k[keep], v[keep], expected[0], expected[1], slots[keep], k_scale, v_scale)
+    assert torch.equal(padded.view(torch.uint8), expected.view(torch.uint8))
+
+
 def this_steps_kv(batch: Batch, contexts: list[int], counts: list[int], seed: int):
     """(k, v [T, KVH, D], slot_mapping [T]): new keys and values for each sequence's last n positions (this
     step's tokens), in q's dtype."""
@@ -357,19 +504,23 @@ def test_write_then_attend_round_trip():
 # ---- the dispatcher ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-kv", "fp8-kv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+def test_dispatch_write_then_attend(dtype: torch.dtype, fp8: bool, monkeypatch: pytest.MonkeyPatch):
     """ops.write_kv_cache and ops.paged_attention are the kernel wrappers where use_kernels says so and the twins
-    elsewhere, bit for bit (a decode, a chunk over a cached prefix and a whole prefill in one batch); the default
-    follows the device (the twins on the CPU tier)."""
+    elsewhere, bit for bit (a decode, a chunk over a cached prefix and a whole prefill in one batch), with caches
+    in the model's dtype or fp8 with scales; the default follows the device (the twins on the CPU tier)."""
     contexts, counts = [9, 12, 7], [1, 4, 7]
     batch = make_batch(dtype, 4, 32, 4, 2, contexts, counts, seed=12)
+    if fp8:
+        batch = to_fp8(batch, seed=14)
     k_new, v_new, slot_mapping = this_steps_kv(batch, contexts, counts, seed=13)
-    bits = torch.int32 if dtype == torch.float32 else torch.int16  # the caches hold NaN: compare raw bits
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, FP8: torch.uint8}[batch.k_cache.dtype]
+    scales = (batch.k_scale, batch.v_scale)  # the caches hold NaN: compare raw bits
 
     def step(write, attend) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        write(k_new, v_new, k_cache, v_cache, slot_mapping)
+        write(k_new, v_new, k_cache, v_cache, slot_mapping, *scales)
         out = attend(
             batch.q,
             k_cache,
@@ -379,11 +530,12 @@ def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.Monk
             batch.query_start_loc,
             batch.scale,
             batch.max_query_len,
+            *scales,
         )
         return torch.stack([k_cache, v_cache]).view(bits), out
 
     def twin_attend(*args) -> torch.Tensor:
-        return ref.paged_attention(*args[:-1])
+        return ref.paged_attention(*args[:7], *args[8:])  # the twin takes no max_query_len
 
     default = step(ops.write_kv_cache, ops.paged_attention)
     force_path(monkeypatch, "kernels")
@@ -410,9 +562,11 @@ def test_dispatch_write_then_attend(dtype: torch.dtype, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("queries", ["decode", "mixed"])
 def test_paged_attention_real_shapes(dtype: torch.dtype, queries: str):
     """Llama-3-8B heads (32 query, 8 KV, head_dim 128), block size 16, ~1k contexts: a decode step, and a batch
-    mixing decodes with prefill chunks over cached prefixes."""
+    mixing decodes with prefill chunks over cached prefixes; over a cache in q's dtype and over an fp8 one."""
     rng = random.Random(7)
     contexts = [rng.randint(900, 1100) for _ in range(8)]
     counts = [1] * 8 if queries == "decode" else [1, 1, 256, 1, 64, contexts[5], 1, 17]
     batch = make_batch(dtype, 16, 128, 32, 8, contexts, counts, seed=11)
     torch.testing.assert_close(run_kernel(batch), run_twin(batch), **TOL_VS_TWIN[dtype])
+    fp8 = to_fp8(batch, seed=12)  # the same shapes over an fp8 cache
+    torch.testing.assert_close(run_kernel(fp8), run_twin(fp8), **TOL_VS_TWIN[dtype])

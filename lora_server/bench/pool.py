@@ -190,11 +190,21 @@ def run_policy(
 
 def bench(args, base: EngineConfig) -> dict:
     """Every (adapters, alpha, rate) setting, each policy on the same trace, on engines built from ``base`` (its
-    num_kv_blocks the device budget); prints a table, writes --json and --plot."""
+    num_kv_blocks the device budget); prints a table, writes --json and --plot.
+
+    The budgets (base.num_kv_blocks, --host-blocks) count blocks of the model's dtype: with --kv-cache-dtype fp8
+    the same bytes are cut into that many times more, smaller blocks (4x for fp32, 2x for bf16), so that runs with
+    and without fp8 compare at the same memory."""
     settings = [(n, a, r) for n in args.adapters for a in args.alpha for r in args.rate]
     probe = dataclasses.replace(base, max_lora_rank=args.rank)
     arch = open_checkpoint(probe).arch  # reads the file's metadata; weights load lazily
-    block_bytes, device = kv_bytes_per_block(arch, probe.block_size, probe.torch_dtype), str(probe.torch_device)
+    model_block_bytes = kv_bytes_per_block(arch, probe.block_size, probe.torch_dtype)
+    block_bytes, device = (
+        kv_bytes_per_block(arch, probe.block_size, probe.torch_kv_cache_dtype),
+        str(probe.torch_device),
+    )
+    if probe.num_kv_blocks is not None:
+        probe = dataclasses.replace(probe, num_kv_blocks=probe.num_kv_blocks * model_block_bytes // block_bytes)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         names: list[str] = []
@@ -215,7 +225,7 @@ def bench(args, base: EngineConfig) -> dict:
             row = {"adapters": n, "alpha": alpha, "rate": rate, "policies": {}}
             for policy in args.policies:
                 engine = Engine(
-                    dataclasses.replace(probe, pool_policy=policy, host_kv_bytes=args.host_blocks * block_bytes)
+                    dataclasses.replace(probe, pool_policy=policy, host_kv_bytes=args.host_blocks * model_block_bytes)
                 )
                 if not names:
                     names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
@@ -242,8 +252,9 @@ def bench(args, base: EngineConfig) -> dict:
     report = {
         "device": device,
         "model": base.model or "SmolLM2-135M-Instruct (embedded)",
-        "kv_blocks": base.num_kv_blocks,
-        "host_blocks": args.host_blocks,
+        "kv_cache_dtype": base.kv_cache_dtype,
+        "kv_blocks": probe.num_kv_blocks,
+        "host_blocks": args.host_blocks * model_block_bytes // block_bytes,
         "block_bytes": block_bytes,
         "max_loras": base.max_loras,
         "rank": args.rank,

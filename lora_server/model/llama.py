@@ -5,6 +5,7 @@ Linear layers are QuantLinear modules (dense, int8, int4); q|k|v and gate|up are
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,16 @@ class Rotary(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class LayerKV(NamedTuple):
+    """One layer's paged KV cache: k, v [num_blocks, block_size, KVH, D] in the model's dtype, or float8_e4m3fn with
+    k_scale, v_scale [KVH] float32 (a stored value times its head's scale is the key or value)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, qkv: QuantLinear, o: QuantLinear) -> None:
         super().__init__()
@@ -85,25 +96,24 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: LayerKV) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), batch.positions)
         k = rotary(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), batch.positions)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        ops.write_kv_cache(k, v, kv_cache.k, kv_cache.v, batch.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         o = ops.paged_attention(
             q,
-            k_cache,
-            v_cache,
+            kv_cache.k,
+            kv_cache.v,
             batch.block_tables,
             batch.seq_lens,
             batch.query_start_loc,
             self.scale,
             batch.max_query_len,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
         )  # [T, heads, head_dim]
         return self.o_proj(o.flatten(1), batch.lora)
 
@@ -123,9 +133,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: LayerKV) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), batch, rotary, kv_cache)
         return x + self.mlp(self.mlp_norm(x), batch.lora)
 
@@ -146,7 +154,7 @@ class LlamaModel(nn.Module):
         self.embed, self.layers, self.norm, self.rotary = embed, nn.ModuleList(layers), norm, rotary
         self.lm_head = lm_head  # None: tied to the embedding
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
         x = self.embed.rows(batch.input_ids, self.dtype)  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

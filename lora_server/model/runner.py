@@ -12,11 +12,13 @@ from typing import TypeVar
 import torch
 
 from adapters.peft_format import BaseShapes, LoraAdapter
+from kernels.reference import FP8_KV_DTYPE
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch, ScheduledSequence
-from lora_server.model.llama import LlamaModel, build_llama
+from lora_server.model.kv_scales import calibrate_kv_scales
+from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraSlots
 from lora_server.model.sampler import Sampler, SampleResult
@@ -25,7 +27,8 @@ S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, hand
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: K and V of block_size tokens in every layer."""
+    """Bytes of one KV block: K and V of block_size tokens in every layer, in the cache's dtype (fp8: one byte a
+    value; the per-head scales are fixed and held apart)."""
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
 
 
@@ -34,6 +37,12 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.torch_kv_cache_dtype
+        cuda = self.device.type == "cuda"
+        if self.kv_dtype == FP8_KV_DTYPE and cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(
+                "--kv-cache-dtype fp8 needs compute capability 8.9 or newer (Ada, Hopper): Triton's float8e4nv"
+            )
         self.arch = checkpoint.arch
         self.block_size = config.block_size
         with torch.no_grad():
@@ -48,6 +57,12 @@ class ModelRunner:
             self.adapter_shapes, arch.num_layers, config.max_loras, config.max_lora_rank, self.device, self.dtype
         )
         self.lora.attach(self.model.lora_wrappers())
+        # an fp8 cache's scales, fixed for the engine's life: [layers, 2 (k, v), kv_heads] float32; None otherwise
+        self.kv_scales = (
+            calibrate_kv_scales(self.model, arch, self.dtype, self.device, max_model_len)
+            if self.kv_dtype == FP8_KV_DTYPE
+            else None
+        )
         self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.kv_bytes_per_block)
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
@@ -57,14 +72,17 @@ class ModelRunner:
             self.block_size,
             self.arch.num_kv_heads,
             self.arch.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         # The host tier, one contiguous block per index so that a block moves in one copy:
         # [host blocks, layers, 2, block_size, kv_heads, head_dim], pinned on CUDA
         self.num_host_blocks = config.host_kv_bytes // self.kv_bytes_per_block
         self.host_kv = torch.zeros(
-            self.num_host_blocks, *self.kv_cache[:, :, 0].shape, dtype=self.dtype, pin_memory=self.device.type == "cuda"
+            self.num_host_blocks,
+            *self.kv_cache[:, :, 0].shape,
+            dtype=self.kv_dtype,
+            pin_memory=self.device.type == "cuda",
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler(self.arch.vocab_size)
@@ -80,10 +98,14 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.arch, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.arch, self.block_size, self.kv_dtype)
 
-    def _kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer[0], layer[1]) for layer in self.kv_cache]
+    def _kv_caches(self) -> list[LayerKV]:
+        if self.kv_scales is None:
+            return [LayerKV(layer[0], layer[1]) for layer in self.kv_cache]
+        return [
+            LayerKV(layer[0], layer[1], *scales) for layer, scales in zip(self.kv_cache, self.kv_scales, strict=True)
+        ]
 
     @torch.inference_mode()
     def measure_h2d_bandwidth(self) -> float:
