@@ -144,12 +144,28 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
     p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-engine.json)")
     p.add_argument("--quick", action="store_true", help="tiny shapes that run on the CPU in seconds")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="instead: decode step time with half the batch (the largest --batch) under a JSON schema against none, "
+        "on the embedded model",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--structured: runs of each setting (default: 3)")
 
 
 @command("bench-engine", "decode throughput against the memory-bandwidth floor", _bench_engine_args)
 def _bench_engine(args: argparse.Namespace) -> int:
     from lora_server.bench.engine import bench
 
+    if args.structured:
+        from lora_server.bench.structured import bench_structured
+
+        if args.load_format == "dummy":  # a grammar needs the real tokenizer: the embedded model
+            args.load_format, args.model, args.kv_cache_bytes = "auto", None, 0.25
+        if args.quick:
+            args.batch, args.output_len, args.repeats = [8], 24, 2
+        bench_structured(args, config_from_flags(EngineConfig, args))
+        return 0
     if args.quick:
         args.model, args.load_format, args.batch, args.adapters = "tiny-llama", "dummy", [1, 4], [0, 2]
         args.prompt_len, args.output_len, args.kv_cache_bytes, args.rank = [16], 8, 0.05, 8

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from lora_server.errors import InvalidRequestError
 
@@ -11,6 +13,60 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
+MAX_CHOICES = 256  # strings of a choice constraint
+StructuredKind = Literal["json", "json_object", "regex", "choice"]
+_KIND_PARAM = {
+    "json": "guided_json",
+    "json_object": "response_format",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output text, enforced by masking the logits with a grammar (engine/structured.py).
+
+    kind "json": the output is a JSON value valid under the JSON schema ``spec`` (JSON text, keys in the order
+    given: the output's keys follow it); "json_object": any JSON object (``spec`` None); "regex": the output fully
+    matches the regular expression ``spec``; "choice": the output is exactly one of the strings ``spec``.
+    Equal constraints are equal and hash alike: the compiled-grammar cache is keyed by them. The shape is checked
+    here; whether the schema or regex compiles is checked when the request is made."""
+
+    kind: StructuredKind
+    spec: str | tuple[str, ...] | None = None
+    param: str = field(default="", compare=False)  # the request field that asked for it (errors name it)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_PARAM:
+            raise InvalidRequestError(f"unknown structured output kind {self.kind!r}", param="response_format")
+        if not self.param:
+            object.__setattr__(self, "param", _KIND_PARAM[self.kind])
+        if self.kind == "json":
+            _check(isinstance(self.spec, str), self.param, "must be a JSON schema")
+        elif self.kind == "json_object":
+            _check(self.spec is None, self.param, "json_object takes no schema")
+        elif self.kind == "regex":
+            _check(isinstance(self.spec, str) and bool(self.spec), self.param, "must be a non-empty string")
+        else:
+            _check(
+                isinstance(self.spec, tuple)
+                and 0 < len(self.spec) <= MAX_CHOICES
+                and all(isinstance(c, str) and c for c in self.spec),
+                self.param,
+                f"must be a list of 1 to {MAX_CHOICES} non-empty strings",
+            )
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str, param: str = "guided_json") -> StructuredOutput:
+        """The constraint of a JSON schema given as an object or as JSON text (InvalidRequestError otherwise)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except (ValueError, RecursionError):
+                raise InvalidRequestError(f"{param} is not valid JSON", param=param) from None
+        _check(isinstance(schema, dict), param, "must be a JSON schema object")
+        return cls("json", json.dumps(schema, ensure_ascii=False), param)
 
 
 @dataclass(slots=True)
@@ -34,6 +90,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top-k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # the grammar its output must follow, if any
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +131,12 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be between 0 and {MAX_LOGPROBS}",
+        )
+        # the grammar alone decides when a constrained output may end; min_tokens could forbid the only allowed token
+        _check(
+            self.structured is None or self.min_tokens == 0,
+            "min_tokens",
+            "cannot be combined with structured output (response_format, guided_*)",
         )
 
     @property

@@ -5,12 +5,13 @@ propagate. Only the engine thread (or the offline caller) touches it."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from lora_server.model.loader import open_checkpoint
 from lora_server.model.runner import ModelRunner
 from lora_server.model.sampler import NON_FINITE, SampleResult
 from lora_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lora_server.engine.structured import GrammarMatcher, StructuredOutputs
 
 Prompt = str | Sequence[int]
 Sampled = tuple[int, list[TokenLogprob] | None]  # a sampled token and its logprobs entry, if asked for
@@ -112,6 +116,8 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
+        self._structured: StructuredOutputs | None = None  # built by the first structured request (xgrammar loads)
+        self._structured_lock = threading.Lock()
 
     # ---- admission -----------------------------------------------------------------------------------------
 
@@ -154,6 +160,7 @@ class EngineCore:
                 f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}", param="priority"
             )
         self._check_vocab_bounds(params)
+        grammar = self._grammar(params)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -178,7 +185,27 @@ class EngineCore:
             cache_salt=cache_salt,
             tenant=tenant,
             priority=priority,
+            grammar=grammar,
         )
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A fresh matcher of the request's structured output (its grammar compiled here, or found in the cache)."""
+        if params.structured is None:
+            return None
+        return self.structured_outputs().matcher(params.structured)
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler and cache, built on first use (safe from any thread)."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured output needs the model's tokenizer; this model has none", param="response_format"
+                    )
+                from lora_server.engine.structured import StructuredOutputs  # xgrammar loads only when used
+
+                self._structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size)
+            return self._structured
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a prompt's text; a text too long for the context by its length alone (at least
@@ -264,6 +291,8 @@ class EngineCore:
         advanced = self.scheduler.update(work, {rid: token for rid, (token, _) in sampled.items()})
         for request in advanced:
             try:
+                if request.grammar is not None:
+                    self._advance_grammar(request)
                 if request.num_output_tokens == 1:
                     self.ttft.add(request)
                 token = request.token_ids[-1]
@@ -274,6 +303,13 @@ class EngineCore:
                     raise
                 outputs.append(self._fail(request, _describe(exc)))
         return outputs
+
+    def _advance_grammar(self, request: Request) -> None:
+        """The matcher takes the token the request appended (once: recomputing after a preemption samples no token
+        again); a complete structured output ends the request (stop), even with ignore_eos."""
+        assert request.grammar is not None and self._structured is not None
+        if self._structured.accept(request.grammar, request.token_ids[-1]) and not request.finished:
+            self.scheduler.finish(request, FinishReason.STOP)
 
     def _weights(self, key: AdapterKey) -> LoraAdapter:
         return self.adapters.weights(key.adapter_id)
@@ -304,7 +340,9 @@ class EngineCore:
         return sampled, failed
 
     def _run(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
-        sampling, result = self.runner.execute(items)
+        structured = self._structured
+        mask = structured.mask_logits if structured and any(r.grammar is not None for r, _ in items) else None
+        sampling, result = self.runner.execute(items, mask)
         if result is None:
             return {}, {}
         logprobs = _logprobs_by_request(sampling, result)

@@ -7,10 +7,14 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kv_pool.unified_pool import Admission
 from lora_server.engine.adapter_registry import AdapterHandle
 from lora_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +79,7 @@ class Request:
     adapter_loaded: bool = False  # an admission of it loaded its adapter onto the device
     adapter_load_s: float = 0.0  # time spent loading adapters in its steps before its first token
     first_token_time: float | None = None
+    grammar: GrammarMatcher | None = None  # its structured output's state: the output so far, accepted token by token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -219,11 +219,15 @@ class ModelRunner:
         return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids))
 
     @torch.inference_mode()
-    def execute(self, items: Sequence[tuple[S, int]]) -> tuple[list[S], SampleResult | None]:
-        """Run one step; returns the requests that sampled and their tokens (None when nobody sampled)."""
+    def execute(
+        self, items: Sequence[tuple[S, int]], mask: Callable[[torch.Tensor, list[S]], None] | None = None
+    ) -> tuple[list[S], SampleResult | None]:
+        """Run one step; returns the requests that sampled and their tokens (None when nobody sampled). ``mask``
+        (structured output) gets the [S, vocab] logits and the sampling requests once the forward pass is queued
+        (on a GPU its host work overlaps the device's) and forbids tokens in place."""
         batch, sampling = self.prepare(items)
         hidden = self.model(batch, self._kv_caches())
         if not sampling:
             return sampling, None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return sampling, self.sampler(logits, sampling)
+        return sampling, self.sampler(logits, sampling, None if mask is None else lambda rows: mask(rows, sampling))

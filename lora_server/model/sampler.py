@@ -6,7 +6,7 @@ other requests share the batch, nor on preemption."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,7 @@ from lora_server.model.batch import ScheduledSequence
 
 _NEG_INF = float("-inf")
 NON_FINITE = -1  # the token id of a row whose logits were not finite
+LogitsMask = Callable[[torch.Tensor], None]  # sets disallowed tokens of [S, vocab] logits to -inf, in place
 
 
 @dataclass(slots=True)
@@ -28,16 +29,21 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledSequence], mask: LogitsMask | None = None
+    ) -> SampleResult:
         """logits: [S, vocab] float32, row i belongs to requests[i] (whose token_ids do not yet hold the new token).
         A row whose logits are not all finite (an adapter's or the model's arithmetic overflowed) samples no token:
-        its token id is NON_FINITE, and the engine fails that request alone."""
+        its token id is NON_FINITE, and the engine fails that request alone. ``mask`` (structured output) forbids
+        tokens after penalties and biases, before greedy and random sampling alike; logprobs stay the model's."""
         logits = logits[:, : self.vocab_size]
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
         )
         finite = torch.isfinite(logits).all(-1)  # [S]
         logits = self._apply_penalties_and_masks(logits.clone(), requests)
+        if mask is not None:
+            mask(logits)
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if greedy:

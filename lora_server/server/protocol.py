@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from lora_server.errors import InvalidRequestError
-from lora_server.sampling_params import SamplingParams
+from lora_server.sampling_params import SamplingParams, StructuredOutput
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
@@ -18,6 +18,22 @@ BodyModel = TypeVar("BodyModel", bound=BaseModel)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted: the output always follows the schema exactly
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -46,6 +62,37 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: StrictInt = 0  # vLLM's: lower values are admitted first among the tenant's waiting requests
+    # structured output: OpenAI's response_format, or one of vLLM's guided fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint on the output the request asks for, if any (InvalidRequestError for two, or for a
+        json_schema response_format without a schema)."""
+        given: list[StructuredOutput] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(StructuredOutput("json_object", None, "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError(
+                    "response_format of type json_schema needs json_schema.schema", param="response_format"
+                )
+            given.append(StructuredOutput.json_schema(fmt.json_schema.schema_, "response_format"))
+        if self.guided_json is not None:
+            given.append(StructuredOutput.json_schema(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            given.append(StructuredOutput("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            given.append(StructuredOutput("choice", tuple(self.guided_choice), "guided_choice"))
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"only one output constraint may be given, not {' and '.join(c.param for c in given)}",
+                param=given[1].param,
+            )
+        return given[0] if given else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         """default_max: what max_tokens becomes when the request gives none (the room left in the context)."""
@@ -68,6 +115,7 @@ class _Sampling(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured=self.structured_output(),
         )
         return SamplingParams(**values)
 
