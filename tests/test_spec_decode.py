@@ -272,12 +272,15 @@ def test_greedy_copy_is_identical_and_mostly_accepted(plain, spec, copy_prompt):
 @pytest.mark.slow
 def test_mixed_batch_matches_no_speculation(plain, spec, copy_prompt):
     """Five requests in one batch: greedy with and without the adapter, seeded sampling with penalties and
-    logprobs (seeded draws depend on the output position only, so the tokens must be the same), a stop string and
-    a stop token id that land inside accepted drafts. Every output equals the engine's without speculation."""
+    logprobs (seeded draws depend on the output position only, so the tokens must be the same), a stop token id
+    and a stop string (followed by a stop id) that land inside accepted drafts. Every output equals the engine's
+    without speculation."""
     chat = plain.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[1]}])
     reference = plain.generate([copy_prompt], SamplingParams(max_tokens=24, temperature=0))[0]
     stop_token = reference.token_ids[14]  # a token the copy reaches mid-way (its first occurrence ends the run)
     stop_text = plain.core.tokenizer.decode(reference.token_ids[8:10])
+    # a stop id just after the stop string: when one step keeps both, the string (earlier) must end the request
+    after = next(t for t in reference.token_ids[10:] if t not in reference.token_ids[:10])
     prompts = [copy_prompt, copy_prompt, chat, copy_prompt, copy_prompt]
     params = [
         SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token]),
@@ -286,7 +289,7 @@ def test_mixed_batch_matches_no_speculation(plain, spec, copy_prompt):
         SamplingParams(
             max_tokens=24, temperature=0.6, repetition_penalty=1.1, frequency_penalty=0.2, seed=11, logprobs=1
         ),
-        SamplingParams(max_tokens=24, temperature=0, stop=[stop_text]),
+        SamplingParams(max_tokens=24, temperature=0, stop=[stop_text], stop_token_ids=[after]),
     ]
     adapters = [None, "upper", None, None, None]
     drafts0, _ = _accepted(spec)

@@ -323,6 +323,8 @@ class EngineCore:
             delta, stop = detok.add_tokens([token])
             text += delta
             if stop is not None:
+                if request.finished:  # by a later kept token (EOS, a stop id, length): the stop string came first
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, stop
                 self.scheduler.finish(request, FinishReason.STOP, stop)
                 request.drop_last(len(tokens) - i - 1)
                 tokens = tokens[: i + 1]
