@@ -6,6 +6,7 @@ block ids, never nodes. Per request:
     admit(key, tokens, now) -> Admission | None   adapter resident, cached prefix matched and locked; the request's
                                                    block table starts with admission.blocks, one reference each
     allocate(n, now) -> list[int]                  n more GPU blocks for it (evicts by the policy first if needed)
+    free(blocks)                                   back: allocated blocks it no longer needs (rejected drafts' KV)
     release(admission, tokens, block_table, now)   at its end or preemption: its full computed blocks are offered
                                                    to the tree, then its lock and references are dropped
 
@@ -340,6 +341,13 @@ class UnifiedPool:
         self._num_admitted -= 1
         self.gpu.free(list(block_table))
         self._held.subtract(block_table)
+        self._held = +self._held
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Give back blocks a request took with ``allocate`` (or as an admission's new blocks) and no longer
+        needs: they hold no KV it keeps (a speculative step's rejected drafts). The rest of its hold stays."""
+        self.gpu.free(list(blocks))
+        self._held.subtract(blocks)
         self._held = +self._held
 
     def observe_recompute(self, num_tokens: int, seconds: float) -> None:

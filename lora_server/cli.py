@@ -175,6 +175,25 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, EngineConfig, speculative_ngram=5)
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default: 64)")
+    p.add_argument("--prompts", type=int, default=8, help="input-copying prompts, at most 8 (default: 8)")
+    p.add_argument(
+        "--large-batch", type=int, default=16, help="the batch run above speculative_max_batch (default: 16)"
+    )
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
+    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-spec.json)")
+
+
+@command("bench-spec", "prompt-lookup speculative decoding against none: acceptance and TPOT", _bench_spec_args)
+def _bench_spec(args: argparse.Namespace) -> int:
+    from lora_server.bench.spec import bench
+
+    bench(args, config_from_flags(EngineConfig, args, show_progress=False))
+    return 0
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 

@@ -131,6 +131,23 @@ class EngineConfig:
             negate="--no-fair-sharing",
         ),
     )
+    speculative_ngram: int = field(
+        default=0,
+        metadata=flag(
+            "speculative decoding by prompt lookup: draft tokens proposed per decode from the request's own context "
+            "(n-gram match) and verified in one forward pass; greedy output and the sampled distribution are "
+            "unchanged; 0: off"
+        ),
+    )
+    speculative_ngram_min: int = field(default=2, metadata=flag("the shortest n-gram a draft is looked up by"))
+    speculative_ngram_max: int = field(default=4, metadata=flag("the longest n-gram a draft is looked up by"))
+    speculative_max_batch: int = field(
+        default=8,
+        metadata=flag(
+            "speculation turns itself off while more requests than this run: a large batch's decode is no longer "
+            "memory-bound, so verifying drafts costs more than it saves"
+        ),
+    )
     max_loras: int = field(
         default=8,
         metadata=flag("device slots for adapters: the most distinct adapters resident (and in one batch) at once"),
@@ -172,6 +189,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.speculative_ngram < 0:
+            raise ValueError(f"speculative_ngram must be >= 0, got {self.speculative_ngram}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("speculative_ngram_min and speculative_ngram_max must satisfy 1 <= min <= max")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
 

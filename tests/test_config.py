@@ -22,6 +22,10 @@ from lora_server.config import EngineConfig
         ("quantization", "int3"),
         ("load_format", "onnx"),
         ("dtype", "float8"),
+        ("speculative_ngram", -1),
+        ("speculative_ngram_min", 0),
+        ("speculative_ngram_max", 0),
+        ("speculative_max_batch", 0),
     ],
 )
 def test_bad_values_are_refused(field, value):

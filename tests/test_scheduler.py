@@ -53,7 +53,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None):
     work = sched.schedule()
     items = [(r.request_id, n) for r, n in work.items]
     sampled = {
-        r.request_id: (tokens or {}).get(r.request_id, TOKEN)
+        r.request_id: [(tokens or {}).get(r.request_id, TOKEN)]
         for r, n in work.items
         if r.num_computed_tokens + n == r.num_tokens
     }
@@ -488,9 +488,9 @@ def test_randomized_run(chunked, seed):
         sampled = {}
         for r, n in work.items:
             if r.num_computed_tokens + n == r.num_tokens:
-                sampled[r.request_id] = (
+                sampled[r.request_id] = [
                     rng.choice((EOS, 5, 7, 8, 9, 11, 12, 13, 14, 15)) if rng.random() < 0.3 else rng.randint(20, 40)
-                )
+                ]
         sched.update(work, sampled)
         sched.check_integrity()
         for r in sched.running:

@@ -31,14 +31,14 @@ from lora_server.errors import (
 )
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.runner import ModelRunner
-from lora_server.model.sampler import NON_FINITE, SampleResult
+from lora_server.model.sampler import NON_FINITE, SampleResult, verify_drafts
 from lora_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from lora_server.engine.structured import GrammarMatcher, StructuredOutputs
 
 Prompt = str | Sequence[int]
-Sampled = tuple[int, list[TokenLogprob] | None]  # a sampled token and its logprobs entry, if asked for
+Sampled = tuple[list[int], list[TokenLogprob] | None]  # a request's new tokens (1 + accepted drafts), logprobs
 _DEVICE_FAULTS = (
     "CUDA error",
     "device-side assert",
@@ -109,6 +109,10 @@ class EngineCore:
                 config.enable_chunked_prefill,
                 config.max_waiting_requests,
                 fair_sharing=config.fair_sharing,
+                speculative_ngram=config.speculative_ngram,
+                ngram_min=config.speculative_ngram_min,
+                ngram_max=config.speculative_ngram_max,
+                speculative_max_batch=config.speculative_max_batch,
             ),
             self.pool,
             self.adapters,
@@ -288,16 +292,18 @@ class EngineCore:
             self.pool.observe_recompute(num_tokens, time.perf_counter() - start)
         outputs = [self._fail(request, reason) for request, reason in failed.items()]
         work.items = [(r, n) for r, n in work.items if r not in failed]
-        advanced = self.scheduler.update(work, {rid: token for rid, (token, _) in sampled.items()})
+        lengths = {r.request_id: r.num_tokens for r, _ in work.items}
+        advanced = self.scheduler.update(work, {rid: tokens for rid, (tokens, _) in sampled.items()})
         for request in advanced:
             try:
-                if request.grammar is not None:
+                tokens = request.token_ids[lengths[request.request_id] :]  # those kept: a stop drops the rest
+                if request.grammar is not None:  # never speculated: one new token
                     self._advance_grammar(request)
-                if request.num_output_tokens == 1:
+                if request.num_output_tokens == len(tokens):
                     self.ttft.add(request)
-                token = request.token_ids[-1]
-                text = self._detokenize(request, token)
-                outputs.append(_output(request, text, [token], sampled[request.request_id][1]))
+                text, tokens = self._detokenize(request, tokens)
+                logprobs = sampled[request.request_id][1]
+                outputs.append(_output(request, text, tokens, None if logprobs is None else logprobs[: len(tokens)]))
             except Exception as exc:  # noqa: BLE001 (this request's detokenizing or stop handling: it alone fails)
                 if is_device_fault(exc):
                     raise
@@ -347,11 +353,16 @@ class EngineCore:
             return {}, {}
         logprobs = _logprobs_by_request(sampling, result)
         sampled, failed = {}, {}
-        for request, token in zip(sampling, result.token_ids, strict=True):
-            if token == NON_FINITE:
+        row = 0
+        for request in sampling:
+            drafts = request.draft_token_ids
+            tokens = verify_drafts(result.token_ids[row : row + len(drafts) + 1], drafts)
+            entries = logprobs.get(request.request_id)
+            if tokens[-1] == NON_FINITE:
                 failed[request] = "the model produced non-finite logits (NaN or Inf) for this request"
             else:
-                sampled[request.request_id] = (token, logprobs.get(request.request_id))
+                sampled[request.request_id] = (tokens, None if entries is None else entries[: len(tokens)])
+            row += len(drafts) + 1
         return sampled, failed
 
     def _fail(self, request: Request, reason: str) -> RequestOutput:
@@ -363,18 +374,29 @@ class EngineCore:
         out.error = RequestFailedError(f"request {request.request_id} failed: {reason}")
         return out
 
-    def _detokenize(self, request: Request, token: int) -> str:
+    def _detokenize(self, request: Request, tokens: list[int]) -> tuple[str, list[int]]:
+        """The text of a request's new tokens, one at a time so that a stop string ends it where it occurs: the
+        tokens after it are dropped (from the request too). Returns the text and the tokens kept."""
         detok = self._detokenizers.get(request.request_id)
         if detok is None:
-            return ""
-        text, stop = detok.add_tokens([token])
-        if stop is not None:
-            self.scheduler.finish(request, FinishReason.STOP, stop)
-        elif request.finished:
-            text += detok.flush()
+            return "", tokens
+        text = ""
+        for i, token in enumerate(tokens):
+            delta, stop = detok.add_tokens([token])
+            text += delta
+            if stop is not None:
+                if request.finished:  # by a later kept token (EOS, a stop id, length): the stop string came first
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+                self.scheduler.finish(request, FinishReason.STOP, stop)
+                request.drop_last(len(tokens) - i - 1)
+                tokens = tokens[: i + 1]
+                break
+        else:
+            if request.finished:
+                text += detok.flush()
         if request.finished:
             del self._detokenizers[request.request_id]
-        return text
+        return text, tokens
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -458,13 +480,20 @@ def _output(request: Request, text: str, token_ids: list[int], logprobs: list[To
 
 
 def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:
+    """Each request's logprobs entries, one per row of the result that is its (1 + its drafts' rows)."""
     if result is None or result.logprobs is None or result.top_logprobs is None:
         return {}
-    return {
-        r.request_id: [TokenLogprob(tok, lp, top)]
-        for r, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
-        if r.params.logprobs is not None
-    }
+    entries = [
+        TokenLogprob(tok, lp, top)
+        for tok, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs, strict=True)
+    ]
+    by_request, row = {}, 0
+    for r in sampling:
+        rows = len(r.draft_token_ids) + 1
+        if r.params.logprobs is not None:
+            by_request[r.request_id] = entries[row : row + rows]
+        row += rows
+    return by_request
 
 
 def _open_tokenizer(fmt: str, path: Path | None) -> Tokenizer | None:

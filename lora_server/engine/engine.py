@@ -66,6 +66,8 @@ class EngineSnapshot:
     waiting_adapters: tuple[str, ...]
     resident_slots: dict[int, int]  # adapter version (adapter_id) -> its device slot
     pool: dict[str, Any]  # EngineCore.pool_figures()
+    spec_draft_tokens: int = 0  # speculative draft tokens verified since start
+    spec_accepted_tokens: int = 0  # of them, those accepted
 
 
 class Engine:
@@ -125,6 +127,8 @@ class Engine:
             names(scheduler.waiting),
             {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
             self.core.pool_figures(),
+            spec_draft_tokens=scheduler.num_draft_tokens,
+            spec_accepted_tokens=scheduler.num_accepted_drafts,
         )
 
     def _publish(self) -> None:

@@ -69,6 +69,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative tokens (else empty)
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -112,3 +113,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def drop_last(self, n: int) -> None:
+        """Drop the last n output tokens of a request that has finished: the tokens a speculative step produced
+        after the one where a stop string ended it."""
+        assert self.finished and 0 <= n <= self.num_output_tokens
+        del self.token_ids[len(self.token_ids) - n :]
+        self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))

@@ -11,7 +11,11 @@ recomputed from its tokens later.
 Blocks come from the unified pool (kv_pool.UnifiedPool): admission matches the longest cached prefix of the
 request's tokens under its cache salt and adapter version and makes the adapter resident; the request then starts
 with those tokens computed. Ending or preempting a request releases it to the pool, which keeps its full blocks
-as cached KV where the policy reuses KV (a preempted request usually finds its own KV again)."""
+as cached KV where the policy reuses KV (a preempted request usually finds its own KV again).
+
+Speculative decoding (speculative_ngram > 0, while at most speculative_max_batch requests run): a decode also
+computes the draft tokens proposed from its own context (engine.ngram), 1 + d tokens in all; update keeps the
+verified ones, rolls num_computed_tokens back to them and gives back the blocks taken only for rejected drafts."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from kv_pool.tree import BASE_ADAPTER_ID, PrefixKey
 from kv_pool.unified_pool import UnifiedPool
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.fair_queue import FairQueue
+from lora_server.engine.ngram import propose_ngram
 from lora_server.engine.request import FinishReason, Request, RequestStatus
 from lora_server.errors import QueueFullError
 
@@ -38,6 +43,10 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     pool_tick_s: float = 0.1  # the pool's policy runs at least this often (and on every allocation failure)
     fair_sharing: bool = True  # admission by weighted fair sharing across tenants (False: arrival order)
+    speculative_ngram: int = 0  # draft tokens per decode at most; 0: no speculation
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_max_batch: int = 8  # no drafts while more requests than this run
 
 
 @dataclass(slots=True)
@@ -72,6 +81,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # drafts verified since start
+        self.num_accepted_drafts = 0  # of them, those kept
 
     def add(self, request: Request) -> None:
         """Queue a request; raises QueueFullError when the waiting queue is at its bound."""
@@ -103,6 +114,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        speculate = self.config.speculative_ngram > 0 and len(self.running) <= self.config.speculative_max_batch
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -115,7 +127,9 @@ class Scheduler:
             self.waiting.charge(request, n)
             budget -= n
         if work.preempted:
-            return work  # blocks are short: admit nobody new this step
+            return work  # blocks are short: admit nobody new this step, and no drafts
+        if speculate:
+            budget = self._add_drafts(work, budget, now)
         running_by_tenant = Counter(r.tenant.name for r in self.running)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self.waiting.next(running_by_tenant)
@@ -173,6 +187,42 @@ class Scheduler:
         request.adapter_loaded = request.adapter_loaded or admission.adapter_loaded
         return admission.num_new_tokens
 
+    def _add_drafts(self, work: ScheduledWork, budget: int, now: float) -> int:
+        """Drafts for this step's decodes, from the budget the running requests left (speculation is optional
+        work: it never takes budget or blocks from their decodes and prefill chunks). Returns the budget left."""
+        for i, (request, n) in enumerate(work.items):
+            if budget == 0:
+                break
+            if n == request.num_uncomputed_tokens == 1:
+                d = self._draft(request, budget, now)
+                work.items[i] = (request, 1 + d)
+                self.waiting.charge(request, d)  # drafts are computed tokens of its tenant
+                budget -= d
+        return budget
+
+    def _draft(self, request: Request, room: int, now: float) -> int:
+        """Propose draft tokens for a decode whose one token has its blocks: at most speculative_ngram, ``room``
+        (the step's token budget left), and what max_tokens and max_model_len leave after the token it samples
+        anyway. Their blocks are taken only if free or freed by evicting cached KV (no preemption for a guess).
+        Sets request.draft_token_ids; returns how many. A request whose tokens are constrained beyond its
+        sampling parameters (structured output) gets none."""
+        if request.grammar is not None:
+            return 0
+        c = self.config
+        cap = min(
+            c.speculative_ngram,
+            room,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            c.max_model_len - request.num_tokens - 1,
+        )
+        if cap < 1:
+            return 0
+        drafts = propose_ngram(request.token_ids, cap, c.ngram_min, c.ngram_max)
+        if not drafts or not self._reserve(request, 1 + len(drafts), now):
+            return 0
+        request.draft_token_ids = drafts
+        return len(drafts)
+
     def _release(self, request: Request, cache: bool = True) -> None:
         """Give the request's blocks back to the pool, offering its computed full blocks as cached KV (unless
         ``cache`` is False: a failed request's KV is not trusted)."""
@@ -207,6 +257,7 @@ class Scheduler:
         for n in [n for r, n in work.items if r is request]:
             self.waiting.charge(request, -n)  # its tokens of this step are not computed
         work.items = [(r, n) for r, n in work.items if r is not request]
+        request.draft_token_ids = []
         self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -215,25 +266,46 @@ class Scheduler:
         self.waiting.push_front(request)
         work.preempted.append(request)
 
-    def update(self, work: ScheduledWork, sampled: dict[str, int]) -> list[Request]:
-        """After the forward pass: advance counters, append each sampled token (``sampled`` maps the ids of the
-        requests that reached their last token to the new token) and finish requests whose stop conditions hold.
-        Returns the requests that got a new token."""
+    def update(self, work: ScheduledWork, sampled: dict[str, list[int]]) -> list[Request]:
+        """After the forward pass: advance counters, append the new tokens (``sampled`` maps the ids of the
+        requests that reached their last token to one token, or to the 1 + accepted drafts verify_drafts kept),
+        checking the stop conditions after each (tokens after a stop are dropped), and finish requests whose stop
+        conditions hold. A request that computed drafts keeps the KV of the accepted ones only: its computed
+        tokens roll back to all but its new last token and the blocks beyond those it needs are given back.
+        Returns the requests that got new tokens."""
         advanced = []
         now = self.clock()
         for request, n in work.items:
             request.num_computed_tokens += n
-            token = sampled.get(request.request_id)
-            if token is None:
+            drafts, request.draft_token_ids = request.draft_token_ids, []
+            tokens = sampled.get(request.request_id)
+            if tokens is None:
                 continue
-            request.token_ids.append(token)
+            reason = None
+            for token in tokens:
+                request.token_ids.append(token)
+                reason = self._stop_by_token(request, token)
+                if reason is not None:
+                    break
+            if drafts:
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_drafts += len(tokens) - 1
+                self._drop_rejected(request)
             if request.first_token_time is None:
                 request.first_token_time = now
             advanced.append(request)
-            reason = self._stop_by_token(request, token)
             if reason is not None:
                 self.finish(request, *reason)
         return advanced
+
+    def _drop_rejected(self, request: Request) -> None:
+        """After a speculative step: only the KV before the new last token is valid (rejected drafts wrote the
+        rest); blocks past those the next token needs were taken for rejected drafts and go back to the pool."""
+        request.num_computed_tokens = request.num_tokens - 1
+        keep = self.pool.gpu.blocks_for_tokens(request.num_tokens)
+        if len(request.block_table) > keep:
+            self.pool.free(request.block_table[keep:])
+            del request.block_table[keep:]
 
     def _stop_by_token(self, request: Request, token: int) -> tuple[FinishReason, int | None] | None:
         p = request.params
@@ -251,6 +323,7 @@ class Scheduler:
         version the request held (taken when it was made, see AdapterRegistry.acquire) is let go here."""
         if request.finished:
             return
+        request.draft_token_ids = []
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -21,9 +21,9 @@ import jsonschema
 import torch
 import xgrammar as xgr
 
-from lora_server.engine.request import Request
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError
+from lora_server.model.batch import ScheduledSequence
 from lora_server.sampling_params import StructuredOutput
 
 GrammarMatcher = xgr.GrammarMatcher
@@ -116,12 +116,15 @@ class StructuredOutputs:
 
     # ---- the engine thread -------------------------------------------------------------------------------------
 
-    def mask_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    def mask_logits(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> None:
         """The sampler's hook. logits: [S, vocab] (row i is requests[i]'s), changed in place: the tokens that the
         grammar of a constrained request does not allow next become -inf; unconstrained rows are untouched. The
         bitmask of all constrained rows is filled in one call."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-        matchers = [m for r in requests if (m := r.grammar) is not None]
+        # a draft position's row (lora_server.model.batch.DraftPosition) has no grammar: constrained requests are
+        # never speculated
+        grammars = [getattr(r, "grammar", None) for r in requests]
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        matchers = [g for g in grammars if g is not None]
         if not rows:
             return
         if self._bitmask.shape[0] < len(requests):

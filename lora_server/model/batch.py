@@ -3,7 +3,7 @@ model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,6 +19,7 @@ class ScheduledSequence(Protocol):
     request_id: str
     token_ids: list[int]  # prompt + output so far
     num_computed_tokens: int  # tokens whose KV is in the cache
+    draft_token_ids: list[int]  # proposed tokens computed after token_ids this step, to be verified
     block_table: list[int]  # its KV blocks, in order
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
@@ -34,6 +35,49 @@ class ScheduledSequence(Protocol):
 
     @property
     def lora_slot(self) -> int: ...  # its adapter's device slot, -1 = no adapter
+
+
+@dataclass(slots=True)
+class DraftPosition:
+    """A sequence as it stands once its first ``accepted`` draft tokens are taken: what the sampler reads for the
+    logits row that verifies the next draft (or, after all of them, samples the bonus token). Penalties,
+    min_tokens and the per-position seed thus apply to each verified position as if its tokens had been generated
+    one by one."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + output + the accepted drafts
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_table: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    lora_slot: int
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, seq: ScheduledSequence, accepted: int) -> DraftPosition:
+        return cls(
+            seq.request_id,
+            seq.token_ids + seq.draft_token_ids[:accepted],
+            seq.num_tokens - seq.num_output_tokens,
+            seq.num_computed_tokens,
+            seq.block_table,
+            seq.params,
+            seq.eos_token_ids,
+            seq.lora_slot,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass(slots=True)

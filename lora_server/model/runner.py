@@ -16,7 +16,7 @@ from kernels.reference import FP8_KV_DTYPE
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arch import ModelArch
-from lora_server.model.batch import ForwardBatch, ScheduledSequence
+from lora_server.model.batch import DraftPosition, ForwardBatch, ScheduledSequence
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
@@ -158,7 +158,9 @@ class ModelRunner:
 
     def prepare(self, items: Sequence[tuple[S, int]]) -> tuple[ForwardBatch, list[S]]:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
-        sample a token this step (those whose chunk reaches their last token), in logits-row order."""
+        sample a token this step (those whose chunk reaches their last token), in logits-row order. A request
+        with draft tokens computes them after its last token (n counts them) and gets a logits row for each of
+        its 1 + d last positions."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -168,16 +170,19 @@ class ModelRunner:
         sampling: list[S] = []
         bs = self.block_size
         for request, n in items:
+            drafts = request.draft_token_ids
+            tokens = request.token_ids + drafts if drafts else request.token_ids
             start = request.num_computed_tokens
             end = start + n
-            input_ids.extend(request.token_ids[start:end])
+            assert not drafts or end == len(tokens), "draft tokens are scheduled with the request's last token"
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             table = request.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             starts.append(starts[-1] + n)
-            if end == request.num_tokens:
-                logits_rows.append(starts[-1] - 1)
+            if end == len(tokens):
+                logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
                 sampling.append(request)
         max_blocks = max(len(r.block_table) for r, _ in items)
         tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in items]
@@ -220,14 +225,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, items: Sequence[tuple[S, int]], mask: Callable[[torch.Tensor, list[S]], None] | None = None
+        self,
+        items: Sequence[tuple[S, int]],
+        mask: Callable[[torch.Tensor, Sequence[ScheduledSequence]], None] | None = None,
     ) -> tuple[list[S], SampleResult | None]:
         """Run one step; returns the requests that sampled and their tokens (None when nobody sampled). ``mask``
-        (structured output) gets the [S, vocab] logits and the sampling requests once the forward pass is queued
-        (on a GPU its host work overlaps the device's) and forbids tokens in place."""
+        (structured output) gets the [R, vocab] logits and their rows' sequences once the forward pass is queued
+        (on a GPU its host work overlaps the device's) and forbids tokens in place. The result has
+        one row per verified position: 1 + d consecutive rows for a request with d draft tokens (row
+        j sampled as if drafts[:j] were accepted; see verify_drafts), one row for the others."""
         batch, sampling = self.prepare(items)
         hidden = self.model(batch, self._kv_caches())
         if not sampling:
             return sampling, None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return sampling, self.sampler(logits, sampling, None if mask is None else lambda rows: mask(rows, sampling))
+        rows: list[ScheduledSequence] = []
+        for request in sampling:
+            drafts = request.draft_token_ids
+            rows.extend([request, *(DraftPosition.of(request, j) for j in range(1, len(drafts) + 1))])
+        return sampling, self.sampler(logits, rows, None if mask is None else lambda logits_: mask(logits_, rows))

@@ -124,6 +124,29 @@ class Sampler:
         return (probs / noise).argmax(-1)
 
 
+def verify_drafts(samples: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The tokens a request keeps from one speculative step: ``samples`` [d + 1] are the tokens drawn at its d + 1
+    verified positions (row j under the sequence with drafts[:j] accepted, see DraftPosition), ``drafts`` [d] the
+    proposal. Drafts are kept while each equals its position's sample; the first sample that differs (the
+    correction) or, when every draft matched, the last one (the bonus token) ends the list: 1 to d + 1 tokens.
+
+    This is speculative sampling's rejection rule for a draft that is a point mass q = 1{x}: it accepts x with
+    probability min(1, p(x) / q(x)) = p(x) and otherwise draws from the residual norm(max(0, p - q)), p without x
+    renormalised. Drawing y ~ p and accepting iff y == x is that rule exactly: P(accept) = p(x), and given y != x,
+    y ~ p(. | . != x). Greedy rows (y = argmax p) accept exactly the drafts greedy decoding would produce. Since y
+    is the draw the non-speculative sampler makes at that output position, a seeded request (whose generator
+    depends only on the seed and the position) gets the same tokens with and without speculation. A NON_FINITE
+    sample never matches a draft: it ends the list and the engine fails the request."""
+    assert len(samples) == len(drafts) + 1, "one sample per draft, and one after them"
+    kept: list[int] = []
+    for sample, draft in zip(samples, drafts, strict=False):
+        kept.append(sample)
+        if sample != draft:
+            return kept
+    kept.append(samples[-1])
+    return kept
+
+
 def _mix(seed: int, position: int) -> int:
     """A 63-bit seed for draw number ``position`` of a request seeded with ``seed`` (splitmix64 finaliser)."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
