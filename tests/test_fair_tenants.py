@@ -200,7 +200,7 @@ def make_scheduler(fair: bool = True, max_num_seqs: int = 8, budget: int = 256, 
 
 def run_step(sched: Scheduler, token: int = 7) -> list[tuple[Request, int]]:
     work = sched.schedule()
-    sampled = {r.request_id: token for r, n in work.items if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: [token] for r, n in work.items if r.num_computed_tokens + n == r.num_tokens}
     sched.update(work, sampled)
     sched.check_integrity()
     return work.items
