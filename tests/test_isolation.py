@@ -61,10 +61,10 @@ def _inject(monkeypatch, engine, prompts, site: str, exc: Exception) -> None:
     elif site == "sampling":
         sampler = core.runner.sampler
 
-        def failing_sampler(logits, requests):
+        def failing_sampler(logits, requests, mask=None):
             if any(_is_victim(r, prompts) for r in requests):
                 raise exc
-            return sampler(logits, requests)
+            return sampler(logits, requests, mask)
 
         monkeypatch.setattr(core.runner, "sampler", failing_sampler)
     else:  # detokenizing its third token
