@@ -330,6 +330,7 @@ def flood(fair: bool, max_steps: int) -> tuple[Engine, dict[str, int | None]]:
     return engine, waits
 
 
+@pytest.mark.slow
 def test_a_flooding_tenant_does_not_hold_back_another():
     """4 run at once and each of a's requests takes 2 steps. With fair sharing b's five take half of the places
     freed by a's next rounds (b's counter starts at a's): by hand, b0 and b1 start in the 2nd step after arriving,
@@ -362,6 +363,7 @@ def make_tenant(server: Server, name: str, **share) -> str:
     return r.json()["api_key"]
 
 
+@pytest.mark.slow
 def test_weight_and_cap_round_trip_through_the_admin_api(server):
     r = server.admin("POST", "/admin/tenants", json={"name": "gold", "weight": 2.5, "max_running": 3})
     body = r.json()
@@ -385,6 +387,7 @@ def test_weight_and_cap_round_trip_through_the_admin_api(server):
     assert (got["weight"], got["max_running"]) == (2.5, 0)  # the refused changes changed nothing
 
 
+@pytest.mark.slow
 def test_priority_is_validated(server):
     client = server.client()
     for bad in ("high", 1.5, 2**40, True):
@@ -417,6 +420,7 @@ async def _spans(client: openai.AsyncOpenAI, n: int) -> list[tuple[float, float]
         return sorted(await asyncio.gather(*(one() for _ in range(n))))
 
 
+@pytest.mark.slow
 def test_a_cap_set_through_the_admin_api_holds(server):
     """Cap 1: a tenant's concurrent requests run one at a time (each starts after the one before ended: 5 steps
     later, against a slack of 0.05 s for reading two sockets); once the cap is lifted they run together."""

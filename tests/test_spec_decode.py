@@ -253,6 +253,7 @@ def _accepted(engine: Engine) -> tuple[int, int]:
     return snap.spec_draft_tokens, snap.spec_accepted_tokens
 
 
+@pytest.mark.slow
 def test_greedy_copy_is_identical_and_mostly_accepted(plain, spec, copy_prompt):
     """The copying prompt with and without the adapter, in one batch: the same tokens as without speculation,
     and most drafts accepted (the model copies the text, then ends)."""
