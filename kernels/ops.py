@@ -1,7 +1,9 @@
 """The one switch between the Triton kernels and their torch twins, and the ops the model calls through it.
 
 ``use_kernels(device)`` decides: the Triton kernels for tensors on CUDA where triton is installed, the torch twins
-(kernels.reference, kernels.lora_reference, kernels.quant_reference) everywhere else, the CPU included. Each op
+(kernels.reference, kernels.lora_reference, kernels.quant_reference) everywhere else, the CPU included, except
+where a batched torch path computes the same thing faster (decode attention: kernels.gathered_attention; LoRA
+over host-known segments: kernels.segment_lora), each tested against its twin. Each op
 below asks it for its tensors' device and returns what its kernel wrapper's docstring states; the twins compute the
 same thing. Callers never choose: the test tier runs the kernel wrappers themselves under the Triton interpreter.
 Kernel modules are imported on first use, so CPU machines need no triton.
@@ -109,8 +111,19 @@ def apply_lora(
     slot_ids: torch.Tensor | None = None,
     seg_starts: torch.Tensor | None = None,
     seg_slots: torch.Tensor | None = None,
+    host_segments: Sequence[tuple[int, int, int, int]] | None = None,
+    views: dict | None = None,
 ) -> None:
-    """out += LoRA(x), in place: lora_expand(lora_shrink(x, ...), ...) with the same mapping."""
+    """out += LoRA(x), in place: lora_expand(lora_shrink(x, ...), ...) with the same mapping. ``host_segments``
+    (start, end, slot, rank), the same mapping as host integers where each slot's tokens are contiguous: without
+    the kernels it takes the segment path (kernels.segment_lora, which reads no device tensor; ``views`` its
+    per-slot views, kept by the caller)."""
+    if host_segments is not None and not use_kernels(x.device):
+        from kernels.segment_lora import apply_lora_segments
+
+        starts = slice_starts.tolist() if isinstance(slice_starts, torch.Tensor) else slice_starts
+        apply_lora_segments(x, out, lora_a, lora_b, starts, host_segments, views)
+        return
     mapping = {"slot_ids": slot_ids, "seg_starts": seg_starts, "seg_slots": seg_slots}
     lora_expand(lora_shrink(x, lora_a, ranks, **mapping), lora_b, ranks, slice_starts, out, **mapping)
 
@@ -148,13 +161,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
     steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]
-    (kernels.paged_attention; the twin needs no max_query_len)."""
+    (kernels.paged_attention; the twin needs no max_query_len). Without the kernels a step with one query per
+    sequence takes one gather per layer (kernels.gathered_attention), others the twin."""
     if use_kernels(q.device):
         from kernels.paged_attention import paged_attention as kernel
 
         return kernel(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, k_scale, v_scale
         )
+    if max_query_len == 1 and q.shape[0] == block_tables.shape[0]:
+        from kernels.gathered_attention import gathered_decode_attention
+
+        return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     return reference.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
     )

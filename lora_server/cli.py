@@ -125,8 +125,8 @@ def _ints(text: str) -> list[int]:
 
 def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(
-        p, EngineConfig, load_format="dummy", quantization="none", max_num_batched_tokens=8192, kv_cache_bytes=16
-    )
+        p, EngineConfig, load_format="dummy", quantization=None, max_num_batched_tokens=8192, kv_cache_bytes=16
+    )  # quantization None: none on dummy weights, the checkpoint's own format (auto) with --peer
     p.add_argument(
         "--batch", type=_ints, default=[1, 16, 64, 128], help="batch sizes; takes commas (default: 1,16,64,128)"
     )
@@ -150,7 +150,16 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
         help="instead: decode step time with half the batch (the largest --batch) under a JSON schema against none, "
         "on the embedded model",
     )
-    p.add_argument("--repeats", type=int, default=3, help="--structured: runs of each setting (default: 3)")
+    p.add_argument("--repeats", type=int, default=3, help="--structured, --peer: runs of each setting (default: 3)")
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="instead: tokens/s against HF transformers + PEFT (float32) in the same run, on the embedded model in "
+        "its default int4 mode, 6 adapters of mixed rank (batches 1 and 24 unless --batch is given)",
+    )
+    p.add_argument(
+        "--ranks", type=_ints, default=[4, 8, 16], help="--peer: the adapters' ranks, round-robin (default: 4,8,16)"
+    )
 
 
 @command("bench-engine", "decode throughput against the memory-bandwidth floor", _bench_engine_args)
@@ -160,19 +169,40 @@ def _bench_engine(args: argparse.Namespace) -> int:
     if args.structured:
         from lora_server.bench.structured import bench_structured
 
-        if args.load_format == "dummy":  # a grammar needs the real tokenizer: the embedded model
-            args.load_format, args.model, args.kv_cache_bytes = "auto", None, 0.25
+        args.quantization = args.quantization or "none"
+        _embedded_model(args)
         if args.quick:
             args.batch, args.output_len, args.repeats = [8], 24, 2
         bench_structured(args, config_from_flags(EngineConfig, args))
+        return 0
+    if args.peer:
+        from lora_server.bench.peer import bench_peer
+
+        _embedded_model(args)
+        args.quantization = args.quantization or "auto"
+        args.max_lora_rank = max(args.ranks)
+        if args.batch == [1, 16, 64, 128]:  # the defaults of the bandwidth benchmark
+            args.batch, args.adapters, args.prompt_len, args.output_len = [1, 24], [6], [16], 32
+        if args.quick:
+            args.batch, args.adapters, args.output_len, args.repeats = [1, 4], [2], 8, 1
+        args.max_num_seqs = max(args.max_num_seqs, *args.batch)
+        args.max_loras = max(args.max_loras, *args.adapters)
+        bench_peer(args, config_from_flags(EngineConfig, args))
         return 0
     if args.quick:
         args.model, args.load_format, args.batch, args.adapters = "tiny-llama", "dummy", [1, 4], [0, 2]
         args.prompt_len, args.output_len, args.kv_cache_bytes, args.rank = [16], 8, 0.05, 8
     elif args.load_format == "dummy" and args.model is None:
         args.model = "llama-3-8b"
+    args.quantization = args.quantization or "none"
     bench(args, config_from_flags(EngineConfig, args))
     return 0
+
+
+def _embedded_model(args: argparse.Namespace) -> None:
+    """bench-engine's defaults (dummy Llama-3-8B) -> the embedded model."""
+    if args.load_format == "dummy":
+        args.load_format, args.model, args.kv_cache_bytes = "auto", None, 0.25
 
 
 def _bench_spec_args(p: argparse.ArgumentParser) -> None:

@@ -64,6 +64,15 @@ class EngineConfig:
         ),
     )
     device: str = field(default="auto", metadata=flag("auto: CUDA when torch sees a GPU", choices=DEVICES))
+    cpu_head_copy: bool = field(
+        default=True,
+        metadata=flag(
+            "on the CPU, give a quantized tied output head (the embedding) its own copy in a layout the CPU multiplies "
+            "fast: float32 for int8 (vocab x hidden x 4 bytes: 113 MB for SmolLM2), torch's int4 layout for int4; "
+            "without it the head is dequantized at every step",
+            negate="--no-cpu-head-copy",
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=flag(

@@ -570,3 +570,51 @@ def test_paged_attention_real_shapes(dtype: torch.dtype, queries: str):
     torch.testing.assert_close(run_kernel(batch), run_twin(batch), **TOL_VS_TWIN[dtype])
     fp8 = to_fp8(batch, seed=12)  # the same shapes over an fp8 cache
     torch.testing.assert_close(run_kernel(fp8), run_twin(fp8), **TOL_VS_TWIN[dtype])
+
+
+# ---- the gathered decode path (kernels.gathered_attention: what ops runs for decode steps without the kernels) ----
+
+GATHERED_CASES = [c for c in sweep_cases() if c.queries == "decode"] + [
+    Case(dtype=d, queries="decode", group=g, block_size=bs) for d in AXES["dtype"] for g in (1, 4) for bs in (4, 16)
+]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-kv", "fp8-kv"])
+@pytest.mark.parametrize("case", GATHERED_CASES, ids=str)
+def test_gathered_decode_attention_matches_loop(case: Case, fp8: bool):
+    """One query per sequence over caches whose unowned slots and padded table entries hold NaN: the gathered
+    path against the float64 loop (NaN anywhere in the result would fail), and ops.paged_attention takes it on
+    the CPU."""
+    from kernels.gathered_attention import gathered_decode_attention
+
+    batch = make_batch(
+        case.dtype,
+        case.block_size,
+        case.head_dim,
+        case.group * case.num_kv_heads,
+        case.num_kv_heads,
+        list(CONTEXTS),
+        [1] * len(CONTEXTS),
+        seed=case.seed,
+        strided_q=case.strided_q,
+    )
+    if fp8:
+        batch = to_fp8(batch, seed=case.seed + 1)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale)
+    out = gathered_decode_attention(*args, batch.k_scale, batch.v_scale)
+    assert out.dtype == case.dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double().cpu(), loop_attention(batch), **TOL_VS_LOOP[case.dtype])
+    if not ops.use_kernels(DEVICE):
+        via_ops = ops.paged_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            1,
+            batch.k_scale,
+            batch.v_scale,
+        )
+        assert torch.equal(via_ops, out)

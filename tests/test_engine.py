@@ -10,7 +10,7 @@ import pytest
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import ContextLengthExceededError, InvalidRequestError
-from lora_server.model.quant import resident_bytes
+from lora_server.model.quant import DenseLinear, resident_bytes
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 
@@ -243,7 +243,8 @@ def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
     sizes = {"none": resident_bytes(engine_fp32.core.runner.model)}
     for mode, (min_agree, max_rank, max_behind) in QUANT_BOUNDS.items():
         engine = _engine(quantization=mode)
-        sizes[mode] = resident_bytes(engine.core.runner.model)
+        model = engine.core.runner.model
+        sizes[mode] = resident_bytes(model) - (0 if model.lm_head is None else resident_bytes(model.lm_head))
         outs = [c.token_ids for c in engine.generate(prompts, GREEDY)]
         same = 0
         for out, r in zip(outs, ref, strict=True):
@@ -258,3 +259,18 @@ def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
         assert agreement >= min_agree, (mode, agreement)
     assert sizes["int8"] < 0.3 * sizes["none"] and sizes["int4"] < 0.7 * sizes["int8"], sizes
     assert sizes["auto"] < sizes["int8"], sizes
+
+
+def test_cpu_head_copy(engine_fp32):
+    """SmolLM2 ties its head to the embedding. On the CPU a quantized tied head gets its own copy (float32 for the
+    GGUF's Q8_0 embedding: 49152 x 576 x 4 bytes) unless --no-cpu-head-copy; a float32 model needs none. The copy
+    gives the same greedy tokens as the embedding it copies."""
+    assert engine_fp32.core.runner.model.lm_head is None
+    with_copy, without = _engine(quantization="auto"), _engine(quantization="auto", cpu_head_copy=False)
+    head = with_copy.core.runner.model.lm_head
+    assert without.core.runner.model.lm_head is None and isinstance(head, DenseLinear)
+    extra = resident_bytes(with_copy.core.runner.model) - resident_bytes(without.core.runner.model)
+    assert extra == 49152 * 576 * 4
+    prompt = [with_copy.chat_prompt([{"role": "user", "content": "Name a color."}])]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert with_copy.generate(prompt, params)[0].token_ids == without.generate(prompt, params)[0].token_ids

@@ -527,3 +527,49 @@ def test_gpu_shapes_kernels_match_twins(dtype: torch.dtype, widths: tuple[int, .
     expand(y_twin, out_kernel)
     torch.cuda.synchronize()
     torch.testing.assert_close(out_kernel, out_twin, **OUT_TOL_VS_TWIN[dtype])
+
+
+# ---- the segment path (kernels.segment_lora: what ops runs without the kernels when segments are host integers) --
+
+
+@pytest.mark.parametrize("case", sweep_cases(), ids=str)
+def test_segment_path_matches_loop(case: Case):
+    """The segmented mapping as host (start, end, slot, rank) tuples, against the float64 loop: A and B hold NaN
+    past each slot's rank (never read), rows without an adapter stay bit for bit, and the views the caller keeps
+    give the same result on a second call."""
+    from kernels.segment_lora import apply_lora_segments
+
+    batch = make_batch(case)
+    starts, slots, ranks = batch.seg_starts.tolist(), batch.seg_slots.tolist(), batch.ranks.tolist()
+    segments = [(a, b, s, ranks[s]) for a, b, s in zip(starts, starts[1:], slots, strict=False) if s >= 0]
+    token_slots = ref.segment_slot_ids(batch.seg_starts, batch.seg_slots)
+    _, out_loop = loop_lora(
+        batch.x, batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts, token_slots, batch.out
+    )
+    views: dict = {}
+    for _ in range(2):
+        out = batch.out.clone()
+        apply_lora_segments(batch.x, out, batch.lora_a, batch.lora_b, batch.slice_starts, segments, views)
+        # half types: y is rounded to the model's dtype and the product added in it (one more rounding than the twin)
+        tol = {k: 2 * v for k, v in OUT_TOL_VS_LOOP[case.dtype].items()}
+        torch.testing.assert_close(out.double().cpu(), out_loop, **tol)
+        assert_rows_unchanged(out, batch.out, token_slots < 0)
+
+
+def test_apply_lora_takes_the_segment_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch):
+    """ops.apply_lora with host segments: the segment path where the kernels do not run (and only there)."""
+    import kernels.segment_lora as segment_lora
+
+    batch = make_batch(Case(dtype=torch.float32))
+    calls = []
+    real = segment_lora.apply_lora_segments
+    monkeypatch.setattr(segment_lora, "apply_lora_segments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    starts, slots, ranks = batch.seg_starts.tolist(), batch.seg_slots.tolist(), batch.ranks.tolist()
+    segments = [(a, b, s, ranks[s]) for a, b, s in zip(starts, starts[1:], slots, strict=False) if s >= 0]
+    args = (batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.ranks, batch.slice_starts)
+    force_path(monkeypatch, "twins")
+    ops.apply_lora(*args, **mapping_of(batch, "segmented"), host_segments=segments)
+    assert calls == [1]
+    force_path(monkeypatch, "kernels")
+    ops.apply_lora(*args, **mapping_of(batch, "segmented"), host_segments=segments)
+    assert calls == [1]

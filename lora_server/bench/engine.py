@@ -11,6 +11,7 @@ import dataclasses
 import json
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,14 +58,22 @@ def _sync(device: torch.device) -> None:
 
 
 def write_random_adapters(
-    root: Path, n: int, rank: int, engine: Engine, seed: int = 0, targets: tuple[str, ...] = PEFT_TARGETS
+    root: Path,
+    n: int,
+    rank: int | Sequence[int],
+    engine: Engine,
+    seed: int = 0,
+    targets: tuple[str, ...] = PEFT_TARGETS,
 ) -> list[str]:
-    """n PEFT adapter directories with random weights on `targets` (PEFT module names) of every layer."""
+    """n PEFT adapter directories with random weights on `targets` (PEFT module names) of every layer; adapter i
+    has rank ``rank``, or ``rank[i % len(rank)]`` for several."""
     info = engine.describe()
     arch, shapes = info.arch, info.adapter_features
     gen = torch.Generator().manual_seed(seed)
+    ranks = [rank] if isinstance(rank, int) else list(rank)
     names = []
     for i in range(n):
+        rank_i = ranks[i % len(ranks)]
         tensors = {}
         for layer in range(arch.num_layers):
             for proj, module in zip(PEFT_TARGETS, ("q", "k", "v", "o", "gate", "up", "down"), strict=True):
@@ -73,13 +82,15 @@ def write_random_adapters(
                 in_f, out_f = shapes[module]
                 part = "self_attn" if module in ("q", "k", "v", "o") else "mlp"
                 key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
-                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_f, generator=gen) * 0.01).half()
-                tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank, generator=gen) * 0.01).half()
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank_i, in_f, generator=gen) * 0.01).half()
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank_i, generator=gen) * 0.01).half()
         path = root / f"bench-{i}"
         path.mkdir(parents=True)
         save_file(tensors, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(
-            json.dumps(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(targets), bias="none"))
+            json.dumps(
+                dict(peft_type="LORA", r=rank_i, lora_alpha=2 * rank_i, target_modules=list(targets), bias="none")
+            )
         )
         names.append(path.name)
     return names

@@ -18,7 +18,7 @@ from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraLinear
-from lora_server.model.quant import QuantLinear, cat_linears, swap_for_cpu
+from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for_cpu
 
 
 class RMSNorm(nn.Module):
@@ -55,11 +55,23 @@ def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> to
     return inv
 
 
+class RopeTable(NamedTuple):
+    """One step's rotary factors, gathered once for every layer: cos and sin [T, 1, head_dim] in the model's dtype,
+    sin with its first half negated so that rotate_half(x) * sin == x.roll(head_dim // 2, -1) * sin_signed."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, heads, head_dim]
+        # two roundings, as HF's x * cos + rotate_half(x) * sin (a fused multiply-add would round once)
+        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.sin_signed
+
+
 class Rotary(nn.Module):
     """Neox-style rotary embedding (HF's rotate_half layout) from a cos/sin table over all positions."""
 
     cos: torch.Tensor
-    sin: torch.Tensor
+    sin_signed: torch.Tensor
 
     def __init__(
         self, arch: ModelArch, max_positions: int, device: torch.device, rope_freqs: torch.Tensor | None = None
@@ -67,15 +79,12 @@ class Rotary(nn.Module):
         super().__init__()
         inv = rope_inv_freq(arch, rope_freqs).to(device)
         freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # [positions, head_dim]: HF's cat([freqs, freqs]) angles; sin's first half negated (see RopeTable)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)
+        self.register_buffer("sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x: [T, heads, head_dim]
-        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:  # positions [T]
+        return RopeTable(self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1))
 
 
 class LayerKV(NamedTuple):
@@ -96,11 +105,12 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.unflatten(-1, (self.num_heads, self.head_dim)), batch.positions)
-        k = rotary(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), batch.positions)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side [T, heads + kv_heads, head_dim]: one rotation for both
+        qk = rope.apply(qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim)))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         ops.write_kv_cache(k, v, kv_cache.k, kv_cache.v, batch.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         o = ops.paged_attention(
@@ -133,8 +143,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary, kv_cache: LayerKV) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), batch, rotary, kv_cache)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), batch, rope, kv_cache)
         return x + self.mlp(self.mlp_norm(x), batch.lora)
 
 
@@ -157,8 +167,9 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
         x = self.embed.rows(batch.input_ids, self.dtype)  # [T, hidden]
+        rope = self.rotary.table(batch.positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, self.rotary, kv_cache)
+            x = layer(x, batch, rope, kv_cache)
         return self.norm(x)
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
@@ -181,9 +192,11 @@ def build_llama(
     device: torch.device,
     max_positions: int,
     show_progress: bool = True,
+    cpu_head_copy: bool = True,
 ) -> LlamaModel:
     """The offline transform: read each checkpoint tensor, quantize it to ``quantization`` ("auto" keeps a GGUF's
-    own blocks), fuse q|k|v and gate|up, and place everything on ``device``."""
+    own blocks), fuse q|k|v and gate|up, and place everything on ``device``; on the CPU, int4 linears in torch's
+    CPU layout and, with ``cpu_head_copy``, a tied head's own copy (quant.cpu_head)."""
     arch, w = ckpt.arch, ckpt.weights
     missing = [n for n in ("embed", "norm") if n not in w] + (
         [] if arch.tie_word_embeddings or "lm_head" in w else ["lm_head"]
@@ -218,4 +231,6 @@ def build_llama(
     )
     if device.type == "cpu":  # the embedding stays as is: it is read by rows, not multiplied
         swap_for_cpu(model, keep=("embed",))
+        if model.lm_head is None and cpu_head_copy:  # a tied head multiplies: its own copy (see cpu_head)
+            model.lm_head = cpu_head(model.embed, dtype)
     return model

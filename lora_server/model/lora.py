@@ -23,6 +23,9 @@ class LoraBatch:
     seg_starts: torch.Tensor  # [S + 1] int32, segment s is tokens seg_starts[s]:seg_starts[s+1]
     seg_slots: torch.Tensor  # [S] int32, slot of each segment, -1 = no adapter
     slot_ids: torch.Tensor | None  # [T] int32 per token (decode-only steps), else None
+    # the same mapping as host integers, one (start, end, slot, rank) per segment with an adapter; the runner orders
+    # a step's requests by slot, so each slot has one segment
+    host_segments: list[tuple[int, int, int, int]]
 
 
 class LoraSlots:
@@ -41,6 +44,7 @@ class LoraSlots:
     ) -> None:
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots]
+        self.rank_of = [0] * max_loras  # the same ranks on the host
         self.buffers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []  # [layer][group] -> (A, B)
         for _ in range(num_layers):
             layer = {}
@@ -75,16 +79,19 @@ class LoraSlots:
                     a_buf[k, slot, :r] = a.to(self.dtype)
                     b_buf[slot, starts[k] : starts[k + 1], :r] = b.to(self.dtype)
         self.ranks[slot] = adapter.rank
+        self.rank_of[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
         """Free a slot: its rank becomes 0, so a stale slot id adds nothing."""
         self.ranks[slot] = 0
+        self.rank_of[slot] = 0
 
     def attach(self, layers: list[dict[str, LoraLinear]]) -> None:
         """Point each layer's LoRA wrappers ([layer][group]) at these stacked buffers."""
         for wrappers, buffers in zip(layers, self.buffers, strict=True):
             for group, wrapper in wrappers.items():
                 wrapper.lora_a, wrapper.lora_b = buffers[group]
+                wrapper.views = {}
                 wrapper.ranks, wrapper.slice_starts = self.ranks, self.slice_starts[group]
 
 
@@ -105,13 +112,25 @@ class LoraLinear(nn.Module):
         self.lora_b: torch.Tensor | None = None  # [slots, out_total, R]
         self.ranks: torch.Tensor | None = None  # [slots] int32
         self.slice_starts: list[int] = []
+        self.views: dict = {}  # the CPU's per-slot views of lora_a / lora_b (kernels.segment_lora), made on first use
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in] -> [T, out_total]
         out = self.base(x)
         if lora is not None and self.lora_a is not None:
             assert self.lora_b is not None and self.ranks is not None
+            segments = lora.host_segments
             if lora.slot_ids is not None:
-                ops.apply_lora(x, out, self.lora_a, self.lora_b, self.ranks, self.slice_starts, slot_ids=lora.slot_ids)
+                ops.apply_lora(
+                    x,
+                    out,
+                    self.lora_a,
+                    self.lora_b,
+                    self.ranks,
+                    self.slice_starts,
+                    slot_ids=lora.slot_ids,
+                    host_segments=segments,
+                    views=self.views,
+                )
             else:
                 ops.apply_lora(
                     x,
@@ -122,5 +141,7 @@ class LoraLinear(nn.Module):
                     self.slice_starts,
                     seg_starts=lora.seg_starts,
                     seg_slots=lora.seg_slots,
+                    host_segments=segments,
+                    views=self.views,
                 )
         return out

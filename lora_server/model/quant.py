@@ -167,6 +167,18 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
             swap_for_cpu(child, keep)
 
 
+def cpu_head(embed: QuantLinear, dtype: torch.dtype) -> QuantLinear | None:
+    """The tied output head's own copy on the CPU, where a quantized matmul dequantizes the whole weight at every
+    call: an Int4CpuLinear of an int4 embedding, the dequantized weight in ``dtype`` of an int8 one (the same
+    numbers: torch's CPU int8 matmul takes one scale per row, not Q8_0's 32-value groups); None (the embedding
+    itself) for a dense one."""
+    if isinstance(embed, Int4Linear) and Int4CpuLinear.available() and embed.out_features % 16 == 0:
+        return Int4CpuLinear(embed)
+    if isinstance(embed, Int4Linear | Int8Linear):
+        return DenseLinear(embed.dequantize(dtype))
+    return None
+
+
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8; group None = per output channel. Returns (qweight int8 [out, in], scales fp16)."""
     out_f, in_f = w.shape

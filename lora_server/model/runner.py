@@ -47,7 +47,13 @@ class ModelRunner:
         self.block_size = config.block_size
         with torch.no_grad():
             self.model: LlamaModel = build_llama(
-                checkpoint, config.quantization, self.dtype, self.device, max_model_len, config.show_progress
+                checkpoint,
+                config.quantization,
+                self.dtype,
+                self.device,
+                max_model_len,
+                config.show_progress,
+                config.cpu_head_copy,
             )
         arch = self.arch
         self.adapter_shapes = BaseShapes.llama(
@@ -160,7 +166,9 @@ class ModelRunner:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
         sample a token this step (those whose chunk reaches their last token), in logits-row order. A request
         with draft tokens computes them after its last token (n counts them) and gets a logits row for each of
-        its 1 + d last positions."""
+        its 1 + d last positions. Requests are ordered by adapter slot (stable), so that each adapter's tokens
+        are one segment."""
+        items = sorted(items, key=lambda item: item[0].lora_slot)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -217,11 +225,17 @@ class ModelRunner:
                 seg_starts.append(seg_starts[-1] + n)
         decode_only = all(n == 1 for _, n in items)
         slot_ids = [r.lora_slot for r, _ in items] if decode_only else None
+        rank_of = self.lora.rank_of
+        host_segments = [
+            (start, end, slot, rank_of[slot])
+            for start, end, slot in zip(seg_starts, seg_starts[1:], seg_slots, strict=False)
+            if slot >= 0
+        ]
 
         def dev(data: list[int]) -> torch.Tensor:
             return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
 
-        return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids))
+        return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids), host_segments)
 
     @torch.inference_mode()
     def execute(
