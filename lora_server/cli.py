@@ -160,12 +160,29 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ranks", type=_ints, default=[4, 8, 16], help="--peer: the adapters' ranks, round-robin (default: 4,8,16)"
     )
+    p.add_argument(
+        "--host-work",
+        action="store_true",
+        help="instead: count the host work of one decode step of the CUDA code path without a GPU (tiny Llama of "
+        "--layers layers, the largest --batch and --adapters, --rank): ops, launches, copies, syncs",
+    )
+    p.add_argument("--layers", type=int, default=32, help="--host-work: the tiny Llama's layers (default: 32)")
+    p.add_argument("--steps", type=int, default=3, help="--host-work: decode steps counted (default: 3)")
 
 
 @command("bench-engine", "decode throughput against the memory-bandwidth floor", _bench_engine_args)
 def _bench_engine(args: argparse.Namespace) -> int:
     from lora_server.bench.engine import bench
 
+    if args.host_work:
+        from lora_server.bench.host_work import bench_host_work
+
+        if args.quick:
+            args.layers, args.batch, args.adapters, args.steps = 2, [4], [2], 2
+        if args.batch == [1, 16, 64, 128] and args.adapters == [0, 1, 16, 64]:  # not given: the issue's shape
+            args.batch, args.adapters = [64], [16]
+        bench_host_work(args)
+        return 0
     if args.structured:
         from lora_server.bench.structured import bench_structured
 

@@ -345,3 +345,37 @@ def test_logprobs_over_padded_vocab_use_the_real_vocab():
     assert out.token_ids == [2]
     assert abs(out.logprobs[0] - (2.0 - lse)) < 1e-5
     assert out.top_logprobs[0][0][0] == 2
+
+
+# ---- frequency and presence penalties, logit_bias (vectorized: one scatter of additive terms) ----------------
+
+
+def test_frequency_presence_and_bias_greedy_probes():
+    s = Sampler(V)
+    logits = torch.tensor([[2.0, 1.9, 1.0, 0.0, -5.0]])
+    # output [0, 0]: token 0 loses 2 * 0.5 + 0.3 = 1.3 -> 0.7 < 1.9
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3)
+    assert s(logits, [req(p, output=[0, 0])]).token_ids == [1]
+    # output [0]: 2.0 - 0.8 = 1.2 < 1.9; prompt tokens are not penalised (prompt [1]: token 1 keeps 1.9)
+    assert s(logits, [req(p, prompt=[1], output=[0])]).token_ids == [1]
+    # logit_bias on top of the penalties: token 2 gets +1.5 -> 2.5 beats 2.0; token 0 also biased +0.4 -> 2.4
+    pb = SamplingParams(temperature=0.0, logit_bias={2: 1.5, 0: 0.4, 99: 100.0})  # 99 is outside the vocab
+    assert s(logits, [req(pb)]).token_ids == [2]
+    # penalty and bias on the same token add up: 2.0 - 1.3 + 1.0 = 1.7 < 1.9
+    pc = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={0: 1.0})
+    assert s(logits, [req(pc, output=[0, 0])]).token_ids == [1]
+    # a batch with one penalised row leaves the other rows' logits alone
+    out = s(logits.expand(2, -1), [req(p, output=[0, 0], rid="a"), req(SamplingParams(temperature=0.0), rid="b")])
+    assert out.token_ids == [1, 0]
+
+
+def test_mixed_batch_keeps_each_rows_semantics():
+    # greedy, penalised greedy, banned-by-min_tokens sampled, and a top_k 1 sampled row in one batch
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 9.0]] * 4)
+    requests = [
+        req(SamplingParams(temperature=0.0), rid="g"),
+        req(SamplingParams(temperature=0.0, repetition_penalty=4.0), prompt=[4], rid="r"),  # 9 / 4 = 2.25 < 5
+        req(SamplingParams(temperature=0.5, top_k=1, min_tokens=3), rid="m"),  # EOS (4) banned -> token 2
+        req(SamplingParams(top_k=1, seed=11), rid="k"),
+    ]
+    assert Sampler(V)(logits, requests).token_ids == [4, 2, 2, 4]

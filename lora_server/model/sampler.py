@@ -6,6 +6,7 @@ other requests share the batch, nor on preemption."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,9 +26,37 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None  # [S][k] the k most likely tokens and their logprobs
 
 
+# Columns of the per-row parameter block of the staging buffer.
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION = range(5)
+_NUM_PARAMS = 5
+
+
+@dataclass(slots=True)
+class _Staged:
+    """One step's parameters as the device sees them, all views of one device buffer (one host-to-device copy).
+    Token ids travel as int32 bit patterns inside the float32 buffer. Pad ids point at column ``vocab`` (an
+    extra column that is dropped)."""
+
+    params: torch.Tensor  # [S, _NUM_PARAMS] float32
+    seen_ids: torch.Tensor  # [S, Ls] int64: prompt + output tokens of rows with a repetition penalty
+    add_ids: torch.Tensor  # [S, La] int64: tokens whose logit gets add_values
+    add_values: torch.Tensor  # [S, La] float32: -(frequency * count + presence) + bias, -inf for banned tokens
+    sampled_rows: torch.Tensor  # [R] int64: the rows that are not greedy
+
+
 class Sampler:
+    """Vectorized over the batch: the per-row parameters go to the device in one copy from a persistent staging
+    buffer (pinned when the device is not the CPU), every decision about which work to do is taken from the
+    Python-side parameters (no device value is read back to decide), and the result comes back in one transfer
+    of one packed tensor. Only seeded rows loop in Python: each draws its noise from its own generator.
+
+    Contract of the staging buffer: it is rewritten at the next call, which is safe because each call ends with
+    the device-to-host transfer of its result, ordered after the staging copy on the same stream."""
+
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self._host = torch.empty(0)  # float32 staging buffer, grown on demand
+        self._device = torch.empty(0)  # its device twin
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[ScheduledSequence], mask: LogitsMask | None = None
@@ -37,91 +66,179 @@ class Sampler:
         its token id is NON_FINITE, and the engine fails that request alone. ``mask`` (structured output) forbids
         tokens after penalties and biases, before greedy and random sampling alike; logprobs stay the model's."""
         logits = logits[:, : self.vocab_size]
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
-        )
+        params = [r.params for r in requests]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         finite = torch.isfinite(logits).all(-1)  # [S]
-        logits = self._apply_penalties_and_masks(logits.clone(), requests)
+        staged = self._stage(requests, logits.device)
+        work = logits
+        if staged is not None:
+            work = self._apply_penalties_and_masks(work, staged, requests)
         if mask is not None:
-            mask(logits)
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(-1)
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if sampled:
-            tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
-        token_list = torch.where(finite, tokens, NON_FINITE).tolist()  # the step's one device-to-host transfer
-        if raw_logprobs is None:
-            return SampleResult(token_list, None, None)
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        k = max(r.params.logprobs or 0 for r in requests)
-        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (raw_logprobs[:, :0], tokens[:, None][:, :0])
-        tops = [
-            list(
-                zip(
-                    top_ids[i, : r.params.logprobs or 0].tolist(),
-                    top_vals[i, : r.params.logprobs or 0].tolist(),
-                    strict=True,
+            work = work.clone() if work is logits else work
+            mask(work)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = work.argmax(-1)
+        else:
+            assert staged is not None
+            if any(greedy):
+                sampled_rows = [i for i, g in enumerate(greedy) if not g]
+                tokens = work.argmax(-1)
+                drawn = self._sample(
+                    work.index_select(0, staged.sampled_rows),
+                    staged.params.index_select(0, staged.sampled_rows),
+                    [requests[i] for i in sampled_rows],
                 )
-            )
-            for i, r in enumerate(requests)
+                tokens = tokens.index_copy(0, staged.sampled_rows, drawn)
+            else:
+                tokens = self._sample(work, staged.params, requests)
+        final = tokens.masked_fill(~finite, NON_FINITE)  # [S]
+        if raw_logprobs is None:
+            return SampleResult(final.tolist(), None, None)  # the step's one device-to-host transfer
+        k = max(p.logprobs or 0 for p in params)
+        chosen = raw_logprobs.gather(1, tokens[:, None])  # [S, 1]
+        top_vals, top_ids = raw_logprobs.topk(k, dim=-1)  # [S, k]
+        packed = torch.cat([final[:, None].double(), chosen.double(), top_ids.double(), top_vals.double()], 1)
+        rows = packed.tolist()  # the step's one device-to-host transfer: [S][2 + 2k]
+        tops = [
+            [(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)]
+            for row, n in zip(rows, (p.logprobs or 0 for p in params), strict=True)
         ]
-        return SampleResult(token_list, chosen, tops)
+        return SampleResult([int(row[0]) for row in rows], [row[1] for row in rows], tops)
 
-    def _apply_penalties_and_masks(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> torch.Tensor:
+    def _stage(self, requests: Sequence[ScheduledSequence], device: torch.device) -> _Staged | None:
+        """Pack the rows' parameters, penalty token ids and additive terms into the staging buffer and copy it to
+        the device once; None when no row needs any of it (all greedy, no penalty, bias or ban)."""
+        vocab = self.vocab_size
+        params_rows: list[list[float]] = []
+        seen: list[list[int]] = []
+        adds: list[dict[int, float]] = []
+        sampled_rows: list[int] = []
         for i, r in enumerate(requests):
             p = r.params
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=logits.device)
-                seen = seen[seen < self.vocab_size]
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
-                ids, counts = torch.tensor(r.output_token_ids, dtype=torch.long).unique(return_counts=True)
-                ids, counts = ids.to(logits.device), counts.to(logits.device, logits.dtype)
-                logits[i, ids] -= p.frequency_penalty * counts + p.presence_penalty
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-            if r.num_output_tokens < p.min_tokens:
-                banned = [
-                    t for t in (*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids)) if t < self.vocab_size
+            if not p.greedy:
+                sampled_rows.append(i)
+            params_rows.append(
+                [
+                    1.0 if p.greedy else p.temperature,
+                    float(p.top_k if p.top_k > 0 else vocab),
+                    p.top_p,
+                    p.min_p,
+                    p.repetition_penalty,
                 ]
-                logits[i, banned] = _NEG_INF
+            )
+            seen.append(sorted({t for t in r.token_ids if t < vocab}) if p.repetition_penalty != 1.0 else [])
+            adds.append(_additive_terms(r, vocab))
+        if not sampled_rows and not any(seen) and not any(adds):
+            return None
+        n = len(requests)
+        width_seen = max(1, max(map(len, seen)))
+        width_add = max(1, max(map(len, adds)))
+        ids = torch.full((n, width_seen + width_add), vocab, dtype=torch.int32)
+        values = torch.zeros(n, width_add)
+        for i, (row_seen, row_add) in enumerate(zip(seen, adds, strict=True)):
+            if row_seen:
+                ids[i, : len(row_seen)] = torch.tensor(row_seen, dtype=torch.int32)
+            if row_add:
+                ids[i, width_seen : width_seen + len(row_add)] = torch.tensor(list(row_add), dtype=torch.int32)
+                values[i, : len(row_add)] = torch.tensor(list(row_add.values()))
+        parts = [torch.tensor(params_rows).flatten(), ids.flatten().view(torch.float32), values.flatten()]
+        parts.append(torch.tensor(sampled_rows, dtype=torch.int32).view(torch.float32))
+        sizes = [t.numel() for t in parts]
+        total = sum(sizes)
+        host, dev = self._buffers(total, device)
+        torch.cat(parts, out=host[:total])
+        dev[:total].copy_(host[:total], non_blocking=True)
+        p_dev, ids_dev, values_dev, rows_dev = dev[:total].split(sizes)
+        ids_dev = ids_dev.view(torch.int32).view(n, width_seen + width_add).long()
+        return _Staged(
+            p_dev.view(n, _NUM_PARAMS),
+            ids_dev[:, :width_seen],
+            ids_dev[:, width_seen:],
+            values_dev.view(n, width_add),
+            rows_dev.view(torch.int32).long(),
+        )
+
+    def _buffers(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent staging pair, at least ``size`` float32 each; grown (doubling) when too small."""
+        if self._host.numel() < size or self._device.device != device:
+            size = max(size, 2 * self._host.numel(), 1024)
+            self._host = torch.empty(size, pin_memory=device.type != "cpu")
+            self._device = self._host if device.type == "cpu" else torch.empty(size, device=device)
+        return self._host, self._device
+
+    def _apply_penalties_and_masks(
+        self, logits: torch.Tensor, staged: _Staged, requests: Sequence[ScheduledSequence]
+    ) -> torch.Tensor:
+        """Repetition penalty on the tokens each row has seen (positive logits divided, negative multiplied), then
+        the additive terms (frequency and presence penalties, logit_bias, -inf for min_tokens bans). Returns a new
+        tensor; rows without a penalty come out unchanged."""
+        n, vocab = logits.shape
+        if any(r.params.repetition_penalty != 1.0 for r in requests):
+            seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+            seen = seen.scatter_(1, staged.seen_ids, True)[:, :vocab]
+            penalty = staged.params[:, _REPETITION : _REPETITION + 1]
+            logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        if staged.add_ids.shape[1] and any(_has_additive_terms(r) for r in requests):
+            added = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
+            logits = logits + added.scatter_add_(1, staged.add_ids, staged.add_values)[:, :vocab]
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[ScheduledSequence]) -> torch.Tensor:
-        """logits: [R, vocab] of the non-greedy rows -> [R] tokens."""
+    def _sample(
+        self, logits: torch.Tensor, params: torch.Tensor, requests: Sequence[ScheduledSequence]
+    ) -> torch.Tensor:
+        """logits: [R, vocab] of the non-greedy rows, params [R, _NUM_PARAMS] their staged parameters -> [R]
+        tokens."""
         device = logits.device
-        temps = torch.tensor([r.params.temperature for r in requests], device=device)
-        logits = logits / temps[:, None]
-        top_k = torch.tensor(
-            [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in requests], device=device
-        )
-        top_p = torch.tensor([r.params.top_p for r in requests], device=device)
-        min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-        if (top_k < self.vocab_size).any() or (top_p < 1).any():
+        logits = logits / params[:, _TEMPERATURE : _TEMPERATURE + 1]
+        if any(0 < r.params.top_k < self.vocab_size or r.params.top_p < 1 for r in requests):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(logits.shape[-1], device=device)[None, :]
-            drop = ranks >= top_k[:, None]
+            drop = ranks >= params[:, _TOP_K : _TOP_K + 1]
             sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
             probs = sorted_logits.softmax(-1)
             # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
-            drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+            drop = (probs.cumsum(-1) - probs) >= params[:, _TOP_P : _TOP_P + 1]
             sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
             logits = torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
         probs = logits.softmax(-1)
-        if (min_p > 0).any():
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs)
+        if any(r.params.min_p > 0 for r in requests):
+            probs = probs.masked_fill(probs < params[:, _MIN_P : _MIN_P + 1] * probs.amax(-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(requests):
-            gen = None
             if r.params.seed is not None:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(_mix(r.params.seed, r.num_output_tokens))
-            noise[i].exponential_(generator=gen)
+                noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(-1)
+
+
+def _has_additive_terms(r: ScheduledSequence) -> bool:
+    p = r.params
+    return bool(
+        ((p.presence_penalty or p.frequency_penalty) and r.num_output_tokens)
+        or p.logit_bias
+        or r.num_output_tokens < p.min_tokens
+    )
+
+
+def _additive_terms(r: ScheduledSequence, vocab: int) -> dict[int, float]:
+    """token id -> what is added to its logit: -(frequency * count + presence) for each output token, plus its
+    logit_bias, and -inf for a token that min_tokens bans. Ids outside the vocabulary are left out."""
+    if not _has_additive_terms(r):
+        return {}
+    p = r.params
+    terms: dict[int, float] = {}
+    if p.presence_penalty or p.frequency_penalty:
+        for t, count in Counter(r.output_token_ids).items():
+            terms[t] = -(p.frequency_penalty * count + p.presence_penalty)
+    for t, bias in p.logit_bias.items():
+        terms[t] = terms.get(t, 0.0) + bias
+    if r.num_output_tokens < p.min_tokens:
+        for t in (*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids)):
+            terms[t] = _NEG_INF
+    return {t: v for t, v in terms.items() if 0 <= t < vocab}
 
 
 def verify_drafts(samples: Sequence[int], drafts: Sequence[int]) -> list[int]:
