@@ -50,9 +50,9 @@ class Ingress:
             return await self._replicas(request)
         body = await request.body()
         head = RequestHead(request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw))
-        model = model_of(body) if self.by_adapter and request.method == "POST" else ""
-        call = self.engines.options(stream=True, multiplexed_model_id=model)
-        stream = call.forward.remote(head, body, self.epoch)
+        model = model_of(body) if request.method == "POST" else ""
+        call = self.engines.options(stream=True, multiplexed_model_id=model if self.by_adapter else "")
+        stream = call.forward.remote(head, body, model, self.epoch)
         try:
             first: ResponseHead = await stream.__anext__()
         except REPLICA_GONE as exc:

@@ -94,15 +94,18 @@ def replica_class(max_adapters: int) -> type:
                 "resident_adapters": pool["resident_adapters"],
             }
 
-        async def forward(self, head: RequestHead, body: bytes, epoch: str) -> AsyncIterator[ResponseHead | bytes]:
-            """The app's answer to one request: a ResponseHead, then the body in chunks as the app sends them."""
+        async def forward(
+            self, head: RequestHead, body: bytes, model: str, epoch: str
+        ) -> AsyncIterator[ResponseHead | bytes]:
+            """The app's answer to one request: a ResponseHead, then the body in chunks as the app sends them.
+            ``model``: the body's model ("" when it names none)."""
             if epoch != self.epoch:
                 await asyncio.to_thread(self._reconcile)
                 self.epoch = epoch
-            model = serve.get_multiplexed_model_id()
             adapter = model if model and self.engine.adapter_info(model) is not None else ""
             if adapter:
-                await self.note_adapter(adapter)
+                if serve.get_multiplexed_model_id():  # routed by adapter: Serve's router learns it is here
+                    await self.note_adapter(adapter)
                 self._arrive(adapter)
             try:
                 async for item in call_asgi(self.app, head, body, self.name):
