@@ -181,7 +181,7 @@ def test_a_killed_replica(cluster):
         time.sleep(2)
         [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}")]
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-        rest = list(lines)
+        rest = [line for line in lines if line]
         results = [f.result(timeout=120) for f in inflight]
     assert any('"replica_unavailable"' in line for line in rest) and rest[-1] == "data: [DONE]"
     failed = [r for r in results if r.status_code != 200]
