@@ -158,6 +158,28 @@ def test_adapter_routing_keeps_adapters_where_they_are(cluster):
     assert by_adapter["loads_per_100"] < by_default["loads_per_100"]
 
 
+def test_adapter_changes_reach_every_replica(cluster, roots):
+    """An adapter registered, then deleted, through the one address is served, then refused, by both replicas."""
+    cluster.deploy("random")
+    path = write_adapter(roots / "late", seed=7)
+    assert cluster.admin("POST", "/admin/adapters", json={"name": "late", "path": str(path)}).status_code == 200
+    body = {"model": "late", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+    def answers() -> list[httpx.Response]:
+        with ThreadPoolExecutor(2) as pool:
+            return list(
+                pool.map(lambda _: httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120), range(12))
+            )
+
+    served = answers()
+    assert [r.status_code for r in served] == [200] * 12
+    assert len({r.headers["x-lora-server-replica"] for r in served}) == 2
+    assert cluster.admin("DELETE", "/admin/adapters/late").status_code == 200
+    refused = answers()
+    assert [r.status_code for r in refused] == [404] * 12
+    assert len({r.headers["x-lora-server-replica"] for r in refused}) == 2
+
+
 def test_a_killed_replica(cluster):
     """Requests in flight on a replica that is killed get 503 with Retry-After (or, once streaming, an error
     event), none hangs; later requests are served by the survivor; the registry stays whole."""

@@ -103,25 +103,28 @@ def replica_class(max_adapters: int) -> type:
                 await asyncio.to_thread(self._reconcile)
                 self.epoch = epoch
             adapter = model if model and self.engine.adapter_info(model) is not None else ""
-            if adapter:
-                if serve.get_multiplexed_model_id():  # routed by adapter: Serve's router learns it is here
-                    await self.note_adapter(adapter)
-                self._arrive(adapter)
+            if adapter and serve.get_multiplexed_model_id():  # routed by adapter: Serve's router learns it is here
+                await self.note_adapter(adapter)
+            loading = self._arrive(adapter) if adapter else False
             try:
                 async for item in call_asgi(self.app, head, body, self.name):
                     yield item
             finally:
-                if self.loading[adapter]:
+                if loading:
                     self.loading[adapter] -= 1
 
-        def _arrive(self, adapter: str) -> None:
+        def _arrive(self, adapter: str) -> bool:
+            """Count an adapter request; True when it found its adapter off the device (it is loading it, or
+            waits for an earlier request's load)."""
             info = self.engine.adapter_info(adapter)
             resident = info is not None and info["state"] == "resident"
             self.counts.adapter_requests += 1
             self.counts.resident_at_arrival += resident
-            if not resident:
-                self.counts.adapter_loads += not self.loading[adapter]
-                self.loading[adapter] += 1
+            if resident:
+                return False
+            self.counts.adapter_loads += not self.loading[adapter]
+            self.loading[adapter] += 1
+            return True
 
         def _reconcile(self) -> None:
             """Make the engine's adapters what the store records (worker thread)."""
