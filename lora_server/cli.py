@@ -373,9 +373,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 @command("serve", "the OpenAI-compatible HTTP server (the main job)", _serve_args)
 def _serve(args: argparse.Namespace) -> int:
+    config = server_config(args)
+    if config.ray_replicas:
+        from lora_server.server.ray_serve import serve_ray
+
+        return serve_ray(config)
     from lora_server.server.serve import serve
 
-    return serve(server_config(args))
+    return serve(config)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

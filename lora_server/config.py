@@ -16,6 +16,7 @@ LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
+RAY_ROUTINGS = ("adapter", "random")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's names
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -281,11 +282,34 @@ class ServerConfig:
         metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
     )
 
+    ray_replicas: int = field(
+        default=0,
+        metadata=flag(
+            "run this many engine replicas under Ray Serve behind one address (0: one process, no Ray; needs "
+            "pip install lora-server[ray])"
+        ),
+    )
+    ray_routing: str = field(
+        default="adapter",
+        metadata=flag(
+            "with --ray-replicas: adapter routes by the request's model as Serve's multiplexed model id (to a "
+            "replica that already holds it); random is Serve's default (two random replicas, the shorter queue)",
+            choices=RAY_ROUTINGS,
+        ),
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=flag("with --ray-replicas: the Ray cluster to join (default: start a local one on this machine)"),
+    )
+
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
             raise ValueError("max_request_bytes must be >= 1 and shutdown_timeout >= 0")
+        if self.ray_replicas < 0:
+            raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
+        _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -11,10 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+from fastapi import FastAPI
+
 from adapters import demo_adapters
 from adapters.peft_format import AdapterError
 from admin.open_store import open_store
-from admin.store import StoreStatus
+from admin.store import RegistryStore, StoreStatus
 from lora_server import envs
 from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
@@ -37,6 +39,33 @@ def serve(config: ServerConfig) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    admin_key, key_source = resolve_admin_key(config)
+    engine, store, app = build(config, admin_key, key_source)
+    server = _draining_server(uvicorn, app, engine, config.host, config.port, config.shutdown_timeout)
+    engine.start()
+    threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+        store.close()
+    return 1 if engine.dead.is_set() else 0
+
+
+def resolve_admin_key(config: ServerConfig) -> tuple[str, str]:
+    """The admin key and where it came from: --admin-key, $LORA_SERVER_ADMIN_KEY, else a random one (printed)."""
+    if config.admin_key is not None:
+        return config.admin_key, "--admin-key"
+    if (key := envs.admin_key()) is not None:
+        return key, "$LORA_SERVER_ADMIN_KEY"
+    key = secrets.token_urlsafe(24)
+    print(f"admin key (random, for this run): {key}", file=sys.stderr, flush=True)
+    return key, "random, for this run"
+
+
+def build(config: ServerConfig, admin_key: str, key_source: str) -> tuple[Engine, RegistryStore, FastAPI]:
+    """The engine (not started yet), the registry store and the app of one server; preloads the configured and the
+    registered adapters and logs the summary. ``lora-server serve`` runs one; each Ray Serve replica builds one."""
     engine = Engine(config.engine)
     data_dir, data_dir_source = (config.data_dir, "--data-dir") if config.data_dir else envs.data_dir()
     store = open_store(data_dir, config.redis_url)
@@ -59,24 +88,9 @@ def serve(config: ServerConfig) -> int:
             engine.add_adapter(record.name, record.path, record.pinned, record.version)
         except AdapterError as exc:
             log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
-    admin_key, key_source = config.admin_key, "--admin-key"
-    if admin_key is None:
-        admin_key, key_source = envs.admin_key(), "$LORA_SERVER_ADMIN_KEY"
-    if admin_key is None:
-        admin_key, key_source = secrets.token_urlsafe(24), "random, for this run"
-        print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
     base_id = config.served_model_name or model_id(config.engine)
     log.info("%s", summary(config, engine, base_id, status, f"{data_dir} ({data_dir_source})", key_source))
-    app = build_app(engine, store, config, base_id, admin_key)
-    server = _draining_server(uvicorn, app, engine, config.host, config.port, config.shutdown_timeout)
-    engine.start()
-    threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-        store.close()
-    return 1 if engine.dead.is_set() else 0
+    return engine, store, build_app(engine, store, config, base_id, admin_key)
 
 
 def summary(

@@ -1,0 +1,71 @@
+"""``lora-server serve --ray-replicas N``: N engine replicas under Ray Serve behind one address (the ingress of
+``ray_ingress``; each replica is ``ray_replica``'s whole server). Ray is an optional extra: ``pip install
+lora-server[ray]``; nothing else imports this module."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import replace
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+
+from lora_server.config import MIB, ServerConfig
+from lora_server.server.ray_ingress import Ingress
+from lora_server.server.ray_replica import replica_class
+from lora_server.server.serve import resolve_admin_key
+
+log = logging.getLogger("lora_server")
+APP_NAME = "lora-server"
+OBJECT_STORE_BYTES = 256 * MIB  # requests and answers pass through it; the weights never do
+
+
+def application(config: ServerConfig, admin_key: str) -> Any:
+    """The Serve application: the ingress (1 replica, no CPU of its own) over ``config.ray_replicas`` engine
+    replicas (1 CPU each, and 1 GPU each where the engine runs on CUDA). Every replica gets ``config`` as it is:
+    they must share one registry store (the same --data-dir on one machine, or --redis-url)."""
+    on_cuda = config.engine.device == "cuda" or (config.engine.device == "auto" and torch.cuda.is_available())
+    engines = serve.deployment(
+        name="engine",
+        num_replicas=config.ray_replicas,
+        max_ongoing_requests=config.engine.max_num_seqs,
+        ray_actor_options={"num_cpus": 1, "num_gpus": 1 if on_cuda else 0},
+        health_check_period_s=2,
+        graceful_shutdown_timeout_s=config.shutdown_timeout,
+    )(replica_class(config.engine.max_loras))
+    ingress = serve.deployment(
+        name="ingress", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}
+    )(Ingress)
+    return ingress.bind(engines.bind(config, admin_key), config.ray_routing, admin_key, config.ray_replicas)
+
+
+def serve_ray(config: ServerConfig) -> int:
+    """Start (or join, with --ray-address) a Ray cluster, run the application on --host/--port until SIGINT or
+    SIGTERM, then shut Serve down."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    admin_key, key_source = resolve_admin_key(config)
+    if config.ray_address:
+        ray.init(address=config.ray_address)
+    else:
+        ray.init(include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(application(replace(config, admin_key=admin_key), admin_key), name=APP_NAME, route_prefix="/")
+    log.info(
+        "serving %d replicas under Ray Serve on http://%s:%d (routing: %s; admin key: %s)",
+        config.ray_replicas,
+        config.host,
+        config.port,
+        config.ray_routing,
+        key_source,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
