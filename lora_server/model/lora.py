@@ -118,30 +118,21 @@ class LoraLinear(nn.Module):
         out = self.base(x)
         if lora is not None and self.lora_a is not None:
             assert self.lora_b is not None and self.ranks is not None
-            segments = lora.host_segments
-            if lora.slot_ids is not None:
-                ops.apply_lora(
-                    x,
-                    out,
-                    self.lora_a,
-                    self.lora_b,
-                    self.ranks,
-                    self.slice_starts,
-                    slot_ids=lora.slot_ids,
-                    host_segments=segments,
-                    views=self.views,
-                )
-            else:
-                ops.apply_lora(
-                    x,
-                    out,
-                    self.lora_a,
-                    self.lora_b,
-                    self.ranks,
-                    self.slice_starts,
-                    seg_starts=lora.seg_starts,
-                    seg_slots=lora.seg_slots,
-                    host_segments=segments,
-                    views=self.views,
-                )
+            # decode-only steps map per row (BGMV), others by segment (SGMV)
+            mapping = (
+                {"slot_ids": lora.slot_ids}
+                if lora.slot_ids is not None
+                else {"seg_starts": lora.seg_starts, "seg_slots": lora.seg_slots}
+            )
+            ops.apply_lora(
+                x,
+                out,
+                self.lora_a,
+                self.lora_b,
+                self.ranks,
+                self.slice_starts,
+                **mapping,
+                host_segments=lora.host_segments,
+                views=self.views,
+            )
         return out
