@@ -5,6 +5,7 @@ so this package does not import the engine."""
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -30,7 +31,10 @@ from admin.store import (
 
 
 class AdapterControl(Protocol):
-    """What the admin API needs from the serving side."""
+    """What the admin API needs from the serving side. ``lock`` is held while an adapter changes in the engine and
+    in the store together, so that whatever else keeps the two in step (a registry sync) sees both or neither."""
+
+    lock: threading.Lock
 
     def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]: ...
     # serves it as its version `version` or later (the "version" of the answer); ApiError(400) with the reason
@@ -150,6 +154,10 @@ def admin_router(
             raise ApiError(400, f"invalid adapter name {name!r}: use letters, digits, '.', '_' or '-'", param="name")
         if name == base_model_id:
             raise ApiError(400, f"{name!r} is the base model's id; choose another adapter name", param="name")
+        with control.lock:
+            return register_locked(name, path, pinned, replace)
+
+    def register_locked(name: str, path: str, pinned: bool, replace: bool) -> dict[str, Any]:
         if not replace and name in control.served_adapters():
             raise ApiError(
                 409,
@@ -211,8 +219,10 @@ def admin_router(
     @router.delete("/admin/adapters/{name}")
     def delete_adapter(name: str) -> dict[str, Any]:
         """Unload it and forget its record; a record whose files vanished (never loaded) is removed too."""
-        served = control.unload_adapter(name)
-        if not store.delete_adapter(name) and not served:
+        with control.lock:
+            served = control.unload_adapter(name)
+            deleted = store.delete_adapter(name)
+        if not deleted and not served:
             raise ApiError(
                 404, f"adapter {name!r} does not exist", "not_found_error", param="name", code="model_not_found"
             )

@@ -10,6 +10,11 @@ all state, stores with different prefixes share nothing.
 | ``{prefix}keys`` | hash | key hash -> tenant name, for every key of every tenant |
 | ``{prefix}usage:{tenant}`` | hash | ``{adapter}:{requests,prompt_tokens,completion_tokens}`` -> count ('' = base) |
 | ``{prefix}rate:{tenant}:{kind}:{window}`` | string | what the window has used; expires after the window |
+| ``{prefix}revision`` | string | the store's revision (RegistryStore.revision); absent: 0 |
+
+Every transaction that changes an adapter or a tenant ends by incrementing ``{prefix}revision`` and publishing the new
+value on the channel ``{prefix}changes`` (``_BUMP_SCRIPT``): subscribers hear of a change only once it is visible
+(``admin.change_feed.RedisFeed``).
 
 Names cannot contain ':' (see ``NAME_PATTERN``), so these keys and fields split back unambiguously. Tenant JSON
 written before tenants had two keys holds ``"key_hash"`` instead of ``"key_hashes"``; it is read as is, and opening a
@@ -75,10 +80,16 @@ if not name then
 end
 return redis.call('HGET', KEYS[2], name)
 """
+# KEYS[1]: the revision; ARGV[1]: the changes channel. Queued last in a write's transaction (MULTI ... EXEC).
+_BUMP_SCRIPT = """
+local revision = redis.call('INCR', KEYS[1])
+redis.call('PUBLISH', ARGV[1], revision)
+return revision
+"""
 _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens")
 # What redis-py raises when Redis cannot serve a command now: no connection, no answer in time, still loading its
 # data, or a replica that cannot take writes (after a failover). ResponseError in general means a wrong command.
-_UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BusyLoadingError, ReadOnlyError)
+UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BusyLoadingError, ReadOnlyError)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -91,7 +102,7 @@ def _reachable(hook: Callable[Concatenate[RedisStore, _P], _R]) -> Callable[Conc
     def guarded(self: RedisStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return hook(self, *args, **kwargs)
-        except _UNREACHABLE_ERRORS as exc:
+        except UNREACHABLE_ERRORS as exc:
             raise StoreUnavailableError(f"the registry store (redis at {self.address}) is unreachable: {exc}") from exc
 
     return guarded
@@ -141,6 +152,8 @@ class RedisStore(RegistryStore):
         self._adapters_key = f"{prefix}adapters"
         self._tenants_key = f"{prefix}tenants"
         self._keys_key = f"{prefix}keys"
+        self._revision_key = f"{prefix}revision"
+        self.changes_channel = f"{prefix}changes"
         self._ping()  # a wrong URL fails at start-up, not on the first request
         self._index_all_keys()
 
@@ -154,6 +167,15 @@ class RedisStore(RegistryStore):
         """``func(pipe)``'s result once the commands it queued after ``pipe.multi()`` have run as one transaction;
         ``func`` runs again, from its reads, whenever another client changes a ``watched`` key before they do."""
         return cast(_R, self._redis.transaction(cast(Any, func), *watched, value_from_callable=True))
+
+    def _bump(self, pipe: redis.client.Pipeline) -> None:
+        """Queue the revision's increment and its announcement (after ``pipe.multi()``, last)."""
+        pipe.eval(_BUMP_SCRIPT, 1, self._revision_key, self.changes_channel)
+
+    def pubsub(self) -> redis.client.PubSub:
+        """A new subscriber connection of this store's client (for ``admin.change_feed.RedisFeed``); the caller
+        subscribes it to ``changes_channel`` and closes it."""
+        return self._redis.pubsub(ignore_subscribe_messages=True)
 
     @_reachable
     def _ping(self) -> None:
@@ -207,6 +229,10 @@ class RedisStore(RegistryStore):
     def close(self) -> None:
         self._redis.close()
 
+    @_reachable
+    def _revision(self) -> int:
+        return int(cast(str | None, self._redis.get(self._revision_key)) or 0)
+
     # -- adapters -------------------------------------------------------------------------------------------------
 
     @_reachable
@@ -218,6 +244,7 @@ class RedisStore(RegistryStore):
                 stored = replace(record, version=max(record.version, json.loads(cast(str, old))["version"] + 1))
             pipe.multi()
             pipe.hset(self._adapters_key, record.name, json.dumps(asdict(stored)))
+            self._bump(pipe)
             return stored
 
         return self._transaction(bump_and_store, self._adapters_key)
@@ -234,7 +261,15 @@ class RedisStore(RegistryStore):
 
     @_reachable
     def _delete_adapter(self, name: str) -> bool:
-        return cast(int, self._redis.hdel(self._adapters_key, name)) > 0
+        def delete(pipe: redis.client.Pipeline) -> bool:
+            exists = pipe.hexists(self._adapters_key, name)
+            pipe.multi()
+            if exists:
+                pipe.hdel(self._adapters_key, name)
+                self._bump(pipe)
+            return bool(exists)
+
+        return self._transaction(delete, self._adapters_key)
 
     # -- tenants --------------------------------------------------------------------------------------------------
 
@@ -247,6 +282,7 @@ class RedisStore(RegistryStore):
                 return False
             pipe.hset(self._tenants_key, record.name, _tenant_to_json(record))
             pipe.hset(self._keys_key, mapping=dict.fromkeys(record.key_hashes, record.name))
+            self._bump(pipe)
             return True
 
         return self._transaction(insert, self._tenants_key)
@@ -276,6 +312,7 @@ class RedisStore(RegistryStore):
                 return False
             pipe.hdel(self._tenants_key, name)
             pipe.hdel(self._keys_key, *_tenant_from_json(cast(str, text)).key_hashes)
+            self._bump(pipe)
             return True
 
         return self._transaction(delete, self._tenants_key)
@@ -331,6 +368,7 @@ class RedisStore(RegistryStore):
                 pipe.hdel(self._keys_key, *removed)
             if added := set(new.key_hashes) - set(old.key_hashes):
                 pipe.hset(self._keys_key, mapping=dict.fromkeys(added, name))
+            self._bump(pipe)
             return new
 
         return self._transaction(rewrite, self._tenants_key)

@@ -7,7 +7,8 @@ also the index from key hash to tenant.
 
 Schema versions (``PRAGMA user_version``): 1 kept one key hash per tenant in ``tenants.key_hash``; 2 keeps them in
 ``tenant_keys``; 3 adds each tenant's share of the engine (``weight``, ``max_running``; 1 and 0 for tenants made
-before). Opening an older file migrates it, in one transaction.
+before); 4 adds the registry's revision (one row of ``revision``, 0 in a file made before). Opening an older file
+migrates it, in one transaction.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from admin.store import (
     Usage,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS adapters (
         name TEXT PRIMARY KEY, path TEXT NOT NULL, version INTEGER NOT NULL, pinned INTEGER NOT NULL,
@@ -52,6 +53,9 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS usage (
         tenant TEXT NOT NULL, adapter TEXT NOT NULL, requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,
         completion_tokens INTEGER NOT NULL, PRIMARY KEY (tenant, adapter))""",
+    # exactly one row: the store's revision (RegistryStore.revision)
+    "CREATE TABLE IF NOT EXISTS revision (id INTEGER PRIMARY KEY CHECK (id = 0), value INTEGER NOT NULL)",
+    "INSERT OR IGNORE INTO revision (id, value) VALUES (0, 0)",
 )
 _ADAPTER_COLUMNS = "name, path, version, pinned, created_at"
 _TENANT_COLUMNS_V2 = "name, adapters, default_adapter, requests_per_minute, tokens_per_minute, created_at"
@@ -170,6 +174,11 @@ class SQLiteStore(RegistryStore):
                     self._conn.execute("ROLLBACK")
                 raise
 
+    @staticmethod
+    def _bump(conn: sqlite3.Connection) -> None:
+        """Count one change to adapters or tenants (inside the transaction that made it)."""
+        conn.execute("UPDATE revision SET value = value + 1")
+
     def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock, self._reachable():
             return self._conn.execute(sql, params).fetchall()
@@ -183,6 +192,9 @@ class SQLiteStore(RegistryStore):
                 self._conn.close()
                 self._closed = True
 
+    def _revision(self) -> int:
+        return self._query("SELECT value FROM revision")[0][0]
+
     # -- adapters -------------------------------------------------------------------------------------------------
 
     def _put_adapter(self, record: AdapterRecord) -> AdapterRecord:
@@ -194,6 +206,7 @@ class SQLiteStore(RegistryStore):
                 f"INSERT OR REPLACE INTO adapters ({_ADAPTER_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
                 (record.name, record.path, record.version, int(record.pinned), record.created_at),
             )
+            self._bump(conn)
         return record
 
     def _get_adapter(self, name: str) -> AdapterRecord | None:
@@ -205,7 +218,10 @@ class SQLiteStore(RegistryStore):
 
     def _delete_adapter(self, name: str) -> bool:
         with self._transaction() as conn:
-            return conn.execute("DELETE FROM adapters WHERE name = ?", (name,)).rowcount > 0
+            deleted = conn.execute("DELETE FROM adapters WHERE name = ?", (name,)).rowcount > 0
+            if deleted:
+                self._bump(conn)
+            return deleted
 
     # -- tenants --------------------------------------------------------------------------------------------------
 
@@ -230,6 +246,7 @@ class SQLiteStore(RegistryStore):
                 "INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)",
                 [(key_hash, record.name) for key_hash in record.key_hashes],
             )
+            self._bump(conn)
             return True
 
     def _get_tenant(self, name: str) -> TenantRecord | None:
@@ -249,15 +266,19 @@ class SQLiteStore(RegistryStore):
             conn.execute("DELETE FROM tenant_keys WHERE tenant = ?", (name,))
             conn.execute("DELETE FROM usage WHERE tenant = ?", (name,))
             conn.execute("DELETE FROM rate_windows WHERE tenant = ?", (name,))
+            if deleted:
+                self._bump(conn)
             return deleted
 
     def _set_share(self, name: str, weight: float | None, max_running: int | None) -> TenantRecord | None:
         with self._transaction() as conn:
-            conn.execute(
+            updated = conn.execute(
                 "UPDATE tenants SET weight = COALESCE(?, weight), max_running = COALESCE(?, max_running) "
                 "WHERE name = ?",
                 (weight, max_running, name),
-            )
+            ).rowcount
+            if updated:
+                self._bump(conn)
             return _select_tenant(conn, name)
 
     def _tenant_by_key_hash(self, key_hash: str) -> TenantRecord | None:
@@ -273,6 +294,7 @@ class SQLiteStore(RegistryStore):
             if record is None or len(record.key_hashes) >= MAX_KEYS_PER_TENANT:
                 return record
             conn.execute("INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)", (key_hash, name))
+            self._bump(conn)
             return replace(record, key_hashes=(*record.key_hashes, key_hash))
 
     def _remove_key(self, name: str, key_hash: str) -> TenantRecord | None:
@@ -281,6 +303,7 @@ class SQLiteStore(RegistryStore):
             if record is None or key_hash not in record.key_hashes or len(record.key_hashes) == 1:
                 return record
             conn.execute("DELETE FROM tenant_keys WHERE key_hash = ?", (key_hash,))
+            self._bump(conn)
             return replace(record, key_hashes=tuple(h for h in record.key_hashes if h != key_hash))
 
     # -- rate limits and usage ------------------------------------------------------------------------------------

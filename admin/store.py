@@ -4,7 +4,8 @@ one Redis prefix, by several server processes.
 It holds adapters registered through the admin API, tenants (API keys stored only hashed, up to two per tenant so
 that a key can be rotated without downtime), fixed one-minute rate-limit windows and usage counters. ``RegistryStore``
 validates its arguments and states the contract; a backend implements the ``_``-prefixed storage hooks atomically.
-``admin.open_store`` picks the backend.
+``admin.open_store`` picks the backend. A revision counter, bumped by every write to adapters and tenants, tells
+processes sharing a store that it changed (``admin.change_feed``).
 """
 
 from __future__ import annotations
@@ -197,7 +198,19 @@ class RegistryStore(ABC):
     storage (two server replicas) never lose each other's updates. Writes validate names (see ``NAME_PATTERN``) and
     raise ValueError with the reason; reads given a name that cannot exist answer None / False / {}. Every method but
     ``status`` and ``close`` raises StoreUnavailableError when the backend cannot be reached.
+
+    Every write that changes an adapter or a tenant (its record, keys or share) bumps the store's ``revision`` in
+    the same atomic step; rate-limit windows and usage do not.
     """
+
+    # -- changes --------------------------------------------------------------------------------------------------
+
+    def revision(self) -> int:
+        """The store's revision: 0 for a new store, one more after each write that changed an adapter or a tenant
+        (a write refused, or given a name that does not exist, leaves it). Processes sharing the store compare it to
+        tell whether they have seen every change (``admin.change_feed``). It only grows, except when the storage
+        itself is lost (a Redis without persistence that restarts starts again from 0)."""
+        return self._revision()
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
@@ -426,7 +439,11 @@ class RegistryStore(ABC):
     ) -> None:
         self.close()
 
-    # -- storage hooks: arguments are validated; each call is atomic -----------------------------------------------
+    # -- storage hooks: arguments are validated; each call is atomic; a hook that changes an adapter or a tenant
+    # bumps the revision in the same atomic step --------------------------------------------------------------------
+
+    @abstractmethod
+    def _revision(self) -> int: ...
 
     @abstractmethod
     def _put_adapter(self, record: AdapterRecord) -> AdapterRecord: ...

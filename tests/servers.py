@@ -73,6 +73,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 time.sleep(0.5)
+        self.stop()  # a server that did not come up in time must not outlive the test
         raise RuntimeError("server did not start")
 
     def client(self, tenant: str | None = None, key: str = "none") -> openai.OpenAI:

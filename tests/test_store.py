@@ -1,16 +1,14 @@
 """The registry store, one suite over both backends: SQLite on a temporary file, and Redis on a real
-``redis-server`` that this module starts (``bash .ci/setup --tests`` installs it; the tests fail without it). The
-fault and
-persistence tests start, stop and freeze redis-servers of their own, on free ports."""
+``redis-server`` that this module starts (``tests.redis_servers``). The fault and persistence tests start, stop and
+freeze redis-servers of their own, on free ports. The change feed (``admin.change_feed``) is tested here too: it
+is the stores' revision heard by another process."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import threading
@@ -25,6 +23,7 @@ from typing import Any
 import pytest
 import redis
 
+from admin.change_feed import PollingFeed, RedisFeed, open_feed
 from admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
 from admin.open_store import open_store
 from admin.sqlite_store import SQLiteStore
@@ -42,60 +41,19 @@ from admin.store import (
     Usage,
     key_id,
 )
+from tests.redis_servers import NO_PERSISTENCE, free_port, stop_redis
+from tests.redis_servers import start_redis as start_redis_server
 
 # -- fixtures --------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_redis(workdir: Path, port: int, *options: str) -> subprocess.Popen:
-    """A redis-server on 127.0.0.1:``port`` with its files in ``workdir`` and ``options``, once it answers PING."""
-    binary = shutil.which("redis-server")
-    assert binary is not None, "redis-server is missing: the test set-up installs it (bash .ci/setup --tests)"
-    log_path = workdir / f"redis-{port}.log"
-    with log_path.open("a") as log:
-        server = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), *options],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    client = redis.Redis(host="127.0.0.1", port=port)
-    deadline = time.monotonic() + 10
-    try:
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"redis-server exited with {server.returncode}: {log_path.read_text()}")
-            try:
-                if client.ping():
-                    return server
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    server.kill()
-                    raise
-                time.sleep(0.02)
-    finally:
-        client.close()
-
-
-def _stop(server: subprocess.Popen) -> None:
-    server.terminate()
-    server.wait(timeout=10)
-
-
-_NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A throwaway redis-server without persistence, for the whole session."""
-    port = _free_port()
-    server = _start_redis(tmp_path_factory.mktemp("redis"), port, *_NO_PERSISTENCE)
+    port = free_port()
+    server = start_redis_server(tmp_path_factory.mktemp("redis"), port, *NO_PERSISTENCE)
     yield f"redis://127.0.0.1:{port}/0"
-    _stop(server)
+    stop_redis(server)
 
 
 @pytest.fixture
@@ -105,7 +63,7 @@ def start_redis(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     servers: list[subprocess.Popen] = []
 
     def start(port: int, *options: str) -> subprocess.Popen:
-        servers.append(_start_redis(tmp_path, port, *options))
+        servers.append(start_redis_server(tmp_path, port, *options))
         return servers[-1]
 
     yield start
@@ -645,7 +603,7 @@ def test_status(backend: Backend, store: RegistryStore, tmp_path: Path):
 @pytest.mark.parametrize(
     ("options", "persistent", "detail"),
     [
-        (_NO_PERSISTENCE, False, "none: every tenant and adapter is lost"),
+        (NO_PERSISTENCE, False, "none: every tenant and adapter is lost"),
         (("--save", "", "--appendonly", "yes"), True, "AOF"),
         (("--save", "900 1", "--appendonly", "no"), True, "RDB"),
         (("--save", "900 1", "--appendonly", "yes"), True, "AOF and RDB"),
@@ -658,12 +616,117 @@ def test_status(backend: Backend, store: RegistryStore, tmp_path: Path):
 def test_redis_status_tells_whether_data_survives_a_restart(
     start_redis: Callable[..., subprocess.Popen], options: tuple[str, ...], persistent: bool | None, detail: str
 ):
-    port = _free_port()
+    port = free_port()
     start_redis(port, *options)
     with _redis_store(f"redis://127.0.0.1:{port}/0") as store:
         status = store.status()
     assert (status.backend, status.reachable, status.persistent) == ("redis", True, persistent)
     assert status.detail.startswith(detail)
+
+
+# -- the revision and the change feed --------------------------------------------------------------------------------
+
+
+def _later(delay_s: float, call: Callable[[], object]) -> threading.Timer:
+    """``call`` on another thread in ``delay_s`` seconds (join the timer before closing what it uses)."""
+    timer = threading.Timer(delay_s, call)
+    timer.start()
+    return timer
+
+
+def test_every_change_to_adapters_and_tenants_bumps_the_revision(backend: Backend, store: RegistryStore):
+    """One more per write that changed an adapter or a tenant; refused writes, missing names, rate-limit takes and
+    usage leave it."""
+    assert store.revision() == 0
+    steps: list[tuple[Callable[[], object], int]] = [
+        (lambda: store.put_adapter(_adapter("sql")), 1),
+        (lambda: store.put_adapter(_adapter("sql", "/adapters/sql-2")), 1),  # a new version
+        (lambda: store.delete_adapter("sql"), 1),
+        (lambda: store.delete_adapter("sql"), 0),
+        (lambda: store.create_tenant("acme", ["sql"]), 1),
+        (lambda: store.issue_key("acme"), 1),
+        (lambda: store.set_share("acme", weight=2.0), 1),
+        (lambda: store.retire_key("acme", store.get_tenant("acme").key_ids[0]), 1),
+        (lambda: store.take("acme", "requests", 1, 10), 0),
+        (lambda: store.add_usage("acme", "sql", 3, 4), 0),
+        (lambda: store.delete_tenant("acme"), 1),
+        (lambda: store.delete_tenant("acme"), 0),
+    ]
+    expected = 0
+    for step, bump in steps:
+        step()
+        expected += bump
+        assert store.revision() == expected
+    refused: list[Callable[[], object]] = [
+        lambda: store.create_tenant("globex", []) and store.create_tenant("globex", []),
+        lambda: store.issue_key("globex") and store.issue_key("globex"),  # a third key
+        lambda: store.retire_key("globex", "000000000000"),
+        lambda: store.put_adapter(_adapter("bad name")),
+        lambda: store.set_share("nobody", weight=1.0),
+    ]
+    expected += 2  # globex and its second key
+    for write in refused:
+        with pytest.raises((ValueError, TenantExistsError, UnknownKeyError, UnknownTenantError)):
+            write()
+    assert store.revision() == expected
+    assert backend.open().revision() == expected  # another replica reads the same revision
+
+
+def test_the_change_feed_hears_another_replicas_write(backend: Backend):
+    """A feed wakes when another store on the same storage writes (Redis: pub/sub, SQLite: polling), within a
+    second (the registry's contract); with nothing written it waits out its timeout."""
+    listener, writer = backend.open(), backend.open()
+    feed = open_feed(listener)
+    assert isinstance(feed, RedisFeed if backend.name == "redis" else PollingFeed)
+    try:
+        seen = listener.revision()
+        started = time.monotonic()
+        assert feed.wait(seen, timeout=0.3) == seen
+        assert time.monotonic() - started >= 0.3
+        write = _later(0.2, lambda: writer.put_adapter(_adapter("sql")))
+        started = time.monotonic()
+        assert feed.wait(seen, timeout=10) == seen + 1
+        assert time.monotonic() - started < 1.2  # 0.2 s before the write, then within the second
+        write.join()
+        writer.create_tenant("acme", [])  # while nobody waits: the next wait returns at once
+        assert feed.wait(seen + 1, timeout=10) == seen + 2
+    finally:
+        feed.close()
+
+
+def test_a_closed_feed_stops_waiting(backend: Backend):
+    store = backend.open()
+    feed = open_feed(store)
+    feed.wait(-1, timeout=0.1)  # connected
+    close = _later(0.2, feed.close)
+    started = time.monotonic()
+    assert feed.wait(store.revision(), timeout=10) == store.revision()
+    assert time.monotonic() - started < 1
+    close.join()
+
+
+def test_redis_feed_reconnects_and_reports_what_changed_meanwhile(start_redis: Callable[..., subprocess.Popen]):
+    """Redis goes away under a waiting feed: the wait raises StoreUnavailableError; once Redis is back (empty: its
+    revision starts again from 0), the next wait subscribes again and reports the revision it finds."""
+    port = free_port()
+    server = start_redis(port, *NO_PERSISTENCE)
+    store = _redis_store(f"redis://127.0.0.1:{port}/0")
+    feed = open_feed(store)
+    store.put_adapter(_adapter("sql"))
+    store.put_adapter(_adapter("chat"))
+    assert feed.wait(0, timeout=1) == 2
+    stop = _later(0.2, lambda: stop_redis(server))
+    with pytest.raises(StoreUnavailableError, match="redis at 127"):
+        feed.wait(2, timeout=10)
+    stop.join()
+    start_redis(port, *NO_PERSISTENCE)
+    store.create_tenant("acme", [])  # the new Redis's revision 1: below what the feed saw, but a change
+    assert feed.wait(2, timeout=10) == 1
+    delete = _later(0.2, lambda: store.delete_tenant("acme"))
+    assert feed.wait(1, timeout=10) == 2
+    delete.join()  # the feed may hear the change before the writer has read its answer
+    feed.close()
+    store.close()
 
 
 # -- stores written by earlier versions ------------------------------------------------------------------------------
@@ -710,7 +773,7 @@ def test_sqlite_file_of_schema_1_is_migrated(tmp_path: Path):
         assert store.take("acme", "tokens", 0, 10, now=6000.0).remaining == 3
         _, new_key = store.issue_key("acme")
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
         assert "key_hash" not in [row[1] for row in conn.execute("PRAGMA table_info(tenants)")]
         assert sorted(conn.execute("SELECT tenant FROM tenant_keys")) == [("acme",), ("acme",), ("globex",)]
     with open_store(tmp_path) as store:  # opening the migrated file again changes nothing
@@ -736,9 +799,11 @@ def test_sqlite_file_of_schema_2_gets_the_default_share(tmp_path: Path):
     acme = TenantRecord("acme", ("sql",), "sql", RateLimits(5, 500), (hash_api_key(key),), 1000.0, 1.0, 0)
     with open_store(tmp_path) as store:
         assert store.tenant_by_key(key) == acme
+        assert store.revision() == 0  # the revision's table, added by version 4, starts at 0
         assert store.set_share("acme", weight=2, max_running=1).weight == 2.0
+        assert store.revision() == 1
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
     with open_store(tmp_path) as store:  # opening it again changes nothing
         assert (store.get_tenant("acme").weight, store.get_tenant("acme").max_running) == (2.0, 1)
 
@@ -805,14 +870,14 @@ _OPERATIONS: dict[str, Callable[[RegistryStore], object]] = {
 
 
 def test_stopped_redis_raises_unavailable_and_the_store_recovers(start_redis: Callable[..., subprocess.Popen]):
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    server = start_redis(port, *_NO_PERSISTENCE)
+    server = start_redis(port, *NO_PERSISTENCE)
     store = _redis_store(url)  # the default timeout: 2 s
     store.create_tenant("acme", [])
     for operation in _OPERATIONS.values():
         operation(store)
-    _stop(server)
+    stop_redis(server)
     for name, operation in _OPERATIONS.items():
         started = time.monotonic()
         with pytest.raises(StoreUnavailableError, match=rf"redis at 127\.0\.0\.1:{port}\) is unreachable"):
@@ -823,7 +888,7 @@ def test_stopped_redis_raises_unavailable_and_the_store_recovers(start_redis: Ca
     with pytest.raises(StoreUnavailableError, match="unreachable"):
         _redis_store(url)  # opening a store fails at once too
 
-    start_redis(port, *_NO_PERSISTENCE)  # back on the same address (empty: it kept nothing)
+    start_redis(port, *NO_PERSISTENCE)  # back on the same address (empty: it kept nothing)
     assert store.status().reachable
     _, key = store.create_tenant("acme", [])
     for operation in _OPERATIONS.values():
@@ -833,8 +898,8 @@ def test_stopped_redis_raises_unavailable_and_the_store_recovers(start_redis: Ca
 
 
 def test_hung_redis_times_out_instead_of_hanging(start_redis: Callable[..., subprocess.Popen]):
-    port = _free_port()
-    server = start_redis(port, *_NO_PERSISTENCE)
+    port = free_port()
+    server = start_redis(port, *NO_PERSISTENCE)
     store = _redis_store(f"redis://127.0.0.1:{port}/0", timeout=0.3)
     store.create_tenant("acme", [])
     os.kill(server.pid, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +46,13 @@ TENANTS_CHECK_S = 1.0  # how long "are there tenants?" is trusted for anonymous 
 
 
 class EngineAdapters:
-    """The admin API's view of the engine's adapters (admin.api.AdapterControl)."""
+    """The admin API's view of the engine's adapters (admin.api.AdapterControl). Owns ``lock``: held while an adapter
+    changes in the engine and in the registry store together (the admin API) and while a RegistrySync brings the
+    engine in step with the store."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.lock = threading.Lock()
 
     def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]:
         try:
@@ -164,7 +168,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
     tenants = TenantPresence(store)
-    app.state.engine, app.state.store, app.state.control = engine, store, control
+    app.state.engine, app.state.store, app.state.control, app.state.tenants = engine, store, control, tenants
     app.state.draining = False  # set when shutdown starts: new requests get 503, in-flight ones finish
     app.add_middleware(RefuseWhileDraining, state=app.state)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
@@ -375,8 +379,9 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
 
 class TenantPresence:
     """Whether anonymous /v1 access is open: always with ``--allow-anonymous``; otherwise (and without
-    ``--api-key``) only while the registry holds no tenant. The answer is kept for TENANTS_CHECK_S (tenants made on
-    another replica count within that time; ours at once) and, while the store is unreachable, the last one known."""
+    ``--api-key``) only while the registry holds no tenant. The answer is kept until ``changed`` (called by this
+    server's admin API, and by RegistrySync when another replica changed tenants), for TENANTS_CHECK_S at most, and,
+    while the store is unreachable, the last one known."""
 
     def __init__(self, store: RegistryStore) -> None:
         self.store = store

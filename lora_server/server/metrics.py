@@ -85,6 +85,7 @@ E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
+BASE_PLACEMENT_NAME = "<base>"  # the base model's entry in the pool's placement (EngineCore.pool_figures)
 POOL_FIGURES = (
     "adapter_hit_rate",
     "kv_token_hit_rate",
@@ -129,8 +130,22 @@ class Metrics:
 
 class EngineCollector(Collector):
     """Gauges and the pool's own running totals from the engine's last published snapshot (at most ~0.1 s old),
-    read when the registry is collected. ``vllm:lora_requests_info`` thus carries only the current label set, its
-    value the wall-clock time of that reading (vLLM's convention: routers take the newest series)."""
+    read when the registry is collected.
+
+    What the Gateway API Inference Extension's model-server protocol reads, with the meanings it gives them:
+    ``vllm:num_requests_waiting`` / ``_running`` (requests queued / in the running batch), ``vllm:kv_cache_usage_perc``
+    (the share, 0 to 1, of the device's KV blocks that requests hold; cached blocks no request holds can be
+    reclaimed and count as free, as in vLLM), ``vllm:cache_config_info{block_size, num_gpu_blocks}`` (the device
+    budget in blocks of ``block_size`` tokens) and ``vllm:lora_requests_info``: ``running_lora_adapters`` = the
+    adapters loaded on the device and ready to serve (the protocol's meaning; vLLM itself lists those with running
+    requests, a subset), ``waiting_lora_adapters`` = the adapters of waiting requests, ``max_lora`` = the most
+    adapters on the device at once (``--max-loras``); only the current label set is exported, its value the
+    wall-clock time of the reading (routers take the newest series).
+
+    Residency per adapter, as vLLM's proposal has it (vllm-project/vllm#54830): ``vllm:lora_adapter_loaded
+    {adapter_name, level, pinned}`` = 1 for each adapter, level "gpu" while its weights are on the device, else
+    "cpu" (every registered adapter keeps its weights in host memory); ``vllm:num_gpu_loaded_lora_adapters`` and
+    ``vllm:num_cpu_loaded_lora_adapters`` count them, the CPU count including those also on the device."""
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -139,6 +154,8 @@ class EngineCollector(Collector):
         snap = self.engine.snapshot()
         pool: dict[str, Any] = snap.pool
         salts = pool["kv_tokens_by_salt"].values()
+        residency = adapter_residency(pool["adapters"])
+        on_device = sorted(name for name, (level, _) in residency.items() if level == "gpu")
         counters = {
             "vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
             "vllm:prefix_cache_queries": (
@@ -154,8 +171,13 @@ class EngineCollector(Collector):
             "vllm:num_requests_running": ("Requests in the running batch.", snap.running),
             "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", snap.waiting),
             "vllm:kv_cache_usage_perc": (
-                "Fraction of GPU KV blocks held by requests.",
+                "Fraction of GPU KV blocks held by requests (1 = 100%).",
                 pool["request_blocks"] / pool["gpu_blocks"],
+            ),
+            "vllm:num_gpu_loaded_lora_adapters": ("Adapters with weights on the device.", len(on_device)),
+            "vllm:num_cpu_loaded_lora_adapters": (
+                "Adapters with weights in host memory (every registered one, those on the device included).",
+                len(residency),
             ),
             "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
             "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
@@ -180,6 +202,14 @@ class EngineCollector(Collector):
                 family = kind(name, help_text, labels=["model_name"])
                 family.add_metric([self.model_name], value)
                 yield family
+        loaded = GaugeMetricFamily(
+            "vllm:lora_adapter_loaded",
+            "1 per adapter: level gpu while its weights are on the device, else cpu (host memory).",
+            labels=["model_name", "adapter_name", "level", "pinned"],
+        )
+        for name, (level, pinned) in sorted(residency.items()):
+            loaded.add_metric([self.model_name, name, level, str(pinned).lower()], 1)
+        yield loaded
         cache = GaugeMetricFamily(
             "vllm:cache_config_info", "KV cache configuration (value 1).", labels=["block_size", "num_gpu_blocks"]
         )
@@ -187,11 +217,25 @@ class EngineCollector(Collector):
         yield cache
         lora = GaugeMetricFamily(
             "vllm:lora_requests_info",
-            "Running and waiting adapters (value: wall-clock time).",
+            "Adapters on the device (running) and of waiting requests (value: wall-clock time).",
             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
         )
         lora.add_metric(
-            [",".join(snap.running_adapters), ",".join(snap.waiting_adapters), str(self.engine.config.max_loras)],
-            time.time(),
+            [",".join(on_device), ",".join(snap.waiting_adapters), str(self.engine.config.max_loras)], time.time()
         )
         yield lora
+
+
+def adapter_residency(placement: list[dict[str, Any]]) -> dict[str, tuple[str, bool]]:
+    """Adapter name -> (level, pinned) from the pool's placement in a snapshot (``EngineCore.pool_figures``
+    "adapters"): level "gpu" for a version on the device, else "cpu". The base model and versions no name points
+    to any more (replaced or unloaded, kept while their last requests run) are left out."""
+    residency: dict[str, tuple[str, bool]] = {}
+    for adapter in placement:
+        name = adapter["name"]
+        if name is None or name == BASE_PLACEMENT_NAME:
+            continue
+        level = "gpu" if adapter["tier"] == "gpu" else "cpu"
+        if residency.get(name, ("cpu", False))[0] == "cpu":
+            residency[name] = (level, bool(adapter["pinned"]))
+    return residency

@@ -10,14 +10,14 @@ A replica that dies under a request: before the answer started, the client gets 
 ``Retry-After``; after a stream started, an error event ends the stream. Serve replaces the replica, and the
 router sends later requests to the live ones.
 
-Adapters: an admin call that changes adapters succeeds on the replica that served it (the registry store is
-written there), and the ingress then takes a new registry epoch; every replica reconciles with the store before it
-serves its first request under a new epoch (``EngineReplica._reconcile``)."""
+Registry: every replica follows the registry store's changes live (``RegistrySync``). An admin call that changes
+adapters or tenants runs on one replica, which answers with the store's revision after the change; the ingress
+passes the highest revision it has seen with each request, and a replica that is behind it catches up first, so
+a client reads its own writes through the one address at once."""
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,17 +33,16 @@ from lora_server.server.ray_replica import RequestHead, ResponseHead
 
 REPLICA_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 RETRY_AFTER_S = 1
-ADAPTER_CHANGES = ("/admin/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 REPLICA_HEADER = "x-lora-server-replica"  # which replica answered (tests and benchmarks read it)
 
 
 class Ingress:
-    """Serve's ingress deployment (one replica: it holds the registry epoch)."""
+    """Serve's ingress deployment (one replica: it holds the registry revision of the changes made through it)."""
 
     def __init__(self, engines: Any, routing: str, admin_key: str, num_replicas: int) -> None:
         self.engines, self.by_adapter = engines, routing == "adapter"
         self.admin_key, self.num_replicas = admin_key, num_replicas
-        self.epoch = uuid.uuid4().hex
+        self.revision = -1  # the highest store revision a replica answered a change with
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/admin/replicas":
@@ -52,13 +51,12 @@ class Ingress:
         head = RequestHead(request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw))
         model = model_of(body) if request.method == "POST" else ""
         call = self.engines.options(stream=True, multiplexed_model_id=model if self.by_adapter else "")
-        stream = call.forward.remote(head, body, model, self.epoch)
+        stream = call.forward.remote(head, body, model, self.revision)
         try:
             first: ResponseHead = await stream.__anext__()
         except REPLICA_GONE as exc:
             return replica_gone(exc)
-        if request.method != "GET" and request.url.path.startswith(ADAPTER_CHANGES) and first.status < 300:
-            self.epoch = uuid.uuid4().hex
+        self.revision = max(self.revision, first.revision)
         headers = [(k, v) for k, v in first.headers if k.lower() != b"content-length"]
         headers.append((REPLICA_HEADER.encode(), first.replica.encode()))
         if dict(first.headers).get(b"content-type", b"").startswith(b"text/event-stream"):

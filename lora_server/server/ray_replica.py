@@ -6,10 +6,11 @@ The request's adapter is Serve's multiplexed model id: the replica reports the a
 its adapter when one does. Whether the adapter was really on the device is the replica's own pool's fact; each
 replica counts it (``stats``).
 
-Adapters: the registry store is the source of truth. The ingress passes a registry epoch with every request; a
-replica that sees an epoch it has not seen reconciles its engine with the store first (adds and replaces what the
-store records, removes API-registered adapters the store no longer has): idempotent, and a no-op when nothing
-changed."""
+Adapters and tenants: the registry store is the source of truth, and each replica follows its changes live
+(``RegistrySync``: Redis pub/sub, or polling a shared SQLite file). So that a client of the one address reads its
+own writes at once, a replica answers a change with the store's revision after it (``ResponseHead.revision``), the
+ingress passes the highest revision it has seen with every request, and a replica behind it catches up before
+serving the request."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 from ray import serve
 from starlette.types import Message
 
-from adapters.peft_format import AdapterError
+from admin.store import StoreUnavailableError
 from lora_server.config import ServerConfig
 from lora_server.server.serve import build
 
@@ -42,11 +43,22 @@ class RequestHead:
 
 @dataclass(frozen=True, slots=True)
 class ResponseHead:
-    """The first item a replica yields: the app's status and headers, and who answered."""
+    """The first item a replica yields: the app's status and headers, and who answered. ``revision``: after a
+    request that changed the registry (``changes_registry``), the store's revision once the change was made; else
+    -1."""
 
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     replica: str
+    revision: int = -1
+
+
+REGISTRY_CHANGES = ("/admin/", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def changes_registry(head: RequestHead) -> bool:
+    """Whether the request may change adapters or tenants (any admin call but a read)."""
+    return head.method not in ("GET", "HEAD") and head.path.startswith(REGISTRY_CHANGES)
 
 
 @dataclass(slots=True)
@@ -66,10 +78,10 @@ def replica_class(max_adapters: int) -> type:
     class EngineReplica:
         def __init__(self, config: ServerConfig, admin_key: str) -> None:
             logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-            self.engine, self.store, self.app = build(replace(config, admin_key=admin_key), admin_key, "the launcher")
-            self.engine.start()
+            self.server = build(replace(config, admin_key=admin_key), admin_key, "the launcher")
+            self.engine, self.app = self.server.engine, self.server.app
+            self.server.start()
             self.name = serve.get_replica_context().replica_tag
-            self.epoch = ""
             self.counts = ReplicaCounts()
             self.loading: Counter[str] = Counter()  # adapter -> its requests in flight that arrived off the device
 
@@ -95,23 +107,37 @@ def replica_class(max_adapters: int) -> type:
             }
 
         async def forward(
-            self, head: RequestHead, body: bytes, model: str, epoch: str
+            self, head: RequestHead, body: bytes, model: str, revision: int
         ) -> AsyncIterator[ResponseHead | bytes]:
             """The app's answer to one request: a ResponseHead, then the body in chunks as the app sends them.
-            ``model``: the body's model ("" when it names none)."""
-            if epoch != self.epoch:
-                await asyncio.to_thread(self._reconcile)
-                self.epoch = epoch
+            ``model``: the body's model ("" when it names none); ``revision``: the registry's revision the
+            request must see (changes made through the ingress so far)."""
+            if self.server.registry.revision < revision:  # the live feed has not brought it here yet
+                await asyncio.to_thread(self._catch_up)
             adapter = model if model and self.engine.adapter_info(model) is not None else ""
             if adapter and serve.get_multiplexed_model_id():  # routed by adapter: Serve's router learns it is here
                 await self.note_adapter(adapter)
             loading = self._arrive(adapter) if adapter else False
             try:
                 async for item in call_asgi(self.app, head, body, self.name):
+                    if isinstance(item, ResponseHead) and item.status < 300 and changes_registry(head):
+                        item = replace(item, revision=await asyncio.to_thread(self._store_revision))
                     yield item
             finally:
                 if loading:
                     self.loading[adapter] -= 1
+
+        def _catch_up(self) -> None:
+            try:
+                self.server.registry.catch_up()
+            except StoreUnavailableError as exc:  # serve with what it has; the app answers 503 where it needs the store
+                log.warning("registry: cannot catch up with the store: %s", exc)
+
+        def _store_revision(self) -> int:
+            try:
+                return self.server.store.revision()
+            except StoreUnavailableError:
+                return -1  # the change is made; other replicas get it from the feed
 
         def _arrive(self, adapter: str) -> bool:
             """Count an adapter request; True when it found its adapter off the device (it is loading it, or
@@ -125,21 +151,6 @@ def replica_class(max_adapters: int) -> type:
             self.counts.adapter_loads += not self.loading[adapter]
             self.loading[adapter] += 1
             return True
-
-        def _reconcile(self) -> None:
-            """Make the engine's adapters what the store records (worker thread)."""
-            records = {r.name: r for r in self.store.list_adapters()}
-            for name, record in records.items():
-                info = self.engine.adapter_info(name)
-                if info is None or info["version"] != record.version:
-                    try:
-                        self.engine.add_adapter(name, record.path, record.pinned, record.version)
-                    except AdapterError as exc:
-                        log.warning("registered adapter %s could not be loaded: %s", name, exc)
-            for name in self.engine.adapter_names():
-                info = self.engine.adapter_info(name)
-                if info is not None and info["source"] == "api" and name not in records:
-                    self.engine.remove_adapter(name)
 
     return EngineReplica
 

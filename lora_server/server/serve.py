@@ -1,4 +1,5 @@
-"""``lora-server serve``: builds the engine, the registry store and the app, preloads adapters, runs uvicorn."""
+"""``lora-server serve``: builds the engine, the registry store, its sync and the app, preloads adapters, runs
+uvicorn."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import secrets
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
 
 from adapters import demo_adapters
 from adapters.peft_format import AdapterError
+from admin.change_feed import POLL_S
 from admin.open_store import open_store
 from admin.store import RegistryStore, StoreStatus
 from lora_server import envs
@@ -22,6 +25,7 @@ from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
 from lora_server.model.loader import default_model_path
 from lora_server.server.app import build_app
+from lora_server.server.registry_sync import RegistrySync
 
 log = logging.getLogger("lora_server")
 DEAD_EXIT_S = 5.0
@@ -40,15 +44,15 @@ def serve(config: ServerConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     admin_key, key_source = resolve_admin_key(config)
-    engine, store, app = build(config, admin_key, key_source)
-    server = _draining_server(uvicorn, app, engine, config.host, config.port, config.shutdown_timeout)
-    engine.start()
+    built = build(config, admin_key, key_source)
+    engine = built.engine
+    server = _draining_server(uvicorn, built.app, engine, config.host, config.port, config.shutdown_timeout)
+    built.start()
     threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
     try:
         server.run()
     finally:
-        engine.shutdown()
-        store.close()
+        built.close()
     return 1 if engine.dead.is_set() else 0
 
 
@@ -63,9 +67,31 @@ def resolve_admin_key(config: ServerConfig) -> tuple[str, str]:
     return key, "random, for this run"
 
 
-def build(config: ServerConfig, admin_key: str, key_source: str) -> tuple[Engine, RegistryStore, FastAPI]:
-    """The engine (not started yet), the registry store and the app of one server; preloads the configured and the
-    registered adapters and logs the summary. ``lora-server serve`` runs one; each Ray Serve replica builds one."""
+@dataclass(frozen=True, slots=True)
+class Built:
+    """One server's parts, as ``build`` leaves them: the engine not started, the registry in step with the store but
+    not yet following it."""
+
+    engine: Engine
+    store: RegistryStore
+    registry: RegistrySync
+    app: FastAPI
+
+    def start(self) -> None:
+        """Start the engine thread and follow the registry's changes."""
+        self.engine.start()
+        self.registry.start()
+
+    def close(self) -> None:
+        self.registry.stop()
+        self.engine.shutdown()
+        self.store.close()
+
+
+def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
+    """The engine, the registry store, its sync and the app of one server; preloads the configured adapters,
+    catches up with the registered ones and logs the summary. ``lora-server serve`` runs one; each Ray Serve
+    replica builds one."""
     engine = Engine(config.engine)
     data_dir, data_dir_source = (config.data_dir, "--data-dir") if config.data_dir else envs.data_dir()
     store = open_store(data_dir, config.redis_url)
@@ -83,20 +109,17 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> tuple[Engine
                 f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); use NAME=PATH"
             )
         engine.add_adapter(name, path or demos[name], source="command line" if path else "demo")
-    for record in store.list_adapters():  # registered through the admin API earlier, or by another replica
-        try:
-            engine.add_adapter(record.name, record.path, record.pinned, record.version)
-        except AdapterError as exc:
-            log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
     base_id = config.served_model_name or model_id(config.engine)
-    log.info("%s", summary(config, engine, base_id, status, f"{data_dir} ({data_dir_source})", key_source))
-    return engine, store, build_app(engine, store, config, base_id, admin_key)
+    app = build_app(engine, store, config, base_id, admin_key)
+    registry = RegistrySync(store, engine, app.state.control.lock, app.state.tenants.changed)
+    registry.catch_up()  # the adapters registered through the admin API earlier, or by another replica
+    place = getattr(store, "address", None) or f"{data_dir} ({data_dir_source})"  # Redis: host:port (no password)
+    log.info("%s", summary(config, engine, base_id, status, place, key_source))
+    return Built(engine, store, registry, app)
 
 
-def summary(
-    config: ServerConfig, engine: Engine, base_id: str, store: StoreStatus, data_dir: str, key_source: str
-) -> str:
-    """What the server serves, in a few lines for its log at start."""
+def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStatus, place: str, key_source: str) -> str:
+    """What the server serves, in a few lines for its log at start; ``place``: where the registry store is."""
     info, pool = engine.describe(), engine.snapshot().pool
     a = info.arch
     blocks, block_size = pool["gpu_blocks"], pool["block_size"]
@@ -106,6 +129,7 @@ def summary(
         if adapter is not None:
             by_source.setdefault(adapter["source"], []).append(name)
     gib, dtype = 2**30, str(info.dtype).removeprefix("torch.")
+    followed = "replicas heard at once (pub/sub)" if store.backend == "redis" else f"processes read every {POLL_S:g} s"
     return "\n".join(
         [
             f"serving {base_id}: {info.format} weights from {info.path or 'dummy weights'}",
@@ -118,7 +142,7 @@ def summary(
             f"({pool['host_blocks'] * pool['block_bytes'] / gib:.2f} GiB)",
             "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
             f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
-            f"  registry: {store.backend} at {store.detail if store.backend == 'redis' else data_dir}",
+            f"  registry: {store.backend} at {place}; changes by other {followed}",
             f"  admin key: {key_source}; /v1 access: "
             + (
                 "--api-key or a tenant's key"
