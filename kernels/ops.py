@@ -180,18 +180,29 @@ def paged_attention(
     max_query_len: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
-    steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]
-    (kernels.paged_attention; the twin needs no max_query_len). Without the kernels a step with one query per
-    sequence takes one gather per layer (kernels.gathered_attention), others the twin."""
+    steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]; a decode row
+    whose sequence has length 0 (padding) is zero. A step with one query per sequence takes the decode path: with
+    the kernels, split-KV decode attention in ``num_splits`` chunks per sequence (kernels.decode_attention; None:
+    its default, from the shapes), without them one gather per layer (kernels.gathered_attention); other steps
+    take kernels.paged_attention, or its twin (which needs no max_query_len)."""
+    decode = max_query_len == 1 and q.shape[0] == block_tables.shape[0]
     if use_kernels(q.device):
+        if decode:
+            from kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits=num_splits
+            )
         from kernels.paged_attention import paged_attention as kernel
 
         return kernel(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, k_scale, v_scale
         )
-    if max_query_len == 1 and q.shape[0] == block_tables.shape[0]:
+    if decode:
         from kernels.gathered_attention import gathered_decode_attention
 
         return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)

@@ -98,6 +98,31 @@ def paged_attention(
     return out
 
 
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query per sequence: q [B, H, D], row b at position seq_lens[b] - 1 of sequence b,
+    attends over its keys 0 .. seq_lens[b] - 1 (paged_attention with one query per sequence); out [B, H, D] in
+    q's dtype, zeros for a sequence of length 0 (a padding row), whose block table is not read. The split-KV
+    kernel (kernels.decode_attention) computes the same: splitting the keys only reorders its fp32 sums."""
+    out = torch.zeros_like(q)
+    live = [b for b, n in enumerate(seq_lens.tolist()) if n > 0]
+    if live:
+        rows = torch.tensor(live, device=q.device)
+        starts = torch.arange(len(live) + 1, device=q.device)
+        out[rows] = paged_attention(
+            q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], starts, scale, k_scale, v_scale
+        )
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: x [T, hidden] normalized in float32, rounded to x's dtype, times weight [hidden]."""
     xf = x.float()
