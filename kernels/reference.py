@@ -132,11 +132,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: residual += x, then x = rms_norm(residual, weight, eps) (HF's residual + hidden_states, then
-    the next norm; the sum is rounded to the dtype before it is normalized)."""
+    the next norm; the sum is rounded to the dtype before it is normalized). The normalized rows are rounded into
+    x, then multiplied by weight in place: rms_norm's roundings, without its temporaries."""
     residual.add_(x)
     xf = residual.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    torch.mul(weight, xf.to(x.dtype), out=x)
+    torch.mul(xf, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), out=x)
+    x.mul_(weight)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
