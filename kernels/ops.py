@@ -138,13 +138,35 @@ def write_kv_cache(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """In place: k_cache.view(-1, KVH, D)[slot_mapping] = k, and v alike; an fp8 cache stores k / k_scale[:, None]
-    clamped to +-448 (kernels.write_kv; the twin needs every slot >= 0)."""
+    clamped to +-448; tokens with a negative slot write nothing (kernels.write_kv)."""
     if use_kernels(k.device):
         from kernels.write_kv import write_kv_cache as kernel
 
         kernel(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rotary_write_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """In place: the query and key heads qk [T, H + KVH, D] rotated with HF's two roundings (qk * cos +
+    qk.roll(D // 2, -1) * sin_signed, cos and sin_signed [T, 1, D]), then the rotated keys qk[:, H:] and v written
+    to their slots as write_kv_cache does (kernels.rotary_write_kv: one launch)."""
+    if use_kernels(qk.device):
+        from kernels.rotary_write_kv import rotary_write_kv as kernel
+
+        kernel(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        reference.rotary_write_kv(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -158,24 +180,64 @@ def paged_attention(
     max_query_len: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
-    steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]
-    (kernels.paged_attention; the twin needs no max_query_len). Without the kernels a step with one query per
-    sequence takes one gather per layer (kernels.gathered_attention), others the twin."""
+    steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]; a decode row
+    whose sequence has length 0 (padding) is zero. A step with one query per sequence takes the decode path: with
+    the kernels, split-KV decode attention in ``num_splits`` chunks per sequence (kernels.decode_attention; None:
+    its default, from the shapes), without them one gather per layer (kernels.gathered_attention); other steps
+    take kernels.paged_attention, or its twin (which needs no max_query_len)."""
+    decode = max_query_len == 1 and q.shape[0] == block_tables.shape[0]
     if use_kernels(q.device):
+        if decode:
+            from kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits=num_splits
+            )
         from kernels.paged_attention import paged_attention as kernel
 
         return kernel(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, k_scale, v_scale
         )
-    if max_query_len == 1 and q.shape[0] == block_tables.shape[0]:
+    if decode:
         from kernels.gathered_attention import gathered_decode_attention
 
         return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     return reference.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[T, hidden] = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype), HF's LlamaRMSNorm
+    (kernels.rms_norm)."""
+    if use_kernels(x.device):
+        from kernels.rms_norm import rms_norm as kernel
+
+        return kernel(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual, weight, eps) (kernels.rms_norm: one launch)."""
+    if use_kernels(x.device):
+        from kernels.rms_norm import fused_add_rms_norm as kernel
+
+        kernel(x, residual, weight, eps)
+    else:
+        reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, I] = F.silu(x[:, :I]) * x[:, I:] for the fused gate | up output x [T, 2 * I] (kernels.silu_and_mul)."""
+    if use_kernels(x.device):
+        from kernels.silu_and_mul import silu_and_mul as kernel
+
+        return kernel(x)
+    return reference.silu_and_mul(x)
 
 
 def int8_matmul(

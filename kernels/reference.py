@@ -39,11 +39,14 @@ def write_kv_cache(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """k_cache.view(-1, kv_heads, head_dim)[slot_mapping] = quantize_kv(k, k_cache.dtype, k_scale) (and v alike),
-    in place.
+    in place, for the tokens whose slot is >= 0.
 
     k, v: [tokens, kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim];
-    slot_mapping: [tokens] int64, slot = block_id * block_size + offset; k_scale, v_scale: [kv_heads] float32 for
-    an fp8 cache, else None."""
+    slot_mapping: [tokens] int64, slot = block_id * block_size + offset; a negative slot (a padding token) writes
+    nothing; k_scale, v_scale: [kv_heads] float32 for an fp8 cache, else None."""
+    if slot_mapping.numel() and slot_mapping.min() < 0:  # padding rows (never on the CPU engine's own steps)
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         rows, stored = cache.view(-1, *cache.shape[2:]), quantize_kv(x, cache.dtype, scale)
         if cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no float8 kernel on the CPU: move the bytes
@@ -93,3 +96,76 @@ def paged_attention(
         )
         out[starts[b] : starts[b + 1]] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query per sequence: q [B, H, D], row b at position seq_lens[b] - 1 of sequence b,
+    attends over its keys 0 .. seq_lens[b] - 1 (paged_attention with one query per sequence); out [B, H, D] in
+    q's dtype, zeros for a sequence of length 0 (a padding row), whose block table is not read. The split-KV
+    kernel (kernels.decode_attention) computes the same: splitting the keys only reorders its fp32 sums."""
+    out = torch.zeros_like(q)
+    live = [b for b, n in enumerate(seq_lens.tolist()) if n > 0]
+    if live:
+        rows = torch.tensor(live, device=q.device)
+        starts = torch.arange(len(live) + 1, device=q.device)
+        out[rows] = paged_attention(
+            q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], starts, scale, k_scale, v_scale
+        )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: x [T, hidden] normalized in float32, rounded to x's dtype, times weight [hidden]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual, weight, eps) (HF's residual + hidden_states, then
+    the next norm; the sum is rounded to the dtype before it is normalized). The normalized rows are rounded into
+    x, then multiplied by weight in place: rms_norm's roundings, without its temporaries."""
+    residual.add_(x)
+    xf = residual.float()
+    torch.mul(xf, torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), out=x)
+    x.mul_(weight)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """In place: x [T, heads, D] = x * cos + x.roll(D // 2, -1) * sin_signed with cos, sin_signed [T, 1, D] in
+    x's dtype, sin_signed being sin with its first half negated: HF's x * cos + rotate_half(x) * sin, with its
+    two roundings (each product rounded to the dtype, then the sum; a fused multiply-add would round once)."""
+    rolled = x.roll(x.shape[-1] // 2, -1).mul_(sin_signed)
+    x.mul_(cos).add_(rolled)
+
+
+def rotary_write_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """In place: the query and key heads qk [T, H + KVH, D] rotated (apply_rotary_), then the rotated keys
+    qk[:, H:] and the values v [T, KVH, D] written to their slots (write_kv_cache; negative slots write nothing)."""
+    apply_rotary_(qk, cos, sin_signed)
+    write_kv_cache(qk[:, qk.shape[1] - k_cache.shape[2] :], v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, I] = F.silu(gate) * up for x [T, 2 * I] = gate | up (HF's act_fn(gate_proj(x)) * up_proj(x))."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

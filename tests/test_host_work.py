@@ -128,11 +128,15 @@ def test_sampler_stages_once_and_reads_back_once(params, h2d):
 def test_benchmark_counts_a_decode_step_of_the_cuda_path():
     result = measure(layers=2, batch=4, adapters=2, rank=8, prompt_len=8, steps=2)
     step = result.step
-    # per layer: shrink and expand for QKV, O, gate-up, down (4 + 4), KV write, attention
+    # per layer: shrink and expand for QKV, O, gate-up, down (4 + 4), two norms (the first layer's alone, the others
+    # fused with the residual add; the final norm too), rotary with the KV write, decode attention (one split at
+    # this short context: no reduce), SiLU-and-multiply
     assert step["kernels"] == {
+        "_rms_norm_kernel": 5,
         "_bgmv_shrink_kernel": 8,
         "_bgmv_expand_kernel": 8,
-        "_write_kv_cache_kernel": 2,
-        "_paged_attention_kernel": 2,
+        "_rotary_write_kv_kernel": 2,
+        "_decode_attention_kernel": 2,
+        "_silu_and_mul_kernel": 2,
     }
     assert step["syncs"] >= 1 and step["h2d"] >= 1 and step["torch_launches"] > 0

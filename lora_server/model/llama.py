@@ -1,6 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2's q/k/v biases) over a paged KV cache.
 
-Linear layers are QuantLinear modules (dense, int8, int4); q|k|v and gate|up are fused along the output rows."""
+Linear layers are QuantLinear modules (dense, int8, int4); q|k|v and gate|up are fused along the output rows. The
+rest of a layer goes through kernels.ops, one call each (a kernel launch on CUDA, the torch twin elsewhere): the
+residual add fused into the next RMSNorm (the hidden state travels as x + residual, as in vLLM), rotary fused with
+the KV write, attention, SiLU-and-multiply."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -28,9 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """In place: residual += x; x = self(residual) (x, residual [T, hidden])."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,14 +61,11 @@ def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> to
 
 class RopeTable(NamedTuple):
     """One step's rotary factors, gathered once for every layer: cos and sin [T, 1, head_dim] in the model's dtype,
-    sin with its first half negated so that rotate_half(x) * sin == x.roll(head_dim // 2, -1) * sin_signed."""
+    sin with its first half negated so that rotate_half(x) * sin == x.roll(head_dim // 2, -1) * sin_signed
+    (ops.rotary_write_kv applies them with HF's two roundings)."""
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, heads, head_dim]
-        # two roundings, as HF's x * cos + rotate_half(x) * sin (a fused multiply-add would round once)
-        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.sin_signed
 
 
 class Rotary(nn.Module):
@@ -108,13 +109,22 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads side by side [T, heads + kv_heads, head_dim]: one rotation for both
-        qk = rope.apply(qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim)))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        # q and k heads side by side [T, heads + kv_heads, head_dim]: rotated in place, the keys and values written
+        qk = qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        ops.write_kv_cache(k, v, kv_cache.k, kv_cache.v, batch.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
+        ops.rotary_write_kv(
+            qk,
+            v,
+            rope.cos,
+            rope.sin_signed,
+            kv_cache.k,
+            kv_cache.v,
+            batch.slot_mapping,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
+        )
         o = ops.paged_attention(
-            q,
+            qk[:, : self.num_heads],
             kv_cache.k,
             kv_cache.v,
             batch.block_tables,
@@ -134,8 +144,8 @@ class MLP(nn.Module):
         self.gate_up_proj, self.down_proj = LoraLinear(gate_up), LoraLinear(down)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)  # each [T, intermediate]
-        return self.down_proj(F.silu(gate) * up, lora)
+        gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
+        return self.down_proj(ops.silu_and_mul(gate_up), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -143,9 +153,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), batch, rope, kv_cache)
-        return x + self.mlp(self.mlp_norm(x), batch.lora)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] -> the same after this layer: the hidden state is x + residual, the last
+        block's output not yet added (residual None: x is the embedding, the first layer)."""
+        if residual is None:
+            residual, x = x, self.attn_norm(x)
+        else:
+            self.attn_norm.add_and_norm(x, residual)
+        x = self.attn(x, batch, rope, kv_cache)
+        self.mlp_norm.add_and_norm(x, residual)
+        return self.mlp(x, batch.lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -168,9 +187,13 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
         x = self.embed.rows(batch.input_ids, self.dtype)  # [T, hidden]
         rope = self.rotary.table(batch.positions, self.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, rope, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, rope, kv_cache)
+        if residual is None:
+            return self.norm(x)
+        self.norm.add_and_norm(x, residual)
+        return x
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
         """[layer][group] -> the LoRA wrapper of each fused linear (groups as in lora.GROUPS)."""

@@ -1,0 +1,89 @@
+"""RMSNorm, alone (a model's first norm) or fused with the residual add before it (vLLM's fused_add_rms_norm): one
+program per row, the whole row in one tile. Torch twins: ``kernels.reference.rms_norm`` and
+``kernels.reference.fused_add_rms_norm``, which round where HF's LlamaRMSNorm does."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    """Program (row): ADD_RESIDUAL: residual[row] = x[row] + residual[row] (rounded to the row's dtype) and the
+    row normalized is that sum; else x[row]. The norm: y = row * rsqrt(mean(row^2) + eps) in fp32, rounded to the
+    dtype, times weight (rounded again), stored to out[row] (out may be x itself)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    y = (xf * inv_rms).to(x.dtype)
+    tl.store(
+        out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, hidden] with contiguous rows, got {x.stride()}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    assert weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
+    assert weight.is_contiguous() and weight.device == x.device, (weight.stride(), weight.device)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float):
+    num_rows, hidden = x.shape
+    if num_rows == 0:
+        return
+    _rms_norm_kernel[(num_rows,)](
+        x,
+        residual if residual is not None else x,  # not read unless ADD_RESIDUAL
+        weight,
+        out,
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        HIDDEN=hidden,
+        BLOCK=triton.next_power_of_2(hidden),
+        ADD_RESIDUAL=residual is not None,
+        num_warps=4 if hidden <= 4096 else 8,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """out [T, hidden] in x's dtype, one launch: weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+    .to(x.dtype) with xf = x.float() (HF's LlamaRMSNorm). x: [T, hidden] float32, float16 or bfloat16, rows
+    contiguous (any row stride); weight: [hidden] in x's dtype."""
+    _check(x, weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, out, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, one launch: residual += x (rounded to the dtype), then x = rms_norm(residual, weight, eps).
+    x, residual: [T, hidden], same dtype, rows contiguous (any row strides), not overlapping; weight: [hidden]."""
+    _check(x, weight)
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+    assert residual.stride(1) == 1 and residual.device == x.device, (residual.stride(), residual.device)
+    _launch(x, residual, weight, x, eps)

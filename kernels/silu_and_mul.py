@@ -1,0 +1,49 @@
+"""SiLU-and-multiply: the MLP's activation over the fused gate|up projection output, in one launch. Torch twin:
+``kernels.reference.silu_and_mul``, which rounds as HF's act_fn(gate) * up does (SiLU rounded to the dtype, then
+the product rounded again)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (row, column tile): out[row, c] = silu(x[row, c]) * x[row, INTERMEDIATE + c], the SiLU in fp32
+    rounded to the dtype, the product in fp32 rounded again."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTERMEDIATE
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + INTERMEDIATE + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """out [T, I] in x's dtype = F.silu(x[:, :I]) * x[:, I:] for x [T, 2 * I] (gate | up), float32, float16 or
+    bfloat16, rows contiguous (any row stride). block: columns per program, a power of two."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2 * I], got {tuple(x.shape)}"
+    assert x.stride(1) == 1, f"x's rows must be contiguous, got strides {x.stride()}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    assert block > 0 and block & (block - 1) == 0, block
+    num_rows, intermediate = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_rows, intermediate, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block = min(block, triton.next_power_of_2(intermediate))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(intermediate, block))](
+        x, out, x.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=block
+    )
+    return out
