@@ -23,6 +23,7 @@ from lora_server.model.quant import (
     quantize_int8,
     resident_bytes,
     swap_for_cpu,
+    swap_for_cuda,
 )
 
 CPU = torch.device("cpu")
@@ -374,6 +375,40 @@ def test_swap_for_cpu_replaces_every_int4_linear():
     x2 = torch.randn(3, 32)
     err = (model["inner"](x2).double() - x2.double() @ torch.from_numpy(w2).t()).abs()
     assert (err <= 2 * cpu_int4_bound(x2, torch.from_numpy(w2), m2.scales, m2.mins) + 1e-5).all()
+
+
+def test_int4_repacked_is_the_same_weight():
+    """Repacking an Int4Linear (nibbles paired within 64 or 128 columns instead of the group's 32) keeps its codes,
+    dequantized weight, rows, output and CPU layout; fusing keeps the pack."""
+    m, w, codes, *_ = random_int4(16, 256, seed=11)
+    x = torch.randn(3, 256)
+    for pack in (64, 128):
+        r = m.repacked(pack)
+        assert r.pack == pack and r.packed.shape == m.packed.shape and not torch.equal(r.packed, m.packed)
+        assert torch.equal(r.codes(), torch.from_numpy(codes).to(torch.uint8))
+        assert torch.equal(r.dequantize(torch.float32), m.dequantize(torch.float32))
+        assert torch.equal(r.rows(torch.tensor([3, 0]), torch.float32), m.rows(torch.tensor([3, 0]), torch.float32))
+        assert torch.equal(r(x), m(x))
+        assert torch.equal(Int4CpuLinear(r).cpu_packed, Int4CpuLinear(m).cpu_packed)
+        fused = cat_linears([r, m.repacked(pack)], torch.float32)
+        assert type(fused) is Int4Linear and fused.pack == pack
+        assert torch.equal(fused.dequantize(torch.float32), torch.cat([m.dequantize(torch.float32)] * 2))
+    # parts in different layouts are not concatenated byte-wise
+    mixed = cat_linears([m, m.repacked(64)], torch.float32)
+    assert type(mixed) is Int8Linear
+
+
+def test_swap_for_cuda_repacks_int4_where_k_allows():
+    """The CUDA swap repacks each Int4Linear to quant_tiles.int4_pack_width (K = 256 -> 128, K = 96 -> the
+    group's own 32: left as it is) and leaves other modules alone; the weights stay the same."""
+    m1, *_ = random_int4(32, 256, seed=12)
+    m2, *_ = random_int4(16, 96, seed=13)
+    int8 = make_linear(torch.randn(16, 64), "int8")
+    model = nn.ModuleDict({"a": m1, "inner": nn.Sequential(m2), "c": int8})
+    swap_for_cuda(model)
+    assert isinstance(model["a"], Int4Linear) and model["a"].pack == 128
+    assert model["inner"][0] is m2 and model["c"] is int8
+    assert torch.equal(model["a"].dequantize(torch.float32), m1.dequantize(torch.float32))
 
 
 def test_resident_bytes_hand_counts():

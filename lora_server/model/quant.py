@@ -9,7 +9,11 @@ Formats (rows = output features, columns = input features, groups run along the 
   Per-channel is group == in; GGUF Q8_0 is group 32, copied as is.
 - int4: asymmetric, packed uint8 [out, in // 2], scales and mins fp16 [out, in // group]; w = scale * q + min,
   q in 0..15. Within each group of g values, byte j holds q[j] in its low nibble and q[j + g/2] in its high
-  nibble: the GGUF Q4_1 block layout, so Q4_1 blocks are copied as is.
+  nibble: the GGUF Q4_1 block layout, so Q4_1 blocks are copied as is. On CUDA the module swap (swap_for_cuda)
+  repacks the nibbles to pair within wider blocks (``pack`` columns, kernels.quant_tiles.int4_pack_width), the
+  layout the GPU kernel reads contiguously.
+- fp8: W8A8, qweight float8_e4m3fn [out, in], scales float32 [out] (per output channel, amax / 448); w = scale * q.
+  Activations are quantized per token at every call (kernels.quant_reference.quantize_fp8_per_token).
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.quant_reference import dequantize_int4, dequantize_int8, unpack_int4
+from kernels.quant_reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_AMAX,
+    dequantize_fp8,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    unpack_int4,
+)
 
 INT4_GROUP_SIZE = 32
 
@@ -73,32 +86,84 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    """int4 weights; ``pack``: the columns within which the nibbles pair (None: the group, Q4_1's layout)."""
+
     packed: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
 
     def __init__(
-        self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        pack: int | None = None,
     ) -> None:
         super().__init__()
         assert packed.dtype == torch.uint8 and scales.shape == mins.shape
+        assert pack is None or (packed.shape[1] * 2) % pack == 0, (packed.shape, pack)
         self.register_buffer("packed", packed)  # [out, in // 2]
         self.register_buffer("scales", scales)  # [out, in // group]
         self.register_buffer("mins", mins)  # [out, in // group]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.pack = pack
 
     @property
     def out_features(self) -> int:
         return self.packed.shape[0]
 
+    @property
+    def group_size(self) -> int:
+        return self.packed.shape[1] * 2 // self.scales.shape[1]
+
+    def codes(self) -> torch.Tensor:
+        """[out, in] uint8 codes 0..15 in column order, whatever the pack."""
+        k = self.packed.shape[1] * 2
+        return unpack_int4(self.packed, k // (self.pack or self.group_size))
+
+    def repacked(self, pack: int) -> Int4Linear:
+        """The same weights with the nibbles paired within blocks of ``pack`` columns."""
+        k = self.packed.shape[1] * 2
+        return Int4Linear(pack_int4(self.codes(), k // pack), self.scales, self.mins, self.bias, pack)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(self.packed, self.scales, self.mins, dtype)
+        return dequantize_int4(self.packed, self.scales, self.mins, dtype, self.pack)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(self.packed[ids], self.scales[ids], self.mins[ids], dtype)
+        return dequantize_int4(self.packed[ids], self.scales[ids], self.mins[ids], dtype, self.pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        return ops.int4_matmul(x, self.packed, self.scales, self.mins, self.bias)
+        return ops.int4_matmul(x, self.packed, self.scales, self.mins, self.bias, self.pack)
+
+
+class Fp8Linear(nn.Module):
+    """W8A8 fp8: the weight in float8 e4m3 with a float32 scale per output channel; each call quantizes its
+    activations per token (ops.fp8_matmul)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        assert qweight.dtype == FP8_DTYPE, qweight.dtype
+        assert scales.shape == qweight.shape[:1] and scales.dtype == torch.float32, (scales.shape, scales.dtype)
+        self.register_buffer("qweight", qweight)  # [out, in]
+        self.register_buffer("scales", scales)  # [out]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.qweight, self.scales, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.qweight[ids], self.scales[ids], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return ops.fp8_matmul(x, self.qweight, self.scales, self.bias)
 
 
 class Int4CpuLinear(nn.Module):
@@ -111,10 +176,9 @@ class Int4CpuLinear(nn.Module):
 
     def __init__(self, source: Int4Linear) -> None:
         super().__init__()
-        groups = source.scales.shape[1]
-        self.group_size = source.packed.shape[1] * 2 // groups
+        self.group_size = source.group_size
         self.in_features = source.packed.shape[1] * 2
-        codes = unpack_int4(source.packed, groups).to(torch.int32)  # [out, in]
+        codes = source.codes().to(torch.int32)  # [out, in]
         self.register_buffer("cpu_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale: [groups, out, 2]
         scales, mins = source.scales.float(), source.mins.float()
@@ -150,7 +214,7 @@ class Int4CpuLinear(nn.Module):
         return self.dequantize(dtype)[ids]
 
 
-QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear
+QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear | Fp8Linear
 
 
 def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
@@ -167,11 +231,26 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
             swap_for_cpu(child, keep)
 
 
+def swap_for_cuda(module: nn.Module) -> None:
+    """The CUDA module swap: every Int4Linear below ``module`` repacked to the GPU kernel's pack width
+    (kernels.quant_tiles.int4_pack_width: each K step's activations load as two contiguous runs), where K allows
+    a wider pack than its own."""
+    from kernels.quant_tiles import int4_pack_width
+
+    for name, child in module.named_children():
+        if isinstance(child, Int4Linear):
+            pack = int4_pack_width(child.packed.shape[1] * 2, child.group_size)
+            if pack != (child.pack or child.group_size):
+                setattr(module, name, child.repacked(pack))
+        else:
+            swap_for_cuda(child)
+
+
 def cpu_head(embed: QuantLinear, dtype: torch.dtype) -> QuantLinear | None:
     """The tied output head's own copy on the CPU, where a quantized matmul dequantizes the whole weight at every
     call: an Int4CpuLinear of an int4 embedding, the dequantized weight in ``dtype`` of an int8 one (the same
     numbers: torch's CPU int8 matmul takes one scale per row, not Q8_0's 32-value groups); None (the embedding
-    itself) for a dense one."""
+    itself) for a dense one. (The embedding is never fp8: tensor_mode.)"""
     if isinstance(embed, Int4Linear) and Int4CpuLinear.available() and embed.out_features % 16 == 0:
         return Int4CpuLinear(embed)
     if isinstance(embed, Int4Linear | Int8Linear):
@@ -204,6 +283,22 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.
     return packed.reshape(out_f, in_f // 2), scales, mins
 
 
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 per output channel. Returns (qweight float8_e4m3fn [out, in], scales float32 [out]) with
+    scales = max(|w|.amax(-1), 1e-12) / 448 and qweight = w / scale rounded to the nearest float8 value."""
+    wf = w.float()
+    scales = wf.abs().amax(-1).clamp(min=FP8_MIN_AMAX) / FP8_MAX
+    return (wf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def tensor_mode(quantization: str, name: str) -> str:
+    """The mode the checkpoint tensor ``name`` (canonical: embed, lm_head, layers.{i}.q, ...) is held in under
+    ``quantization``: fp8 (W8A8) quantizes the decoder's linears only; the embedding and the output head keep the
+    checkpoint's own format ("auto"), as vLLM's fp8 does, since quantizing the head's input per token costs
+    greedy agreement where the model is nearly undecided. Every other mode applies to every tensor."""
+    return "auto" if quantization == "fp8" and name in ("embed", "lm_head") else quantization
+
+
 def make_linear(w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> QuantLinear:
     """The offline transform: a float weight [out, in] -> the linear module of the given mode."""
     if mode == "none":
@@ -212,12 +307,15 @@ def make_linear(w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) ->
         return Int8Linear(*quantize_int8(w), bias=bias)
     if mode == "int4":
         return Int4Linear(*quantize_int4(w), bias=bias)
+    if mode == "fp8":
+        return Fp8Linear(*quantize_fp8(w), bias=bias)
     raise ValueError(f"unknown quantization mode {mode!r}")
 
 
 def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
     """Fuse linears along the output dimension (q|k|v, gate|up). Parts of one format and group size stay in
-    that format; mixed formats fall back to per-channel int8 of the dequantized weights."""
+    that format (fp8's per-channel scales concatenate); mixed formats fall back to per-channel int8 of the
+    dequantized weights."""
     biases = [p.bias for p in parts]
     bias = (
         None
@@ -230,20 +328,24 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
         )
     )
     kinds = {type(p) for p in parts}
-    groups = {getattr(p, "scales", None).shape[1] for p in parts if hasattr(p, "scales")}  # type: ignore[union-attr]
+    groups = {p.scales.shape[1] for p in parts if isinstance(p, Int8Linear | Int4Linear)}
     if kinds == {DenseLinear}:
         return DenseLinear(torch.cat([cast(DenseLinear, p).weight for p in parts]), bias)
     if kinds == {Int8Linear} and len(groups) == 1:
         int8 = [cast(Int8Linear, p) for p in parts]
         return Int8Linear(torch.cat([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), bias)
-    if kinds == {Int4Linear} and len(groups) == 1:
+    if kinds == {Int4Linear} and len(groups) == 1 and len({cast(Int4Linear, p).pack for p in parts}) == 1:
         int4 = [cast(Int4Linear, p) for p in parts]
         return Int4Linear(
             torch.cat([p.packed for p in int4]),
             torch.cat([p.scales for p in int4]),
             torch.cat([p.mins for p in int4]),
             bias,
+            int4[0].pack,
         )
+    if kinds == {Fp8Linear}:
+        fp8 = [cast(Fp8Linear, p) for p in parts]
+        return Fp8Linear(torch.cat([p.qweight for p in fp8]), torch.cat([p.scales for p in fp8]), bias)
     w = torch.cat([p.dequantize(torch.float32) for p in parts])
     return Int8Linear(*quantize_int8(w), bias=bias)
 
