@@ -166,15 +166,59 @@ class Fp8Linear(nn.Module):
         return ops.fp8_matmul(x, self.qweight, self.scales, self.bias)
 
 
+# From this many rows (prefill) Int4CpuLinear dequantizes its weight to float32 and multiplies with the float32
+# matmul: measured on the 2-core AVX2 CPU, one thread (ms, int4 kernel vs dequantize + matmul): SmolLM2's 3072 x 576
+# gate|up at 24 rows 8.4 vs 10.7, at 64 rows 21.4 vs 16.1, at 384 rows 114 vs 53 (960 x 576 and 576 x 1536 alike);
+# the kernel re-dequantizes its weight for every 4 rows, the float32 matmul reuses it for all of them.
+CPU_DEQUANT_MIN_ROWS = 48
+
+
+class DequantScratch:
+    """Working memory for Int4CpuLinear's dequantized weights, shared by every module of one model (the engine
+    runs one forward pass at a time): one weight's uint8 codes and float32 values at a time, at most ``cap``
+    elements (a larger weight is dequantized in column chunks). Not a parameter or buffer: it holds no weights
+    between calls, and resident_bytes does not count it."""
+
+    def __init__(self, cap: int = 1 << 22) -> None:
+        self.cap = cap
+        self._codes = torch.empty(0, dtype=torch.uint8)
+        self._values = torch.empty(0, dtype=torch.float32)
+
+    def buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uint8 [numel], float32 [numel]), grown on demand and reused."""
+        if self._codes.numel() < numel:
+            self._codes = torch.empty(numel, dtype=torch.uint8)
+            self._values = torch.empty(numel, dtype=torch.float32)
+        return self._codes[:numel], self._values[:numel]
+
+
+def int4pack_cpu_block() -> int | None:
+    """The row block B of torch's CPU int4 layout on this machine, probed: _convert_weight_to_int4pack_for_cpu
+    stores [N / B, K, B / 2] bytes, byte (b, k, d) = q[b * B + d, k] | q[b * B + B / 2 + d, k] << 4 (torch 2.13:
+    B = 32 with AVX2, 64 with AVX512). None when neither matches: the layout is torch's own, and without it
+    Int4CpuLinear only uses the kernel."""
+    q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).reshape(-1)
+    for block in (32, 64):
+        t = q.view(128 // block, block, 64)
+        expected = (t[:, : block // 2] | (t[:, block // 2 :] << 4)).permute(0, 2, 1).reshape(-1).to(torch.uint8)
+        if torch.equal(packed, expected):
+            return block
+    return None
+
+
 class Int4CpuLinear(nn.Module):
     """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
-    module swap for Int4Linear, which would otherwise unpack every weight each step. Activations are rounded to
-    bfloat16 for the matmul (the kernel is fast only in bf16); the result is cast back to the input dtype."""
+    module swap for Int4Linear, which would otherwise unpack every weight each step. Below CPU_DEQUANT_MIN_ROWS rows
+    (decode) activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
+    result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a known layout
+    (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in float32, (q - 8) * scale + zero
+    from the same bfloat16 scales and zeros as the kernel, and multiplied in float32."""
 
     cpu_packed: torch.Tensor
     scales_and_zeros: torch.Tensor
 
-    def __init__(self, source: Int4Linear) -> None:
+    def __init__(self, source: Int4Linear, scratch: DequantScratch | None = None, block: int | None = None) -> None:
         super().__init__()
         self.group_size = source.group_size
         self.in_features = source.packed.shape[1] * 2
@@ -187,6 +231,8 @@ class Int4CpuLinear(nn.Module):
             torch.stack([scales.t(), (mins + 8 * scales).t()], dim=-1).to(torch.bfloat16).contiguous(),
         )
         self.bias = source.bias
+        usable = block is not None and scratch is not None and self.out_features % block == 0
+        self.scratch, self.block = (scratch, block) if usable else (None, None)
 
     @staticmethod
     def available() -> bool:
@@ -196,11 +242,43 @@ class Int4CpuLinear(nn.Module):
     def out_features(self) -> int:
         return self.cpu_packed.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.cpu_packed, self.group_size, self.scales_and_zeros
-        ).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        if x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.scratch is not None:
+            y = self._dequantized_matmul(x.float()).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.cpu_packed, self.group_size, self.scales_and_zeros
+            ).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 @ the weight dequantized to float32, in column chunks of whole row blocks that fit
+        the scratch: per chunk of the layout [blocks, K, B / 2] the nibbles go to codes [K, blocks * B] (the
+        weight transposed, row b * B + d low, b * B + B / 2 + d high), then (codes - 8) * scale + zero."""
+        assert self.scratch is not None and self.block is not None
+        n, k, b, g = self.out_features, self.in_features, self.block, self.group_size
+        layout = self.cpu_packed.view(n // b, k, b // 2)
+        scales = self.scales_and_zeros[..., 0].float().unsqueeze(1)  # [groups, 1, N]
+        zeros = self.scales_and_zeros[..., 1].float().unsqueeze(1)
+        blocks_per_chunk = max(1, self.scratch.cap // (k * b))
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for first in range(0, n // b, blocks_per_chunk):
+            chunk = layout[first : first + blocks_per_chunk]  # [blocks, K, B / 2]
+            cols = chunk.shape[0] * b
+            codes, values = self.scratch.buffers(k * cols)
+            codes_t = codes.view(k, chunk.shape[0], b)  # [K, blocks, B]: the weight's columns, transposed
+            torch.bitwise_and(chunk, 15, out=codes_t.permute(1, 0, 2)[..., : b // 2])
+            torch.bitwise_right_shift(chunk, 4, out=codes_t.permute(1, 0, 2)[..., b // 2 :])
+            w_t = values.view(k, cols)
+            w_t.copy_(codes.view(k, cols)).sub_(8)
+            c0 = first * b
+            by_group = w_t.view(k // g, g, cols)
+            torch.addcmul(zeros[..., c0 : c0 + cols], by_group, scales[..., c0 : c0 + cols], out=by_group)
+            if cols == n:
+                torch.mm(x, w_t, out=y)
+            else:
+                y[:, c0 : c0 + cols] = x @ w_t
+        return y
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
@@ -219,16 +297,21 @@ QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear | Fp8Linear
 
 def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
     """The CPU module swap: every Int4Linear below ``module`` becomes an Int4CpuLinear (when torch has the op),
-    except children named in ``keep``."""
+    except children named in ``keep``; all of them share one DequantScratch for their prefill path."""
     if not Int4CpuLinear.available():
         return
-    for name, child in module.named_children():
-        if name in keep:
-            continue
-        if isinstance(child, Int4Linear) and child.out_features % 16 == 0:  # the kernel's tiling needs it
-            setattr(module, name, Int4CpuLinear(child))
-        else:
-            swap_for_cpu(child, keep)
+    scratch, block = DequantScratch(), int4pack_cpu_block()
+
+    def swap(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if name in keep:
+                continue
+            if isinstance(child, Int4Linear) and child.out_features % 16 == 0:  # the kernel's tiling needs it
+                setattr(parent, name, Int4CpuLinear(child, scratch, block))
+            else:
+                swap(child)
+
+    swap(module)
 
 
 def swap_for_cuda(module: nn.Module) -> None:
