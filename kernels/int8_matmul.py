@@ -1,5 +1,6 @@
 """int8 weight-only matmul: y = x @ dequant(W).T with W stored as int8 codes and fp16 group scales, dequantized in
-registers inside the K loop. Torch twin: ``kernels.quant_reference.int8_matmul``.
+registers inside the K loop; per-channel weights (one scale per row) are multiplied as codes (exact in any float
+dtype) and their scales applied once to the fp32 accumulator. Torch twin: ``kernels.quant_reference.int8_matmul``.
 
 Format (``lora_server.model.quant``): qweight int8 [N, K], scales fp16 [N, K // group],
 w[n, k] = scales[n, k // group] * qweight[n, k]; per-channel is group == K, GGUF Q8_0 is group 32."""
@@ -34,13 +35,15 @@ def _int8_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUPS_PER_TILE: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Program (m_block, n_block, split): y[rows, cols] summed over the K blocks split, split + SPLIT_K, ... A K
     block lies inside one group or covers GROUPS_PER_TILE whole groups (the wrapper checks), so its scales are a
-    [GROUPS_PER_TILE, BLOCK_N] tile broadcast over each group's columns."""
+    [GROUPS_PER_TILE, BLOCK_N] tile broadcast over each group's columns. PER_CHANNEL (one group): the loop
+    multiplies the codes and the row scales multiply the accumulator once at the end (each split's share alike)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -59,20 +62,27 @@ def _int8_matmul_kernel(
         k_mask = ks < K
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         q = tl.load(q_cols + ks[:, None] * stride_qk, mask=k_mask[:, None] & col_mask[None, :], other=0)
-        groups = k0 // group + tl.arange(0, GROUPS_PER_TILE)  # [GROUPS_PER_TILE]
-        s = tl.load(
-            s_cols + groups[:, None] * stride_sg, mask=(groups < num_groups)[:, None] & col_mask[None, :], other=0.0
-        ).to(tl.float32)  # [GROUPS_PER_TILE, BLOCK_N]
-        if GROUPS_PER_TILE == 1:
-            w = q.to(tl.float32) * s  # [BLOCK_K, BLOCK_N] = dequant(W)[cols, ks].T
+        if PER_CHANNEL:
+            w = q.to(tl.float32)  # [BLOCK_K, BLOCK_N] codes, exact in any float dtype
         else:
-            w = tl.reshape(q.to(tl.float32), (GROUPS_PER_TILE, BLOCK_K // GROUPS_PER_TILE, BLOCK_N)) * s[:, None, :]
-            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+            groups = k0 // group + tl.arange(0, GROUPS_PER_TILE)  # [GROUPS_PER_TILE]
+            s = tl.load(
+                s_cols + groups[:, None] * stride_sg,
+                mask=(groups < num_groups)[:, None] & col_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [GROUPS_PER_TILE, BLOCK_N]
+            if GROUPS_PER_TILE == 1:
+                w = q.to(tl.float32) * s  # [BLOCK_K, BLOCK_N] = dequant(W)[cols, ks].T
+            else:
+                w = tl.reshape(q.to(tl.float32), (GROUPS_PER_TILE, BLOCK_K // GROUPS_PER_TILE, BLOCK_N))
+                w = tl.reshape(w * s[:, None, :], (BLOCK_K, BLOCK_N))
         if DOT_IN_FP32:
             x = x.to(tl.float32)
         else:
             w = w.to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if PER_CHANNEL:
+        acc = acc * tl.load(s_cols, mask=col_mask[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_N] row scales
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     y_mask = row_mask[:, None] & col_mask[None, :]
@@ -115,6 +125,7 @@ def int8_matmul(
     block_k: int = 128,
     split_k: int = 1,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for int8 weights, in one launch.
 
@@ -123,10 +134,12 @@ def int8_matmul(
 
         y = (x.float() @ (qweight.float() * scales.float().repeat_interleave(group, 1)).T).to(x.dtype)
 
-    with fp32 accumulation; for fp16/bf16 x the dequantized weight tile is rounded to x's dtype before the dot
-    (as the module's dequantize(x.dtype) does). split_k > 1 splits K over that many programs that add into an fp32
-    buffer atomically (not bit-reproducible; one more pass to cast). Block sizes are powers of two >= 16, and
-    block_k and group must line up (see groups_per_tile)."""
+    with fp32 accumulation. Group-wise: for fp16/bf16 x the dequantized weight tile is rounded to x's dtype before
+    the dot (as the module's dequantize(x.dtype) does). Per-channel (group == K): the codes meet x unrounded and
+    each row's scale multiplies the fp32 sum once, (x @ qweight.T) * scales.T. split_k > 1 splits K over that many
+    programs that add into an fp32 buffer atomically (not bit-reproducible; one more pass to cast). Block sizes are
+    powers of two >= 16, and block_k and group must line up (see groups_per_tile); num_stages: the software
+    pipeline's depth (compiled GPU code only)."""
     num_rows, k = x.shape
     n, qk = qweight.shape
     assert qk == k, f"qweight in-features {qk} != x's {k}"
@@ -170,9 +183,11 @@ def int8_matmul(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUPS_PER_TILE=gpt,
+        PER_CHANNEL=num_groups == 1,
         SPLIT_K=split_k,
         DOT_IN_FP32=in_fp32,
         PRECISION="ieee" if in_fp32 or x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y.to(x.dtype)

@@ -240,28 +240,81 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count, which split-K aims to fill (an H100's under the interpreter on the CPU)."""
+    if device.type != "cuda":
+        from kernels.quant_tiles import H100_SMS
+
+        return H100_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def int8_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int8 weights (kernels.int8_matmul). Without the
-    kernels: F.linear over the twin's dequantize_int8(qweight, scales, x.dtype), which for float32 x is bit for
-    bit the twin quant_reference.int8_matmul (and folds the bias in as F.linear does)."""
+    """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int8 weights. With the kernels: below
+    quant_tiles.DEQUANT_MIN_TOKENS rows kernels.int8_matmul with the tiles and split-K of quant_tiles.choose_tiles;
+    from there the weight dequantized by kernels.dequantize (float32, rounded once to x's dtype) and F.linear.
+    Without the kernels: F.linear over the twin's dequantize_int8(qweight, scales, x.dtype), which for float32 x is
+    bit for bit the twin quant_reference.int8_matmul (and folds the bias in as F.linear does)."""
     if use_kernels(x.device):
+        from kernels.quant_tiles import DEQUANT_MIN_TOKENS, choose_tiles
+
+        if x.shape[0] >= DEQUANT_MIN_TOKENS:
+            from kernels.dequantize import dequantize_int8
+
+            return F.linear(x, dequantize_int8(qweight, scales, x.dtype), bias)
         from kernels.int8_matmul import int8_matmul as kernel
 
-        y = kernel(x, qweight, scales)
+        n, k = qweight.shape
+        tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device))
+        y = kernel(x, qweight, scales, **tiles.kwargs())
         return y if bias is None else y + bias
     return F.linear(x, quant_reference.dequantize_int8(qweight, scales, x.dtype), bias)
 
 
 def int4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pack: int | None = None,
 ) -> torch.Tensor:
-    """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int4 weights (kernels.int4_matmul). Without the
-    kernels: F.linear over the twin's dequantize_int4(packed, scales, mins, x.dtype), as int8_matmul."""
+    """y [M, N] in x's dtype = x @ dequant(W).T (+ bias) for int4 weights whose nibbles pair within blocks of
+    ``pack`` columns (None: the group, Q4_1). With the kernels: kernels.int4_matmul (one K step per pack block) or,
+    from quant_tiles.DEQUANT_MIN_TOKENS rows, kernels.dequantize + F.linear, as int8_matmul. Without the kernels:
+    F.linear over the twin's dequantize_int4(packed, scales, mins, x.dtype, pack), as int8_matmul."""
     if use_kernels(x.device):
+        from kernels.quant_tiles import DEQUANT_MIN_TOKENS, choose_tiles
+
+        if x.shape[0] >= DEQUANT_MIN_TOKENS:
+            from kernels.dequantize import dequantize_int4
+
+            return F.linear(x, dequantize_int4(packed, scales, mins, x.dtype, pack=pack), bias)
         from kernels.int4_matmul import int4_matmul as kernel
 
-        y = kernel(x, packed, scales, mins)
+        n, k = packed.shape[0], packed.shape[1] * 2
+        block_k = k // scales.shape[1] if pack is None else pack
+        tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device), block_k=block_k)
+        y = kernel(x, packed, scales, mins, pack=pack, **tiles.kwargs(with_block_k=False))
         return y if bias is None else y + bias
-    return F.linear(x, quant_reference.dequantize_int4(packed, scales, mins, x.dtype), bias)
+    return F.linear(x, quant_reference.dequantize_int4(packed, scales, mins, x.dtype, pack), bias)
+
+
+def fp8_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y [M, N] in x's dtype (+ bias): fp8 W8A8, x quantized per token and multiplied with the fp8 weight codes,
+    both scales applied to the fp32 sum (kernels.fp8_matmul: its Triton quantization and torch._scaled_mm, on CUDA
+    capability 8.9-9.x). Elsewhere (the CPU, older GPUs, shapes _scaled_mm does not take) the twin
+    quant_reference.fp8_matmul computes the same numbers by dequantizing the codes to float32."""
+    if use_kernels(x.device):
+        from kernels.fp8_matmul import fp8_matmul as kernel
+        from kernels.fp8_matmul import scaled_mm_supported
+
+        if scaled_mm_supported(x, qweight):
+            y = kernel(x, qweight, scales)
+            return y if bias is None else y + bias
+    y = quant_reference.fp8_matmul(x, qweight, scales)
+    return y if bias is None else y + bias

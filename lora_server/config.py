@@ -13,7 +13,7 @@ import torch
 from kv_pool.policies import POLICIES
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 RAY_ROUTINGS = ("adapter", "random")
@@ -54,7 +54,8 @@ class EngineConfig:
         default="auto",
         metadata=flag(
             "how the base weights are held: auto keeps a GGUF's blocks (Q4_1 -> int4, Q8_0 -> int8) and HF weights "
-            "as they are",
+            "as they are; fp8 is W8A8 (float8 e4m3 weights per output channel, activations per token): "
+            "torch._scaled_mm on CUDA capability 8.9-9.x, the same numbers by dequantization elsewhere",
             choices=QUANTIZATIONS,
         ),
     )

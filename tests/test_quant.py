@@ -13,16 +13,20 @@ from torch import nn
 
 from lora_server.model.loader import GGUFBlocksWeight, unpermute_rope_rows
 from lora_server.model.quant import (
+    CPU_DEQUANT_MIN_ROWS,
     DenseLinear,
+    DequantScratch,
     Int4CpuLinear,
     Int4Linear,
     Int8Linear,
     cat_linears,
+    int4pack_cpu_block,
     make_linear,
     quantize_int4,
     quantize_int8,
     resident_bytes,
     swap_for_cpu,
+    swap_for_cuda,
 )
 
 CPU = torch.device("cpu")
@@ -359,14 +363,45 @@ def test_int4_cpu_linear_bound_is_tight_enough_to_catch_layout_errors():
     assert not ((cpu(x).double() - x.double() @ torch.from_numpy(w).t()).abs() <= 2 * bound + 1e-5).all()
 
 
+def test_int4_cpu_prefill_dequantizes_in_float32():
+    """From CPU_DEQUANT_MIN_ROWS rows Int4CpuLinear multiplies float32 x by its weight dequantized in float32 from
+    the kernel's own bfloat16 scale and zero, (q - 8) * bf16(s) + bf16(min + 8 s): against that weight built here
+    from the codes in float64, within float32 accumulation; in column chunks when the scratch is small (the same
+    values); below the threshold, or without a scratch, the bf16 kernel (its bound); the float32 path is tighter
+    than the kernel's bound by far. The layout probe finds torch's block (32 with AVX2, 64 with AVX512)."""
+    block = int4pack_cpu_block()
+    assert block in (32, 64)
+    m, _, codes, scales, mins = random_int4(128, 256, seed=14)
+    m.bias = nn.Parameter(torch.linspace(-1, 1, 128), requires_grad=False)
+    s = torch.from_numpy(scales).to(torch.bfloat16).double().repeat_interleave(32, 1)
+    z = torch.from_numpy(mins.astype(np.float32) + 8 * scales.astype(np.float32)).to(torch.bfloat16).double()
+    w = (torch.from_numpy(codes).double() - 8) * s + z.repeat_interleave(32, 1)
+    x = torch.randn(CPU_DEQUANT_MIN_ROWS + 3, 256, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ w.t() + m.bias.double()
+    tol = 1e-5 * (x.double().abs() @ w.abs().t() + 1)
+    whole = Int4CpuLinear(m, DequantScratch(), block)
+    chunked = Int4CpuLinear(m, DequantScratch(cap=256 * block), block)  # one row block per chunk
+    y = whole(x)
+    assert ((y.double() - ref).abs() <= tol).all()
+    assert torch.equal(chunked(x), y)
+    kernel = Int4CpuLinear(m)  # no scratch: always the kernel
+    err_kernel = (kernel(x).double() - ref).abs()
+    assert err_kernel.max() > 10 * (y.double() - ref).abs().max()
+    few = x[: CPU_DEQUANT_MIN_ROWS - 1]
+    assert torch.equal(whole(few), kernel(few))
+
+
 def test_swap_for_cpu_replaces_every_int4_linear():
     m1, w1, *_ = random_int4(32, 64, seed=9)
     m2, w2, *_ = random_int4(16, 32, seed=10)
     int8 = make_linear(torch.randn(16, 64), "int8")
     dense = DenseLinear(torch.randn(16, 64))
-    model = nn.ModuleDict({"a": m1, "inner": nn.Sequential(m2, nn.Identity()), "c": int8, "d": dense})
+    m3, *_ = random_int4(64, 64, seed=15)
+    model = nn.ModuleDict({"a": m1, "inner": nn.Sequential(m2, nn.Identity()), "c": int8, "d": dense, "e": m3})
     swap_for_cpu(model)
     assert isinstance(model["a"], Int4CpuLinear) and isinstance(model["inner"][0], Int4CpuLinear)
+    assert model["a"].scratch is not None and model["a"].scratch is model["e"].scratch  # one per model
+    assert model["inner"][0].scratch is None  # 16 rows do not fill one of the layout's row blocks: kernel only
     assert model["c"] is int8 and model["d"] is dense
     x = torch.randn(3, 64)
     err = (model["a"](x).double() - x.double() @ torch.from_numpy(w1).t()).abs()
@@ -374,6 +409,40 @@ def test_swap_for_cpu_replaces_every_int4_linear():
     x2 = torch.randn(3, 32)
     err = (model["inner"](x2).double() - x2.double() @ torch.from_numpy(w2).t()).abs()
     assert (err <= 2 * cpu_int4_bound(x2, torch.from_numpy(w2), m2.scales, m2.mins) + 1e-5).all()
+
+
+def test_int4_repacked_is_the_same_weight():
+    """Repacking an Int4Linear (nibbles paired within 64 or 128 columns instead of the group's 32) keeps its codes,
+    dequantized weight, rows, output and CPU layout; fusing keeps the pack."""
+    m, w, codes, *_ = random_int4(16, 256, seed=11)
+    x = torch.randn(3, 256)
+    for pack in (64, 128):
+        r = m.repacked(pack)
+        assert r.pack == pack and r.packed.shape == m.packed.shape and not torch.equal(r.packed, m.packed)
+        assert torch.equal(r.codes(), torch.from_numpy(codes).to(torch.uint8))
+        assert torch.equal(r.dequantize(torch.float32), m.dequantize(torch.float32))
+        assert torch.equal(r.rows(torch.tensor([3, 0]), torch.float32), m.rows(torch.tensor([3, 0]), torch.float32))
+        assert torch.equal(r(x), m(x))
+        assert torch.equal(Int4CpuLinear(r).cpu_packed, Int4CpuLinear(m).cpu_packed)
+        fused = cat_linears([r, m.repacked(pack)], torch.float32)
+        assert type(fused) is Int4Linear and fused.pack == pack
+        assert torch.equal(fused.dequantize(torch.float32), torch.cat([m.dequantize(torch.float32)] * 2))
+    # parts in different layouts are not concatenated byte-wise
+    mixed = cat_linears([m, m.repacked(64)], torch.float32)
+    assert type(mixed) is Int8Linear
+
+
+def test_swap_for_cuda_repacks_int4_where_k_allows():
+    """The CUDA swap repacks each Int4Linear to quant_tiles.int4_pack_width (K = 256 -> 128, K = 96 -> the
+    group's own 32: left as it is) and leaves other modules alone; the weights stay the same."""
+    m1, *_ = random_int4(32, 256, seed=12)
+    m2, *_ = random_int4(16, 96, seed=13)
+    int8 = make_linear(torch.randn(16, 64), "int8")
+    model = nn.ModuleDict({"a": m1, "inner": nn.Sequential(m2), "c": int8})
+    swap_for_cuda(model)
+    assert isinstance(model["a"], Int4Linear) and model["a"].pack == 128
+    assert model["inner"][0] is m2 and model["c"] is int8
+    assert torch.equal(model["a"].dequantize(torch.float32), m1.dequantize(torch.float32))
 
 
 def test_resident_bytes_hand_counts():

@@ -1,13 +1,16 @@
-"""Weight-only quantized matmuls (kernels/int8_matmul.py, kernels/int4_matmul.py), checked against their torch
-twins (kernels/quant_reference.py), and each twin against a float64 matmul with the weight dequantized here element
-by element from the format's contract (the independent reference); then the dispatcher's quantized matmuls
+"""Weight-only quantized matmuls (kernels/int8_matmul.py, kernels/int4_matmul.py) and the dequantizers
+(kernels/dequantize.py), checked against their torch twins (kernels/quant_reference.py), and each twin against a
+float64 matmul with the weight dequantized here element by element from the format's contract (the independent
+reference); the int4 repacking; the launch table (kernels/quant_tiles.py); then the dispatcher's quantized matmuls
 (kernels/ops.py).
 
 The sweep covers dtype, M, (N, K), the group (32, 64, per-channel), the kernel's block sizes (a K block inside one
 group, equal to it, or spanning several; K tails), split-K and strided activations: every value of every axis once
-against a base case, plus seeded random combinations, each for both formats. Codes are drawn uniformly (every int8
-value, every nibble), and scales so that y is of order 1. Without a CUDA GPU the kernels run in the Triton
-interpreter on the CPU; with one, the same tests run compiled on it.
+against a base case, plus seeded random combinations, each for both formats. For int4 the K block is the weight's
+pack width (the nibbles pair within it: 32 = a Q4_1 group, 64 and 128 = the GPU layout), so its cases are those
+where that pack fits K and the group. Codes are drawn uniformly (every int8 value, every nibble), and scales so
+that y is of order 1. Without a CUDA GPU the kernels run in the Triton interpreter on the CPU; with one, the same
+tests run compiled on it.
 
 Tolerances (kernel vs twin; twin vs float64):
 - float32: 1e-5 abs + rel for both.
@@ -28,8 +31,10 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels import quant_reference as ref
+from kernels.dequantize import dequantize_int4, dequantize_int8
 from kernels.int4_matmul import int4_matmul
 from kernels.int8_matmul import int8_matmul
+from kernels.quant_tiles import DEQUANT_MIN_TOKENS, Tiles, choose_tiles, int4_pack_width
 from tests.kernel_env import DEVICE, TOL_VS_TWIN, force_path
 from tests.kernel_env import TOL_VS_EXACT as TOL_VS_FLOAT64
 
@@ -141,41 +146,58 @@ def loop_dequant_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return w
 
 
-def loop_dequant_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """Byte j of group g holds column g * group + j in its low nibble and g * group + j + group / 2 in its high
-    nibble; w = scale * code + min, float64."""
+def loop_dequant_int4(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, pack: int | None = None
+) -> torch.Tensor:
+    """Byte j of pack block b holds column b * pack + j in its low nibble and b * pack + j + pack / 2 in its high
+    nibble (pack None: the group); column c has scale and min of group c // group; w = scale * code + min,
+    float64."""
     p, s, mn = packed.cpu().long(), scales.cpu().double(), mins.cpu().double()
-    num_groups = s.shape[1]
-    group = 2 * p.shape[1] // num_groups
-    half = group // 2
-    w = torch.empty(p.shape[0], 2 * p.shape[1], dtype=torch.float64)
-    for g in range(num_groups):
+    k = 2 * p.shape[1]
+    group = k // s.shape[1]
+    pack = group if pack is None else pack
+    half = pack // 2
+    w = torch.empty(p.shape[0], k, dtype=torch.float64)
+    for b in range(k // pack):
         for j in range(half):
-            byte = p[:, g * half + j]
-            w[:, g * group + j] = (byte % 16).double() * s[:, g] + mn[:, g]
-            w[:, g * group + j + half] = (byte // 16).double() * s[:, g] + mn[:, g]
+            byte = p[:, b * half + j]
+            lo, hi = b * pack + j, b * pack + j + half
+            w[:, lo] = (byte % 16).double() * s[:, lo // group] + mn[:, lo // group]
+            w[:, hi] = (byte // 16).double() * s[:, hi // group] + mn[:, hi // group]
     return w
 
 
-def formats(n: int, k: int, group: int, gen: torch.Generator):
-    """{name: (kernel, twin, float64 weight, weight tensors on DEVICE)} for both formats of one random weight."""
+def formats(n: int, k: int, group: int, gen: torch.Generator, pack: int | None = None):
+    """{name: (kernel, twin, float64 weight, weight tensors on DEVICE, layout kwargs)} for both formats of one
+    random weight; int4's bytes are read with its nibbles paired within ``pack`` columns (None: the group)."""
     q8 = int8_weight(n, k, group, gen)
     q4 = int4_weight(n, k, group, gen)
     return {
-        "int8": (int8_matmul, ref.int8_matmul, loop_dequant_int8(*q8), [t.to(DEVICE) for t in q8]),
-        "int4": (int4_matmul, ref.int4_matmul, loop_dequant_int4(*q4), [t.to(DEVICE) for t in q4]),
+        "int8": (int8_matmul, ref.int8_matmul, loop_dequant_int8(*q8), [t.to(DEVICE) for t in q8], {}),
+        "int4": (
+            int4_matmul,
+            ref.int4_matmul,
+            loop_dequant_int4(*q4, pack),
+            [t.to(DEVICE) for t in q4],
+            {"pack": pack},
+        ),
     }
+
+
+def valid_int4(case: Case) -> bool:
+    """The int4 kernel's K step is its pack block (case.block_k): a power of two >= 32 dividing K, each half whole
+    groups or the block inside one group (int4_matmul.check_pack)."""
+    k, g, pack = case.shape[1], case.group_size, case.block_k
+    return pack >= 32 and k % pack == 0 and ((pack // 2) % g == 0 or g % pack == 0)
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------------------
 
-# int4 takes block_k // 2 packed bytes per dot, so its kernel needs block_k >= 32 (it asserts that); smaller K blocks
-# are int8 cases only
 FORMAT_CASES = [
     pytest.param(case, fmt, id=f"{case}-{fmt}")
     for case in sweep_cases()
     for fmt in ("int8", "int4")
-    if fmt == "int8" or case.block_k >= 32
+    if fmt == "int8" or valid_int4(case)
 ]
 
 
@@ -183,14 +205,25 @@ FORMAT_CASES = [
 def test_quant_matmul_matches_twin_matches_float64(case: Case, fmt: str):
     gen = torch.Generator().manual_seed(case.seed)
     n, k = case.shape
-    kernel, twin, w64, weight = formats(n, k, case.group_size, gen)[fmt]
+    pack = case.block_k if fmt == "int4" else None
+    kernel, twin, w64, weight, layout = formats(n, k, case.group_size, gen, pack)[fmt]
     x = make_x(case, gen)
 
-    y_twin = twin(x, *weight)
+    y_twin = twin(x, *weight, **layout)
     torch.testing.assert_close(y_twin.double().cpu(), x.double().cpu() @ w64.T, **TOL_VS_FLOAT64[case.dtype])
-    y = kernel(x, *weight, block_k=case.block_k, block_n=case.block_n, block_m=16, split_k=case.split_k)
+    blocks = layout if fmt == "int4" else {"block_k": case.block_k}
+    y = kernel(x, *weight, **blocks, block_n=case.block_n, block_m=16, split_k=case.split_k)
     assert y.dtype == case.dtype and y.shape == (case.m, n)
     torch.testing.assert_close(y, y_twin, **TOL_VS_TWIN[case.dtype])
+
+
+def test_int4_sweep_covers_every_pack_and_group():
+    """The int4 cases run the Q4_1 layout (pack = group = 32), wider packs over several groups (64, 128), a
+    pack inside one group (group 64, pack 32) and per-channel weights."""
+    int4 = [case for case in sweep_cases() if valid_int4(case)]
+    combos = {(c.block_k, c.group) for c in int4}
+    assert {(32, 32), (64, 32), (128, 32), (32, 64)} <= combos, combos
+    assert any(c.group == PER_CHANNEL for c in int4)
 
 
 def test_sweep_covers_every_axis_value():
@@ -244,52 +277,160 @@ def test_dequantizers_in_a_dtype_and_over_leading_dims():
     )
 
 
+def test_repack_int4_hand_values():
+    """Codes 0..63 of one row (c % 16 each) in Q4_1 layout (pairs within 32 columns) repacked to pairs within 64
+    columns: byte j holds column j (low) and column j + 32 (high); back again gives the same bytes."""
+    codes = torch.arange(64).remainder(16).to(torch.uint8)[None, :]  # [1, 64]
+    q4_1 = ref.pack_int4(codes, 2)
+    assert q4_1[0, 0].item() == 0 | (16 % 16) << 4 and q4_1[0, 5].item() == 5 | (21 % 16) << 4
+    wide = ref.repack_int4(q4_1, 32, 64)
+    assert [wide[0, j].item() for j in (0, 5, 31)] == [0 | (32 % 16) << 4, 5 | (37 % 16) << 4, 15 | (63 % 16) << 4]
+    assert torch.equal(ref.unpack_int4(wide, 1), codes) and torch.equal(ref.repack_int4(wide, 64, 32), q4_1)
+    gen = torch.Generator().manual_seed(4)
+    packed, s4, mn = int4_weight(8, 256, 32, gen)
+    for pack in (64, 128):
+        repacked = ref.repack_int4(packed, 32, pack)
+        assert torch.equal(ref.dequantize_int4(repacked, s4, mn, pack=pack), ref.dequantize_int4(packed, s4, mn))
+        assert torch.equal(loop_dequant_int4(repacked, s4, mn, pack), loop_dequant_int4(packed, s4, mn))
+
+
+def test_int4_pack_width():
+    """The widest pack of 128, 64, 32 dividing K that lines up with the group; the group itself otherwise."""
+    assert int4_pack_width(4096, 32) == 128 and int4_pack_width(4096, 128) == 128
+    assert int4_pack_width(576, 32) == 64  # SmolLM2's hidden size: 4.5 blocks of 128
+    assert int4_pack_width(1536, 32) == 128 and int4_pack_width(96, 32) == 32
+    assert int4_pack_width(4096, 4096) == 128  # per-channel: the block lies inside the one group
+    assert int4_pack_width(4096, 64) == 128 and int4_pack_width(192, 96) == 32  # blocks of 32 inside groups of 96
+    assert int4_pack_width(48, 48) == 48  # nothing fits: the group's own (Q4_1-like) layout
+
+
+def test_choose_tiles_hand_values():
+    """Buckets by M; split-K until the grid has a program per SM (132), at most 16, two K blocks per split at
+    least. Llama-3-8B's projections at batch 1: q|k|v 6144 x 4096 is 96 tiles of 64 columns -> split 2; o 4096 x
+    4096 is 64 tiles -> split 4 (2 gives 128 < 132); gate|up 28672 x 4096 is 448 tiles -> no split; down 4096 x
+    14336 -> split 4. SmolLM2's o 576 x 576 is 9 tiles and 5 K blocks -> split 2 (4 would leave one block per
+    split)."""
+    assert choose_tiles(1, 6144, 4096) == Tiles(16, 64, 128, 2, 4, 4)
+    assert choose_tiles(1, 4096, 4096).split_k == 4 and choose_tiles(1, 28672, 4096).split_k == 1
+    assert choose_tiles(16, 4096, 14336).split_k == 4
+    assert choose_tiles(1, 576, 576).split_k == 2
+    assert choose_tiles(17, 4096, 4096) == Tiles(32, 64, 128, 4, 4, 4)
+    assert choose_tiles(64, 4096, 4096) == Tiles(64, 64, 128, 4, 4, 3)
+    assert choose_tiles(128, 6144, 4096) == Tiles(64, 128, 128, 2, 4, 3)  # 2 x 48 tiles
+    assert choose_tiles(200, 4096, 4096) == Tiles(128, 128, 64, 4, 8, 3)  # 2 x 32 tiles
+    assert choose_tiles(1, 4096, 4096, block_k=64).block_k == 64 and choose_tiles(1, 64, 64, num_sms=1).split_k == 1
+    assert all(t.split_k <= 16 for t in (choose_tiles(1, 64, 1 << 20), choose_tiles(1, 16, 1 << 16)))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m", [1, 20, 40, 100, 150])
+def test_table_tiles_match_twin(fmt: str, m: int):
+    """Each bucket's tiles (and the split-K the table gives a 24-SM device) run the kernels right: int4 in the
+    GPU's 128-column pack."""
+    gen = torch.Generator().manual_seed(m)
+    pack = 128 if fmt == "int4" else None
+    kernel, twin, _, weight, layout = formats(96, 512, 32, gen, pack)[fmt]
+    tiles = choose_tiles(m, 96, 512, num_sms=24, block_k=pack)
+    x = torch.randn(m, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    y = kernel(x, *weight, **layout, **tiles.kwargs(with_block_k=fmt == "int8"))
+    torch.testing.assert_close(y, twin(x, *weight, **layout), **TOL_VS_TWIN[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [32, 64, PER_CHANNEL])
+def test_dequantize_kernels_equal_twins(dtype: torch.dtype, group: int):
+    """kernels/dequantize.py = the twins computed in float32 and rounded once to the dtype, bit for bit (bfloat16
+    in the interpreter within one ulp: it rounds float32 -> bfloat16 toward zero); int4 in the Q4_1 layout and in
+    64- and 128-column packs; N not a multiple of the kernel's block."""
+    gen = torch.Generator().manual_seed(group)
+    n, k = 70, 256
+    g = k if group == PER_CHANNEL else group
+
+    def check(y: torch.Tensor, expected: torch.Tensor) -> None:
+        if dtype == torch.bfloat16 and DEVICE == "cpu":
+            torch.testing.assert_close(y, expected, atol=0, rtol=2**-7)
+        else:
+            assert torch.equal(y, expected)
+
+    q8 = [t.to(DEVICE) for t in int8_weight(n, k, g, gen)]
+    check(dequantize_int8(*q8, dtype, block_k=64), ref.dequantize_int8(*q8).to(dtype))
+    q4 = [t.to(DEVICE) for t in int4_weight(n, k, g, gen)]
+    for pack in (None, 64, 128):
+        if pack is not None and not ((pack // 2) % g == 0 or g % pack == 0):
+            continue
+        check(dequantize_int4(*q4, dtype, pack=pack), ref.dequantize_int4(*q4, pack=pack).to(dtype))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_default_blocks_and_empty_input(fmt: str):
     gen = torch.Generator().manual_seed(5)
-    kernel, twin, _, weight = formats(64, 256, 32, gen)[fmt]
+    kernel, twin, _, weight, _ = formats(64, 256, 32, gen)[fmt]
     x = torch.randn(5, 256, generator=gen).to(DEVICE, torch.float16)
     torch.testing.assert_close(kernel(x, *weight), twin(x, *weight), **TOL_VS_TWIN[torch.float16])
     assert kernel(x[:0], *weight).shape == (0, 64)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_misaligned_blocks_are_refused(fmt: str):
-    """Groups of 96 with 64-column K blocks would split groups across blocks: the wrapper refuses it."""
-    kernel, _, _, weight = formats(32, 192, 96, torch.Generator().manual_seed(1))[fmt]
+def test_misaligned_blocks_are_refused():
+    """Groups of 96 with 64-column K blocks would split groups across blocks: both wrappers refuse it."""
+    gen = torch.Generator().manual_seed(1)
+    formats_96 = formats(32, 192, 96, gen)
     x = torch.randn(2, 192).to(DEVICE)
     with pytest.raises(AssertionError, match="one must divide the other"):
-        kernel(x, *weight, block_k=64)
+        int8_matmul(x, *formats_96["int8"][3], block_k=64)
+    with pytest.raises(AssertionError, match="do not line up"):
+        int4_matmul(x, *formats_96["int4"][3], pack=64)
+    with pytest.raises(AssertionError, match="a power of two"):
+        int4_matmul(x, *formats_96["int4"][3])  # the Q4_1-style pack of one 96-column group
 
 
 # ---- the dispatcher ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_dispatch(fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
-    """ops.int8_matmul / int4_matmul are the kernel wrapper plus the bias where use_kernels says so, and elsewhere
-    F.linear over the twin's dequantization in x's dtype (for float32 x without a bias: the twin itself), bit for
-    bit; the default follows the device (the twins' path on the CPU tier)."""
+@pytest.mark.parametrize("fmt, pack", [("int8", None), ("int4", None), ("int4", 128)])
+def test_dispatch(fmt: str, pack: int | None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    """ops.int8_matmul / int4_matmul are the kernel wrapper with quant_tiles.choose_tiles' launch plus the bias
+    where use_kernels says so, and elsewhere F.linear over the twin's dequantization in x's dtype (for float32 x
+    without a bias: the twin itself), bit for bit; the default follows the device (the twins' path on the CPU
+    tier)."""
     gen = torch.Generator().manual_seed(9)
-    kernel, twin, _, weight = formats(48, 128, 32, gen)[fmt]
+    kernel, twin, _, weight, layout = formats(48, 128, 32, gen, pack)[fmt]
     dispatch = {"int8": ops.int8_matmul, "int4": ops.int4_matmul}[fmt]
-    dequantize = {"int8": ref.dequantize_int8, "int4": ref.dequantize_int4}[fmt]
     x = torch.randn(5, 128, generator=gen).to(DEVICE, dtype)
     bias = torch.randn(48, generator=gen).to(DEVICE, dtype)
+    tiles = choose_tiles(5, 48, 128, num_sms=ops._num_sms(x.device), block_k=pack or (32 if fmt == "int4" else None))
+    launch = {**layout, **tiles.kwargs(with_block_k=fmt == "int8")}
 
-    default = dispatch(x, *weight, bias)
+    default = dispatch(x, *weight, bias, **layout)
     force_path(monkeypatch, "kernels")
-    via_kernels = dispatch(x, *weight, bias)
-    assert torch.equal(via_kernels, kernel(x, *weight) + bias)
-    assert torch.equal(dispatch(x, *weight), kernel(x, *weight))
+    via_kernels = dispatch(x, *weight, bias, **layout)
+    assert torch.equal(via_kernels, kernel(x, *weight, **launch) + bias)
+    assert torch.equal(dispatch(x, *weight, **layout), kernel(x, *weight, **launch))
     force_path(monkeypatch, "twins")
-    via_twins = dispatch(x, *weight, bias)
-    assert torch.equal(via_twins, F.linear(x, dequantize(*weight, dtype), bias))
+    via_twins = dispatch(x, *weight, bias, **layout)
+    dequantize = {"int8": ref.dequantize_int8, "int4": ref.dequantize_int4}[fmt]
+    assert torch.equal(via_twins, F.linear(x, dequantize(*weight, dtype, **layout), bias))
     if dtype == torch.float32:
-        assert torch.equal(dispatch(x, *weight), twin(x, *weight))
+        assert torch.equal(dispatch(x, *weight, **layout), twin(x, *weight, **layout))
     assert torch.equal(default, via_kernels if ops.use_kernels(DEVICE) else via_twins)
     torch.testing.assert_close(via_kernels, via_twins, **TOL_VS_TWIN[dtype])
+
+
+@pytest.mark.parametrize("fmt, pack", [("int8", None), ("int4", 128)])
+def test_dispatch_prefill_dequantizes(fmt: str, pack: int | None, monkeypatch: pytest.MonkeyPatch):
+    """From DEQUANT_MIN_TOKENS rows the kernel path dequantizes the weight (kernels/dequantize.py) and multiplies
+    with F.linear: exactly that, and within the twin's tolerance."""
+    gen = torch.Generator().manual_seed(11)
+    _, twin, _, weight, layout = formats(32, 256, 32, gen, pack)[fmt]
+    dispatch = {"int8": ops.int8_matmul, "int4": ops.int4_matmul}[fmt]
+    deq = {"int8": dequantize_int8, "int4": dequantize_int4}[fmt]
+    x = torch.randn(DEQUANT_MIN_TOKENS, 256, generator=gen).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(32, generator=gen).to(DEVICE, torch.bfloat16)
+    force_path(monkeypatch, "kernels")
+    y = dispatch(x, *weight, bias, **layout)
+    assert torch.equal(y, F.linear(x, deq(*weight, torch.bfloat16, **layout), bias))
+    y = dispatch(x, *weight, **layout)
+    torch.testing.assert_close(y, twin(x, *weight, **layout), **TOL_VS_TWIN[torch.bfloat16])
 
 
 # ---- real shapes, on the GPU -------------------------------------------------------------------------------------
@@ -297,12 +438,14 @@ def test_dispatch(fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fmt, group", [("int8", 4096), ("int8", 32), ("int4", 32), ("int4", 128)])
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_quant_matmul_real_shapes(dtype: torch.dtype, fmt: str, group: int, split_k: int):
-    """K = N = 4096 (a 7B/8B model's attention projections) at decode and small-prefill batch sizes."""
+@pytest.mark.parametrize("fmt, group, pack", [("int8", 4096, None), ("int8", 32, None), ("int4", 32, 128)])
+def test_quant_matmul_real_shapes(dtype: torch.dtype, fmt: str, group: int, pack: int | None):
+    """Llama-3-8B's shapes through ops with the table's launches (decode buckets, split-K) and, from 256 rows,
+    dequantization + cuBLAS, against the twin."""
     gen = torch.Generator().manual_seed(3)
-    kernel, twin, _, weight = formats(4096, 4096, group, gen)[fmt]
-    for m in (1, 2, 7, 16, 33, 64):
-        x = torch.randn(m, 4096, generator=gen).to(DEVICE, dtype)
-        torch.testing.assert_close(kernel(x, *weight, split_k=split_k), twin(x, *weight), **TOL_VS_TWIN[dtype])
+    for n, k in ((6144, 4096), (4096, 14336)):
+        _, twin, _, weight, layout = formats(n, k, min(group, k), gen, pack)[fmt]
+        dispatch = {"int8": ops.int8_matmul, "int4": ops.int4_matmul}[fmt]
+        for m in (1, 7, 16, 33, 64, 100, 256, 1024):
+            x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+            torch.testing.assert_close(dispatch(x, *weight, **layout), twin(x, *weight, **layout), **TOL_VS_TWIN[dtype])

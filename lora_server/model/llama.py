@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2's q/k/v biases) over a paged KV cache.
 
-Linear layers are QuantLinear modules (dense, int8, int4); q|k|v and gate|up are fused along the output rows. The
-rest of a layer goes through kernels.ops, one call each (a kernel launch on CUDA, the torch twin elsewhere): the
+Linear layers are QuantLinear modules (dense, int8, int4, fp8); q|k|v and gate|up are fused along the output rows.
+The rest of a layer goes through kernels.ops, one call each (a kernel launch on CUDA, the torch twin elsewhere): the
 residual add fused into the next RMSNorm (the hidden state travels as x + residual, as in vLLM), rotary fused with
 the KV write, attention, SiLU-and-multiply."""
 
@@ -20,7 +20,7 @@ from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraLinear
-from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for_cpu
+from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for_cpu, swap_for_cuda, tensor_mode
 
 
 class RMSNorm(nn.Module):
@@ -219,7 +219,8 @@ def build_llama(
 ) -> LlamaModel:
     """The offline transform: read each checkpoint tensor, quantize it to ``quantization`` ("auto" keeps a GGUF's
     own blocks), fuse q|k|v and gate|up, and place everything on ``device``; on the CPU, int4 linears in torch's
-    CPU layout and, with ``cpu_head_copy``, a tied head's own copy (quant.cpu_head)."""
+    CPU layout and, with ``cpu_head_copy``, a tied head's own copy (quant.cpu_head); on CUDA, int4 linears in the
+    GPU kernel's pack width (quant.swap_for_cuda)."""
     arch, w = ckpt.arch, ckpt.weights
     missing = [n for n in ("embed", "norm") if n not in w] + (
         [] if arch.tie_word_embeddings or "lm_head" in w else ["lm_head"]
@@ -230,7 +231,7 @@ def build_llama(
     def linear(name: str, bias: str | None = None) -> QuantLinear:
         if name not in w:
             raise ModelLoadError(f"checkpoint lacks {name}")
-        module = w[name].linear(quantization, dtype, device)
+        module = w[name].linear(tensor_mode(quantization, name), dtype, device)
         if bias is not None and bias in w:
             module.bias = nn.Parameter(w[bias].dense(dtype, device), requires_grad=False)
         return module
@@ -256,4 +257,6 @@ def build_llama(
         swap_for_cpu(model, keep=("embed",))
         if model.lm_head is None and cpu_head_copy:  # a tied head multiplies: its own copy (see cpu_head)
             model.lm_head = cpu_head(model.embed, dtype)
+    elif device.type == "cuda":
+        swap_for_cuda(model)
     return model

@@ -9,7 +9,11 @@ Formats (rows = output features, columns = input features, groups run along the 
   Per-channel is group == in; GGUF Q8_0 is group 32, copied as is.
 - int4: asymmetric, packed uint8 [out, in // 2], scales and mins fp16 [out, in // group]; w = scale * q + min,
   q in 0..15. Within each group of g values, byte j holds q[j] in its low nibble and q[j + g/2] in its high
-  nibble: the GGUF Q4_1 block layout, so Q4_1 blocks are copied as is.
+  nibble: the GGUF Q4_1 block layout, so Q4_1 blocks are copied as is. On CUDA the module swap (swap_for_cuda)
+  repacks the nibbles to pair within wider blocks (``pack`` columns, kernels.quant_tiles.int4_pack_width), the
+  layout the GPU kernel reads contiguously.
+- fp8: W8A8, qweight float8_e4m3fn [out, in], scales float32 [out] (per output channel, amax / 448); w = scale * q.
+  Activations are quantized per token at every call (kernels.quant_reference.quantize_fp8_per_token).
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.quant_reference import dequantize_int4, dequantize_int8, unpack_int4
+from kernels.quant_reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_AMAX,
+    dequantize_fp8,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    unpack_int4,
+)
 
 INT4_GROUP_SIZE = 32
 
@@ -73,48 +86,143 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    """int4 weights; ``pack``: the columns within which the nibbles pair (None: the group, Q4_1's layout)."""
+
     packed: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
 
     def __init__(
-        self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        pack: int | None = None,
     ) -> None:
         super().__init__()
         assert packed.dtype == torch.uint8 and scales.shape == mins.shape
+        assert pack is None or (packed.shape[1] * 2) % pack == 0, (packed.shape, pack)
         self.register_buffer("packed", packed)  # [out, in // 2]
         self.register_buffer("scales", scales)  # [out, in // group]
         self.register_buffer("mins", mins)  # [out, in // group]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.pack = pack
 
     @property
     def out_features(self) -> int:
         return self.packed.shape[0]
 
+    @property
+    def group_size(self) -> int:
+        return self.packed.shape[1] * 2 // self.scales.shape[1]
+
+    def codes(self) -> torch.Tensor:
+        """[out, in] uint8 codes 0..15 in column order, whatever the pack."""
+        k = self.packed.shape[1] * 2
+        return unpack_int4(self.packed, k // (self.pack or self.group_size))
+
+    def repacked(self, pack: int) -> Int4Linear:
+        """The same weights with the nibbles paired within blocks of ``pack`` columns."""
+        k = self.packed.shape[1] * 2
+        return Int4Linear(pack_int4(self.codes(), k // pack), self.scales, self.mins, self.bias, pack)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(self.packed, self.scales, self.mins, dtype)
+        return dequantize_int4(self.packed, self.scales, self.mins, dtype, self.pack)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(self.packed[ids], self.scales[ids], self.mins[ids], dtype)
+        return dequantize_int4(self.packed[ids], self.scales[ids], self.mins[ids], dtype, self.pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        return ops.int4_matmul(x, self.packed, self.scales, self.mins, self.bias)
+        return ops.int4_matmul(x, self.packed, self.scales, self.mins, self.bias, self.pack)
+
+
+class Fp8Linear(nn.Module):
+    """W8A8 fp8: the weight in float8 e4m3 with a float32 scale per output channel; each call quantizes its
+    activations per token (ops.fp8_matmul)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        assert qweight.dtype == FP8_DTYPE, qweight.dtype
+        assert scales.shape == qweight.shape[:1] and scales.dtype == torch.float32, (scales.shape, scales.dtype)
+        self.register_buffer("qweight", qweight)  # [out, in]
+        self.register_buffer("scales", scales)  # [out]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.qweight, self.scales, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8(self.qweight[ids], self.scales[ids], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return ops.fp8_matmul(x, self.qweight, self.scales, self.bias)
+
+
+# From this many rows (prefill) Int4CpuLinear dequantizes its weight to float32 and multiplies with the float32
+# matmul: measured on the 2-core AVX2 CPU, one thread (ms, int4 kernel vs dequantize + matmul): SmolLM2's 3072 x 576
+# gate|up at 24 rows 8.4 vs 10.7, at 64 rows 21.4 vs 16.1, at 384 rows 114 vs 53 (960 x 576 and 576 x 1536 alike);
+# the kernel re-dequantizes its weight for every 4 rows, the float32 matmul reuses it for all of them.
+CPU_DEQUANT_MIN_ROWS = 48
+
+
+class DequantScratch:
+    """Working memory for Int4CpuLinear's dequantized weights, shared by every module of one model (the engine
+    runs one forward pass at a time): one weight's uint8 codes and float32 values at a time, at most ``cap``
+    elements (a larger weight is dequantized in column chunks). Not a parameter or buffer: it holds no weights
+    between calls, and resident_bytes does not count it."""
+
+    def __init__(self, cap: int = 1 << 22) -> None:
+        self.cap = cap
+        self._codes = torch.empty(0, dtype=torch.uint8)
+        self._values = torch.empty(0, dtype=torch.float32)
+
+    def buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uint8 [numel], float32 [numel]), grown on demand and reused."""
+        if self._codes.numel() < numel:
+            self._codes = torch.empty(numel, dtype=torch.uint8)
+            self._values = torch.empty(numel, dtype=torch.float32)
+        return self._codes[:numel], self._values[:numel]
+
+
+def int4pack_cpu_block() -> int | None:
+    """The row block B of torch's CPU int4 layout on this machine, probed: _convert_weight_to_int4pack_for_cpu
+    stores [N / B, K, B / 2] bytes, byte (b, k, d) = q[b * B + d, k] | q[b * B + B / 2 + d, k] << 4 (torch 2.13:
+    B = 32 with AVX2, 64 with AVX512). None when neither matches: the layout is torch's own, and without it
+    Int4CpuLinear only uses the kernel."""
+    q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).reshape(-1)
+    for block in (32, 64):
+        t = q.view(128 // block, block, 64)
+        expected = (t[:, : block // 2] | (t[:, block // 2 :] << 4)).permute(0, 2, 1).reshape(-1).to(torch.uint8)
+        if torch.equal(packed, expected):
+            return block
+    return None
 
 
 class Int4CpuLinear(nn.Module):
     """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
-    module swap for Int4Linear, which would otherwise unpack every weight each step. Activations are rounded to
-    bfloat16 for the matmul (the kernel is fast only in bf16); the result is cast back to the input dtype."""
+    module swap for Int4Linear, which would otherwise unpack every weight each step. Below CPU_DEQUANT_MIN_ROWS rows
+    (decode) activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
+    result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a known layout
+    (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in float32, (q - 8) * scale + zero
+    from the same bfloat16 scales and zeros as the kernel, and multiplied in float32."""
 
     cpu_packed: torch.Tensor
     scales_and_zeros: torch.Tensor
 
-    def __init__(self, source: Int4Linear) -> None:
+    def __init__(self, source: Int4Linear, scratch: DequantScratch | None = None, block: int | None = None) -> None:
         super().__init__()
-        groups = source.scales.shape[1]
-        self.group_size = source.packed.shape[1] * 2 // groups
+        self.group_size = source.group_size
         self.in_features = source.packed.shape[1] * 2
-        codes = unpack_int4(source.packed, groups).to(torch.int32)  # [out, in]
+        codes = source.codes().to(torch.int32)  # [out, in]
         self.register_buffer("cpu_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale: [groups, out, 2]
         scales, mins = source.scales.float(), source.mins.float()
@@ -123,6 +231,8 @@ class Int4CpuLinear(nn.Module):
             torch.stack([scales.t(), (mins + 8 * scales).t()], dim=-1).to(torch.bfloat16).contiguous(),
         )
         self.bias = source.bias
+        usable = block is not None and scratch is not None and self.out_features % block == 0
+        self.scratch, self.block = (scratch, block) if usable else (None, None)
 
     @staticmethod
     def available() -> bool:
@@ -132,11 +242,43 @@ class Int4CpuLinear(nn.Module):
     def out_features(self) -> int:
         return self.cpu_packed.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.cpu_packed, self.group_size, self.scales_and_zeros
-        ).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        if x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.scratch is not None:
+            y = self._dequantized_matmul(x.float()).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.cpu_packed, self.group_size, self.scales_and_zeros
+            ).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 @ the weight dequantized to float32, in column chunks of whole row blocks that fit
+        the scratch: per chunk of the layout [blocks, K, B / 2] the nibbles go to codes [K, blocks * B] (the
+        weight transposed, row b * B + d low, b * B + B / 2 + d high), then (codes - 8) * scale + zero."""
+        assert self.scratch is not None and self.block is not None
+        n, k, b, g = self.out_features, self.in_features, self.block, self.group_size
+        layout = self.cpu_packed.view(n // b, k, b // 2)
+        scales = self.scales_and_zeros[..., 0].float().unsqueeze(1)  # [groups, 1, N]
+        zeros = self.scales_and_zeros[..., 1].float().unsqueeze(1)
+        blocks_per_chunk = max(1, self.scratch.cap // (k * b))
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for first in range(0, n // b, blocks_per_chunk):
+            chunk = layout[first : first + blocks_per_chunk]  # [blocks, K, B / 2]
+            cols = chunk.shape[0] * b
+            codes, values = self.scratch.buffers(k * cols)
+            codes_t = codes.view(k, chunk.shape[0], b)  # [K, blocks, B]: the weight's columns, transposed
+            torch.bitwise_and(chunk, 15, out=codes_t.permute(1, 0, 2)[..., : b // 2])
+            torch.bitwise_right_shift(chunk, 4, out=codes_t.permute(1, 0, 2)[..., b // 2 :])
+            w_t = values.view(k, cols)
+            w_t.copy_(codes.view(k, cols)).sub_(8)
+            c0 = first * b
+            by_group = w_t.view(k // g, g, cols)
+            torch.addcmul(zeros[..., c0 : c0 + cols], by_group, scales[..., c0 : c0 + cols], out=by_group)
+            if cols == n:
+                torch.mm(x, w_t, out=y)
+            else:
+                y[:, c0 : c0 + cols] = x @ w_t
+        return y
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
@@ -150,28 +292,48 @@ class Int4CpuLinear(nn.Module):
         return self.dequantize(dtype)[ids]
 
 
-QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear
+QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear | Fp8Linear
 
 
 def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
     """The CPU module swap: every Int4Linear below ``module`` becomes an Int4CpuLinear (when torch has the op),
-    except children named in ``keep``."""
+    except children named in ``keep``; all of them share one DequantScratch for their prefill path."""
     if not Int4CpuLinear.available():
         return
+    scratch, block = DequantScratch(), int4pack_cpu_block()
+
+    def swap(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if name in keep:
+                continue
+            if isinstance(child, Int4Linear) and child.out_features % 16 == 0:  # the kernel's tiling needs it
+                setattr(parent, name, Int4CpuLinear(child, scratch, block))
+            else:
+                swap(child)
+
+    swap(module)
+
+
+def swap_for_cuda(module: nn.Module) -> None:
+    """The CUDA module swap: every Int4Linear below ``module`` repacked to the GPU kernel's pack width
+    (kernels.quant_tiles.int4_pack_width: each K step's activations load as two contiguous runs), where K allows
+    a wider pack than its own."""
+    from kernels.quant_tiles import int4_pack_width
+
     for name, child in module.named_children():
-        if name in keep:
-            continue
-        if isinstance(child, Int4Linear) and child.out_features % 16 == 0:  # the kernel's tiling needs it
-            setattr(module, name, Int4CpuLinear(child))
+        if isinstance(child, Int4Linear):
+            pack = int4_pack_width(child.packed.shape[1] * 2, child.group_size)
+            if pack != (child.pack or child.group_size):
+                setattr(module, name, child.repacked(pack))
         else:
-            swap_for_cpu(child, keep)
+            swap_for_cuda(child)
 
 
 def cpu_head(embed: QuantLinear, dtype: torch.dtype) -> QuantLinear | None:
     """The tied output head's own copy on the CPU, where a quantized matmul dequantizes the whole weight at every
     call: an Int4CpuLinear of an int4 embedding, the dequantized weight in ``dtype`` of an int8 one (the same
     numbers: torch's CPU int8 matmul takes one scale per row, not Q8_0's 32-value groups); None (the embedding
-    itself) for a dense one."""
+    itself) for a dense one. (The embedding is never fp8: tensor_mode.)"""
     if isinstance(embed, Int4Linear) and Int4CpuLinear.available() and embed.out_features % 16 == 0:
         return Int4CpuLinear(embed)
     if isinstance(embed, Int4Linear | Int8Linear):
@@ -204,6 +366,22 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.
     return packed.reshape(out_f, in_f // 2), scales, mins
 
 
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 per output channel. Returns (qweight float8_e4m3fn [out, in], scales float32 [out]) with
+    scales = max(|w|.amax(-1), 1e-12) / 448 and qweight = w / scale rounded to the nearest float8 value."""
+    wf = w.float()
+    scales = wf.abs().amax(-1).clamp(min=FP8_MIN_AMAX) / FP8_MAX
+    return (wf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def tensor_mode(quantization: str, name: str) -> str:
+    """The mode the checkpoint tensor ``name`` (canonical: embed, lm_head, layers.{i}.q, ...) is held in under
+    ``quantization``: fp8 (W8A8) quantizes the decoder's linears only; the embedding and the output head keep the
+    checkpoint's own format ("auto"), as vLLM's fp8 does, since quantizing the head's input per token costs
+    greedy agreement where the model is nearly undecided. Every other mode applies to every tensor."""
+    return "auto" if quantization == "fp8" and name in ("embed", "lm_head") else quantization
+
+
 def make_linear(w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> QuantLinear:
     """The offline transform: a float weight [out, in] -> the linear module of the given mode."""
     if mode == "none":
@@ -212,12 +390,15 @@ def make_linear(w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) ->
         return Int8Linear(*quantize_int8(w), bias=bias)
     if mode == "int4":
         return Int4Linear(*quantize_int4(w), bias=bias)
+    if mode == "fp8":
+        return Fp8Linear(*quantize_fp8(w), bias=bias)
     raise ValueError(f"unknown quantization mode {mode!r}")
 
 
 def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
     """Fuse linears along the output dimension (q|k|v, gate|up). Parts of one format and group size stay in
-    that format; mixed formats fall back to per-channel int8 of the dequantized weights."""
+    that format (fp8's per-channel scales concatenate); mixed formats fall back to per-channel int8 of the
+    dequantized weights."""
     biases = [p.bias for p in parts]
     bias = (
         None
@@ -230,20 +411,24 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
         )
     )
     kinds = {type(p) for p in parts}
-    groups = {getattr(p, "scales", None).shape[1] for p in parts if hasattr(p, "scales")}  # type: ignore[union-attr]
+    groups = {p.scales.shape[1] for p in parts if isinstance(p, Int8Linear | Int4Linear)}
     if kinds == {DenseLinear}:
         return DenseLinear(torch.cat([cast(DenseLinear, p).weight for p in parts]), bias)
     if kinds == {Int8Linear} and len(groups) == 1:
         int8 = [cast(Int8Linear, p) for p in parts]
         return Int8Linear(torch.cat([p.qweight for p in int8]), torch.cat([p.scales for p in int8]), bias)
-    if kinds == {Int4Linear} and len(groups) == 1:
+    if kinds == {Int4Linear} and len(groups) == 1 and len({cast(Int4Linear, p).pack for p in parts}) == 1:
         int4 = [cast(Int4Linear, p) for p in parts]
         return Int4Linear(
             torch.cat([p.packed for p in int4]),
             torch.cat([p.scales for p in int4]),
             torch.cat([p.mins for p in int4]),
             bias,
+            int4[0].pack,
         )
+    if kinds == {Fp8Linear}:
+        fp8 = [cast(Fp8Linear, p) for p in parts]
+        return Fp8Linear(torch.cat([p.qweight for p in fp8]), torch.cat([p.scales for p in fp8]), bias)
     w = torch.cat([p.dequantize(torch.float32) for p in parts])
     return Int8Linear(*quantize_int8(w), bias=bias)
 
