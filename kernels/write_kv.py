@@ -105,7 +105,7 @@ def write_kv_cache(
     k, v: [T, KVH, D], any strides (slices of a fused QKV output are fine); k_cache, v_cache: [num_blocks,
     block_size, KVH, D], any strides; slot_mapping: [T] int32 or int64, slot = block_id * block_size + offset,
     distinct; k_scale, v_scale: [KVH] float32, given exactly when the caches are fp8. Tokens with a negative slot
-    are skipped (the twin needs every slot >= 0)."""
+    are skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"
     assert k_cache.shape == v_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"

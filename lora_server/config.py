@@ -131,6 +131,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=flag("split long prompts across steps", negate="--no-chunked-prefill")
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=flag(
+            "run every step eagerly: no CUDA graphs (by default, on CUDA, decode steps replay a graph captured at "
+            "start for their batch-size bucket)"
+        ),
+    )
     max_waiting_requests: int = field(
         default=1024, metadata=flag("requests that may wait beyond the running ones; more get 429")
     )

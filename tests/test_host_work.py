@@ -1,6 +1,7 @@
 """lora_server.bench.host_work: the counter against hand-built sequences of ops on the meta stand-in (each count
 known in advance), Triton launches counted and not run, the guard (raises on a sync or a pageable copy, passes
-otherwise), the sampler's one staging copy and one transfer back, and the benchmark on a 2-layer tiny Llama."""
+otherwise), the sampler's one staging copy and one transfer back, the guard around the real runner's decode step,
+and the benchmark on a 2-layer tiny Llama."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lora_server.bench.host_work import (
     measure,
     no_sync_or_pageable_copy,
     stand_in_cuda,
+    stand_in_engine,
 )
 from lora_server.engine.request import Request
 from lora_server.model.sampler import Sampler
@@ -125,6 +127,70 @@ def test_sampler_stages_once_and_reads_back_once(params, h2d):
     assert result.token_ids == [0] * len(requests)
 
 
+def test_guard_counts_syncs_against_those_allowed():
+    x = torch.ones(4, device=META)
+    with no_sync_or_pageable_copy(META, allowed_syncs=1) as work:
+        x.sum().item()
+    assert work.syncs == 1
+    with pytest.raises(HostWorkError, match="synchronizes"), no_sync_or_pageable_copy(META, allowed_syncs=1):
+        x.sum().item()
+        x.max().item()
+
+
+def test_stand_in_emulates_pinned_host_memory():
+    with stand_in_cuda():
+        pinned = torch.empty(16, dtype=torch.uint8, pin_memory=True)
+        pageable = torch.empty(16, dtype=torch.uint8)
+        assert pinned.is_pinned() and pinned[8:].view(torch.int64).is_pinned() and not pageable.is_pinned()
+        x = torch.empty(8, dtype=torch.uint8, device=META)
+        with no_sync_or_pageable_copy(META) as work:
+            x.copy_(pinned[8:], non_blocking=True)
+        assert (work.h2d, work.h2d_pageable) == (1, 0)
+        with pytest.raises(HostWorkError, match="pageable"), no_sync_or_pageable_copy(META):
+            x.copy_(pageable[8:])
+
+
+@pytest.mark.parametrize(
+    ("params", "h2d"),
+    [
+        (SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 1),  # the step's one staging copy
+        (SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, repetition_penalty=1.1, ignore_eos=True), 2),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_decode_step_of_the_runner_neither_syncs_nor_copies_from_pageable_memory(monkeypatch, params, h2d):
+    """The real engine's decode step on the meta stand-in for CUDA, 3 requests padded to their bucket of 4: until
+    the sampler reads its tokens back nothing synchronizes, and every host-to-device copy is from pinned memory
+    (one for the step's inputs, one more for sampling parameters); the sampler's read back is the step's one sync."""
+    with stand_in_engine(2, 3, 2, 8, 8, 4, max_num_seqs=8, params=params) as engine:
+        with HostWorkCounter("meta", emulate=True):  # the prefill (the counter reads back zeros)
+            engine.step()
+        assert engine.snapshot().decoding
+        runner = engine.core.runner
+        prepare, sampler = runner.prepare, runner.sampler
+        batches, before_sampling = [], []
+
+        def spied_prepare(items):
+            batch, sampling = prepare(items)
+            batches.append(batch)
+            return batch, sampling
+
+        def spied_sampler(logits, rows, mask=None):
+            before_sampling.append(work.totals())
+            return sampler(logits, rows, mask)
+
+        monkeypatch.setattr(runner, "prepare", spied_prepare)
+        monkeypatch.setattr(runner, "sampler", spied_sampler)
+        for _ in range(2):
+            with no_sync_or_pageable_copy(META, allowed_syncs=1) as work:
+                outputs = engine.step()
+            # the engine fails a request whose step raised (the guard's error included) and goes on
+            assert len(outputs) == 3 and not any(o.error for o in outputs)
+            assert (work.syncs, work.h2d, work.h2d_pageable) == (1, h2d, 0), work.summary()
+            assert before_sampling[-1]["syncs"] == 0 and before_sampling[-1]["h2d"] == 1
+    assert [(b.num_tokens, b.num_padding) for b in batches] == [(4, 1), (4, 1)]
+
+
 def test_benchmark_counts_a_decode_step_of_the_cuda_path():
     result = measure(layers=2, batch=4, adapters=2, rank=8, prompt_len=8, steps=2)
     step = result.step
@@ -139,4 +205,9 @@ def test_benchmark_counts_a_decode_step_of_the_cuda_path():
         "_decode_attention_kernel": 2,
         "_silu_and_mul_kernel": 2,
     }
-    assert step["syncs"] >= 1 and step["h2d"] >= 1 and step["torch_launches"] > 0
+    # one pinned staging copy (greedy: the sampler stages nothing), one read back; the forward pass neither copies
+    # nor syncs, launches every one of the 27 Triton kernels above, and is most of the step's launches
+    assert (step["h2d"], step["h2d_pageable"], step["syncs"]) == (1, 0, 1)
+    forward = step["forward"]
+    assert (forward["h2d"], forward["syncs"]) == (0, 0) and forward["triton_launches"] == 27
+    assert result.bucket == 4 and step["launches"] - forward["launches"] < 16

@@ -392,7 +392,7 @@ def test_int4_cpu_prefill_dequantizes_in_float32():
 
 
 def test_swap_for_cpu_replaces_every_int4_linear():
-    m1, w1, *_ = random_int4(32, 64, seed=9)
+    m1, w1, *_ = random_int4(64, 64, seed=9)  # 64 rows: whole row blocks of the layout (B = 32 or 64)
     m2, w2, *_ = random_int4(16, 32, seed=10)
     int8 = make_linear(torch.randn(16, 64), "int8")
     dense = DenseLinear(torch.randn(16, 64))

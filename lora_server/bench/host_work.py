@@ -17,15 +17,17 @@ Why ``meta`` and not a fake ``cuda``: torch's FakeTensorMode can make tensors th
 torch build has no CUDA device guard, and Python indexing, ``copy_`` and ``.to("cuda")`` each open one, so the
 engine's code fails on its first ``x[i]``; ``meta`` has a guard and every shape function. PrivateUse1 needs a
 C++ extension. Limits: code that branches on ``device.type == "cuda"`` takes its CPU side (today: the runner's
-pinned host tier and its swap stream, outside a decode step); pinned staging buffers are seen as pinned only when
-they are pinned for any device that is not the CPU (the sampler's are). The device computes nothing, so what the
-host reads back is zeros (the sampled tokens are all 0, ``.item()`` is 0): control flow that depends on device
-values follows the zero branch. The host time is that of the counted meta step, whose dispatch (a Python mode on
-every op) costs more than CUDA's: it overstates the real figure in proportion to the op count. cuBLAS and CUDA
-graphs are not modelled.
+pinned host tier and its swap stream, outside a decode step, and CUDA graphs: the decode forward runs eagerly, padded
+to its bucket as on CUDA, and is counted apart); staging buffers are seen as pinned when they were allocated pinned
+for a device that is not the CPU (``stand_in_cuda`` emulates the pinning a CPU-only torch cannot do). The device
+computes nothing, so what the host reads back is zeros (the sampled tokens are all 0, ``.item()`` is 0): control
+flow that depends on device values follows the zero branch. The host time is that of the counted meta step, whose
+dispatch (a Python mode on every op) costs more than CUDA's: it overstates the real figure in proportion to the op
+count. cuBLAS is not modelled.
 
 ``no_sync_or_pageable_copy()`` is the guard built on the same counter: it raises ``HostWorkError`` at the first
-sync or pageable host-to-device copy inside its block (for a decode forward's tests; on a real GPU as well)."""
+sync beyond those allowed or at the first pageable host-to-device copy inside its block (for a decode step's tests;
+on a real GPU as well)."""
 
 from __future__ import annotations
 
@@ -37,16 +39,22 @@ import tempfile
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from lora_server.config import EngineConfig
+from lora_server.model.cuda_graphs import bucket_for
+
+if TYPE_CHECKING:
+    from lora_server.engine import Engine
+    from lora_server.model.batch import ForwardBatch
+    from lora_server.sampling_params import SamplingParams
 
 aten = torch.ops.aten
 STAND_IN = torch.device("meta")  # the device that stands for CUDA (see the module's docstring)
@@ -78,7 +86,28 @@ _ALLOCATIONS = {
     aten.empty_like.default,
 }
 # Ops that are bookkeeping rather than work: never counted.
-_IGNORED = {torch.ops.prim.device.default, aten.lift_fresh.default, aten.detach.default, aten.detach_.default}
+_IGNORED = {
+    torch.ops.prim.device.default,
+    aten.lift_fresh.default,
+    aten.detach.default,
+    aten.detach_.default,
+    aten.is_pinned.default,
+}
+
+
+class _PinnedSet:
+    """Host tensors that stand for pinned memory where torch cannot pin (no CUDA): known by their storage, so that
+    views of them are pinned too, and only while the tensor allocated pinned lives."""
+
+    def __init__(self) -> None:
+        self._by_storage: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._by_storage[t.untyped_storage().data_ptr()] = weakref.ref(t)
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._by_storage.get(t.untyped_storage().data_ptr())
+        return ref is not None and ref() is not None
 
 
 class HostWorkError(RuntimeError):
@@ -99,7 +128,8 @@ class HostWork:
     kernel_names: Counter[str] = field(default_factory=Counter)
     sync_names: Counter[str] = field(default_factory=Counter)
 
-    def summary(self, top: int = 12) -> dict[str, Any]:
+    def totals(self) -> dict[str, int]:
+        """The counts alone."""
         return dict(
             ops=self.ops,
             torch_launches=self.torch_launches,
@@ -108,6 +138,11 @@ class HostWork:
             h2d=self.h2d,
             h2d_pageable=self.h2d_pageable,
             syncs=self.syncs,
+        )
+
+    def summary(self, top: int = 12) -> dict[str, Any]:
+        return dict(
+            **self.totals(),
             top_ops=dict(self.op_names.most_common(top)),
             kernels=dict(self.kernel_names),
             sync_ops=dict(self.sync_names),
@@ -124,17 +159,30 @@ class HostWorkCounter(TorchDispatchMode):
     emulate: the device is the meta stand-in: answer what meta tensors cannot (a read back is a zero tensor,
     ``.item()`` 0, a data-dependent shape empty) and allocate "pinned" host memory unpinned (a CPU-only build
     cannot pin).
-    strict: raise HostWorkError at the first sync or pageable host-to-device copy.
-    Pinned host tensors are those allocated with pin_memory=True or pinned inside the block (and, on a real
-    device, whatever ``is_pinned()`` says)."""
+    strict: raise HostWorkError at the first pageable host-to-device copy and at the first sync beyond
+    ``allowed_syncs``.
+    Pinned host tensors are those allocated with pin_memory=True or pinned inside the block, and whatever
+    ``is_pinned()`` says (on a real device; under ``stand_in_cuda``, those allocated pinned within it)."""
 
-    def __init__(self, device_type: str = "cuda", *, emulate: bool = False, strict: bool = False) -> None:
+    def __init__(
+        self, device_type: str = "cuda", *, emulate: bool = False, strict: bool = False, allowed_syncs: int = 0
+    ) -> None:
         super().__init__()
         self.device_type = device_type
         self.emulate = emulate
         self.strict = strict
+        self.allowed_syncs = allowed_syncs
         self.work = HostWork()
-        self._pinned: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the pinned host tensors seen
+        self._pinned = _PinnedSet()  # host tensors pinned inside the block
+
+    def __enter__(self) -> HostWorkCounter:
+        # under stand_in_cuda, what is pinned is the stand-in's to know: share its set (the allocations this
+        # counter emulates included), so that buffers pinned before or under another counter stay pinned
+        for mode in _get_current_dispatch_mode_stack():
+            if isinstance(mode, _EmulatedPinning):
+                self._pinned = mode.pinned
+        super().__enter__()
+        return self
 
     def reset(self) -> HostWork:
         """Start a new count; returns the previous one."""
@@ -146,19 +194,15 @@ class HostWorkCounter(TorchDispatchMode):
         self.work.kernel_names[name] += 1
 
     def _pinned_source(self, t: torch.Tensor) -> bool:
-        for candidate in (t, t._base):
-            ref = self._pinned.get(id(candidate)) if candidate is not None else None
-            if ref is not None and ref() is candidate:
-                return True
-        return not self.emulate and t.is_pinned()
+        return t in self._pinned or t.is_pinned()
 
     def _pin(self, t: torch.Tensor) -> None:
-        self._pinned[id(t)] = weakref.ref(t)
+        self._pinned.add(t)
 
     def _sync(self, name: str) -> None:
         self.work.syncs += 1
         self.work.sync_names[name] += 1
-        if self.strict:
+        if self.strict and self.work.syncs > self.allowed_syncs:
             raise HostWorkError(f"{name} synchronizes the host with the device")
 
     def _h2d(self, src: torch.Tensor) -> None:
@@ -273,6 +317,13 @@ def _placeholder(func, args):  # type: ignore[no-untyped-def]
 def counting_triton_launches(counter: HostWorkCounter, run: bool) -> Iterator[None]:
     """Within the block each ``kernel[grid](...)`` of a @triton.jit function is counted by ``counter``; it runs
     only when ``run`` (on the meta stand-in nothing can). Without triton, nothing to count."""
+    with _triton_launches(counter.launch, run):
+        yield
+
+
+@contextlib.contextmanager
+def _triton_launches(seen: Callable[[str], None] | None, run: bool) -> Iterator[None]:
+    """Within the block each Triton kernel launch calls ``seen`` with the kernel's name, and runs only when ``run``."""
     try:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
@@ -283,12 +334,12 @@ def counting_triton_launches(counter: HostWorkCounter, run: bool) -> Iterator[No
     for cls in (JITFunction, InterpretedFunction):
         original = cls.run
 
-        def counted(self, *args, _original=original, **kwargs):  # type: ignore[no-untyped-def]
-            fn = getattr(self, "fn", None)
-            counter.launch(getattr(fn, "__name__", "triton kernel"))
+        def launch(self, *args, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            if seen is not None:
+                seen(getattr(getattr(self, "fn", None), "__name__", "triton kernel"))
             return _original(self, *args, **kwargs) if run else None
 
-        patches.append(mock.patch.object(cls, "run", counted))
+        patches.append(mock.patch.object(cls, "run", launch))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -296,13 +347,13 @@ def counting_triton_launches(counter: HostWorkCounter, run: bool) -> Iterator[No
 
 
 @contextlib.contextmanager
-def no_sync_or_pageable_copy(device: torch.device | str = "cuda") -> Iterator[HostWork]:
-    """Raises HostWorkError at the first device-to-host sync or pageable host-to-device copy that the block asks of
-    ``device``'s type; Triton launches are counted and run, except on the meta stand-in (see ``stand_in_cuda``),
-    where reads answer zeros as in the benchmark. Yields the count."""
+def no_sync_or_pageable_copy(device: torch.device | str = "cuda", allowed_syncs: int = 0) -> Iterator[HostWork]:
+    """Raises HostWorkError at the first pageable host-to-device copy that the block asks of ``device``'s type, and
+    at the first device-to-host sync beyond ``allowed_syncs``; Triton launches are counted and run, except on the
+    meta stand-in (see ``stand_in_cuda``), where reads answer zeros as in the benchmark. Yields the count."""
     device_type = torch.device(device).type
     emulate = device_type == STAND_IN.type
-    counter = HostWorkCounter(device_type, emulate=emulate, strict=True)
+    counter = HostWorkCounter(device_type, emulate=emulate, strict=True, allowed_syncs=allowed_syncs)
     with counter, counting_triton_launches(counter, run=not emulate):
         yield counter.work
 
@@ -321,13 +372,42 @@ def _use_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type in ("cuda", STAND_IN.type)
 
 
+class _EmulatedPinning(TorchDispatchMode):
+    """Host memory allocated pinned (pin_memory=True, ``.pin_memory()``) is allocated unpinned, and ``is_pinned()``
+    answers True for it: what a CPU-only torch, which cannot pin, needs to run code written for CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned = _PinnedSet()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is aten.is_pinned.default:
+            return args[0].device.type == "cpu" and args[0] in self.pinned
+        if func is aten._pin_memory.default:
+            out = args[0].clone()
+            self.pinned.add(out)
+            return out
+        pinned = kwargs.get("pin_memory")
+        if pinned:
+            kwargs = {**kwargs, "pin_memory": False}
+        out = func(*args, **kwargs)
+        if pinned and isinstance(out, torch.Tensor):
+            self.pinned.add(out)
+        return out
+
+
 @contextlib.contextmanager
 def stand_in_cuda() -> Iterator[torch.device]:
-    """Within the block, the meta device takes the CUDA path: ``kernels.ops.use_kernels`` says yes to it and
-    ``torch.Generator(device=...)`` gives a CPU generator. Yields the device."""
+    """Within the block, the meta device takes the CUDA path: ``kernels.ops.use_kernels`` says yes to it, Triton
+    kernels are not launched (nothing can run on meta; a counter inside still counts them),
+    ``torch.Generator(device=...)`` gives a CPU generator, and pinned host memory is emulated (_EmulatedPinning).
+    Yields the device."""
     with (
         mock.patch("kernels.ops.use_kernels", _use_kernels),
         mock.patch.object(torch, "Generator", _HostGenerator),
+        _triton_launches(None, run=False),
+        _EmulatedPinning(),
     ):
         yield STAND_IN
 
@@ -358,7 +438,10 @@ class HostWorkResult:
     batch: int
     adapters: int
     rank: int
-    steps: list[dict[str, Any]]  # per decode step: HostWork.summary() and host_ms
+    bucket: int | None  # the decode bucket the batch is padded to (None: not padded, --enforce-eager)
+    # per decode step: HostWork.summary(), host_ms, and the totals of its forward pass alone ("forward"): with CUDA
+    # graphs that pass is one graph launch, and the host issues only the rest
+    steps: list[dict[str, Any]]
     host_ms: float  # median host time of a decode step, counted (see the module's limits)
 
     @property
@@ -374,9 +457,22 @@ class HostWorkResult:
         )
 
 
-def measure(layers: int, batch: int, adapters: int, rank: int, prompt_len: int, steps: int) -> HostWorkResult:
-    """Build the engine on the meta stand-in for CUDA, prefill ``batch`` greedy requests spread over ``adapters``
-    rank-``rank`` adapters, then count ``steps`` decode steps one by one."""
+@contextlib.contextmanager
+def stand_in_engine(
+    layers: int,
+    batch: int,
+    adapters: int,
+    rank: int,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    max_num_seqs: int | None = None,
+    enforce_eager: bool = False,
+    params: SamplingParams | None = None,
+) -> Iterator[Engine]:
+    """Within the block (and ``stand_in_cuda``): an engine on the meta stand-in for CUDA, a tiny Llama of ``layers``
+    layers with dummy bf16 weights, holding ``batch`` requests of ``prompt_len`` tokens spread over ``adapters``
+    random rank-``rank`` adapters, added and not yet stepped (greedy, ``max_tokens`` each, unless ``params``)."""
     from lora_server.bench.engine import write_random_adapters
     from lora_server.engine import Engine
     from lora_server.sampling_params import SamplingParams
@@ -384,63 +480,105 @@ def measure(layers: int, batch: int, adapters: int, rank: int, prompt_len: int, 
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(tiny_llama_config(layers)))
-        if True:
-            config = _StandInConfig(
-                model=str(cfg_path),
-                load_format="dummy",
-                quantization="none",
-                device="cpu",
-                dtype="bfloat16",
-                kv_cache_bytes=64 << 20,
-                gpu_memory_utilization=None,
-                host_kv_bytes=0,
-                max_num_seqs=batch,
-                max_num_batched_tokens=max(512, batch * prompt_len),
-                max_loras=max(1, adapters),
-                max_lora_rank=rank,
-                max_model_len=prompt_len + steps + 8,
-                show_progress=False,
-            )
+        config = _StandInConfig(
+            model=str(cfg_path),
+            load_format="dummy",
+            quantization="none",
+            device="cpu",
+            dtype="bfloat16",
+            kv_cache_bytes=64 << 20,
+            gpu_memory_utilization=None,
+            host_kv_bytes=0,
+            max_num_seqs=max_num_seqs or batch,
+            max_num_batched_tokens=max(512, batch * prompt_len),
+            max_loras=max(1, adapters),
+            max_lora_rank=rank,
+            max_model_len=prompt_len + max_tokens + 8,
+            enforce_eager=enforce_eager,
+            show_progress=False,
+        )
         with stand_in_cuda():
             engine = Engine(config)
             names = write_random_adapters(Path(tmp), adapters, rank, engine)
             for name in names:
                 engine.add_adapter(name, Path(tmp) / name)
-            params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+            params = params or SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             for i in range(batch):
                 prompt = [10 + (i * 7 + j) % 400 for j in range(prompt_len)]
                 engine.add(engine.make_request(prompt, params, names[i % adapters] if adapters else None))
-            counter = HostWorkCounter(STAND_IN.type, emulate=True)
-            counted: list[dict[str, Any]] = []
-            times: list[float] = []
-            with counter, counting_triton_launches(counter, run=False):
-                while not engine.snapshot().decoding:
-                    engine.step()
-                for _ in range(steps):
-                    counter.reset()
-                    start = time.perf_counter()
-                    engine.step()
-                    times.append((time.perf_counter() - start) * 1e3)
-                    summary = counter.work.summary()
-                    summary["host_ms"] = round(times[-1], 2)
-                    counted.append(summary)
-    return HostWorkResult(layers, batch, adapters, rank, counted, round(statistics.median(times), 2))
+            yield engine
+
+
+def measure(
+    layers: int, batch: int, adapters: int, rank: int, prompt_len: int, steps: int, enforce_eager: bool = False
+) -> HostWorkResult:
+    """Build the engine on the meta stand-in for CUDA, prefill ``batch`` greedy requests spread over ``adapters``
+    rank-``rank`` adapters, then count ``steps`` decode steps one by one (and, apart, each one's forward pass)."""
+    with stand_in_engine(layers, batch, adapters, rank, prompt_len, steps + 2, enforce_eager=enforce_eager) as engine:
+        runner = engine.core.runner
+        counter = HostWorkCounter(STAND_IN.type, emulate=True)
+        counted: list[dict[str, Any]] = []
+        times: list[float] = []
+        forward_counts: list[dict[str, int]] = []
+        eager_forward = runner._eager_forward
+
+        def counted_forward(forward_batch: ForwardBatch) -> torch.Tensor:
+            before = counter.work.totals()
+            hidden = eager_forward(forward_batch)
+            forward_counts.append({k: v - before[k] for k, v in counter.work.totals().items()})
+            return hidden
+
+        with (
+            counter,
+            counting_triton_launches(counter, run=False),
+            mock.patch.object(runner, "_eager_forward", counted_forward),
+        ):
+            for _ in range(prompt_len + 1):  # the prefill (in chunks, should the budget ask for them)
+                if engine.snapshot().decoding:
+                    break
+                engine.step()
+            if not engine.snapshot().decoding:
+                raise RuntimeError("the stand-in engine's requests never reached their decode steps")
+            for _ in range(steps):
+                counter.reset()
+                forward_counts.clear()
+                start = time.perf_counter()
+                engine.step()
+                times.append((time.perf_counter() - start) * 1e3)
+                summary = counter.work.summary()
+                summary["host_ms"] = round(times[-1], 2)
+                [summary["forward"]] = forward_counts
+                counted.append(summary)
+        bucket = bucket_for(batch, runner.decode_buckets)
+    return HostWorkResult(layers, batch, adapters, rank, bucket, counted, round(statistics.median(times), 2))
 
 
 def bench_host_work(args: Any) -> dict[str, Any]:
     """``lora-server bench-engine --host-work``: count, print against the targets, write JSON."""
     batch, adapters = max(args.batch), max(args.adapters)
-    result = measure(args.layers, batch, adapters, args.rank, min(args.prompt_len), args.steps)
+    eager = bool(getattr(args, "enforce_eager", False))
+    result = measure(args.layers, batch, adapters, args.rank, min(args.prompt_len), args.steps, eager)
     step, verdicts = result.step, result.verdicts()
+    forward = step["forward"]
     mark = {True: "ok", False: "MISSED"}
+    padded = "not padded (--enforce-eager)" if result.bucket is None else f"padded to its bucket of {result.bucket}"
+    graphed = (
+        "every step runs eagerly"
+        if result.bucket is None
+        else f"with CUDA graphs the forward is one graph launch: the host issues {step['ops'] - forward['ops']} ops "
+        f"and {step['launches'] - forward['launches'] + 1} launches per step"
+    )
     print(
         f"bench-engine --host-work: one decode step of the CUDA code path on the meta stand-in (counted, not run); "
-        f"tiny Llama, {result.layers} layers, batch {batch}, {adapters} distinct rank-{args.rank} adapters\n"
+        f"tiny Llama, {result.layers} layers, batch {batch} ({padded}), {adapters} distinct rank-{args.rank} "
+        f"adapters\n"
         f"eager ops (not views) {step['ops']}; launches {step['launches']} (torch {step['torch_launches']}, "
         f"Triton {step['triton_launches']}) = {step['launches'] / result.layers:.1f} per layer "
         f"(target <= {TARGET_LAUNCHES_PER_LAYER}: {mark[verdicts['launches_per_layer']]})\n"
         f"host-to-device copies {step['h2d']} ({step['h2d_pageable']} from pageable memory; target <= {TARGET_H2D}: "
         f"{mark[verdicts['h2d']]}); syncs {step['syncs']} (target <= {TARGET_SYNCS}: {mark[verdicts['syncs']]})\n"
+        f"of which the forward pass: {forward['ops']} ops, {forward['launches']} launches, {forward['h2d']} "
+        f"host-to-device copies, {forward['syncs']} syncs; {graphed}\n"
         f"host time {result.host_ms} ms per step (median of {len(result.steps)}; counted, so an overstatement)\n"
         f"Triton kernels {step['kernels']}; syncs {step['sync_ops']}\n"
         f"most frequent ops {step['top_ops']}",

@@ -57,6 +57,13 @@ class LoraSlots:
                 )
             self.buffers.append(layer)
         self.slice_starts = {g: _starts([shapes.features[m][1] for m in ms]) for g, ms in GROUPS.items()}
+        # what the wrappers hand the ops: the kernels read the slices' bounds from the device, a tensor made once
+        # here (a list would be copied from pageable memory at every call); the CPU's segment path takes the list
+        self._slice_starts_arg: dict[str, list[int] | torch.Tensor] = (
+            dict(self.slice_starts)
+            if device.type == "cpu"
+            else {g: torch.tensor(s, dtype=torch.int32, device=device) for g, s in self.slice_starts.items()}
+        )
 
     @property
     def slot_nbytes(self) -> int:
@@ -92,7 +99,7 @@ class LoraSlots:
             for group, wrapper in wrappers.items():
                 wrapper.lora_a, wrapper.lora_b = buffers[group]
                 wrapper.views = {}
-                wrapper.ranks, wrapper.slice_starts = self.ranks, self.slice_starts[group]
+                wrapper.ranks, wrapper.slice_starts = self.ranks, self._slice_starts_arg[group]
 
 
 def _starts(widths: list[int]) -> list[int]:
@@ -111,7 +118,7 @@ class LoraLinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [K, slots, R, in], set by LoraSlots.attach
         self.lora_b: torch.Tensor | None = None  # [slots, out_total, R]
         self.ranks: torch.Tensor | None = None  # [slots] int32
-        self.slice_starts: list[int] = []
+        self.slice_starts: list[int] | torch.Tensor = []  # [K + 1] output slice bounds, a device tensor off the CPU
         self.views: dict = {}  # the CPU's per-slot views of lora_a / lora_b (kernels.segment_lora), made on first use
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in] -> [T, out_total]

@@ -1,6 +1,8 @@
 """Owns the device state of an engine: the model's weights, the KV cache tensors (device blocks and the host
-tier) and the adapter slots. Executes the copy operations it is handed (the pool decides them), turns a step's
-scheduled sequences into one ForwardBatch, runs the model and samples."""
+tier), the adapter slots, the step's persistent input buffers and the decode CUDA graphs. Executes the copy
+operations it is handed (the pool decides them), turns a step's scheduled sequences into one ForwardBatch (its
+inputs reach the device in one copy from pinned memory), runs the model (a decode step replays its bucket's graph
+on CUDA) and samples."""
 
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import DraftPosition, ForwardBatch, ScheduledSequence
+from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraSlots
 from lora_server.model.sampler import Sampler, SampleResult
+from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
+HostSegment = tuple[int, int, int, int]  # (start, end, slot, rank): see LoraBatch.host_segments
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -92,6 +97,45 @@ class ModelRunner:
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler(self.arch.vocab_size)
+        self._init_step(max_model_len)
+
+    def _init_step(self, max_model_len: int) -> None:
+        """The step's persistent buffers, the decode buckets and, on CUDA unless --enforce-eager, the decode
+        graphs (captured now that the KV cache and the adapter slots exist: graphs read them where they are).
+
+        Decode steps are padded to their bucket wherever the CUDA code path runs (CUDA, or the meta device that
+        stands for it in bench-engine --host-work); on the CPU they are not (padding is pure cost there), unless a
+        test sets ``decode_buckets``. ``graph_layout``: padded steps take the layout a graph reads (the block
+        tables at full width, the LoRA mapping even when no row has an adapter)."""
+        config = self.config
+        max_seqs = config.max_num_seqs
+        width = -(-max_model_len // self.block_size)  # the most blocks a sequence holds
+        max_tokens = max(config.max_num_batched_tokens, max_seqs)
+        if not config.enable_chunked_prefill:
+            max_tokens = max(max_tokens, max_model_len)  # a whole prompt in one step
+        self.block_tables = BlockTables(max_seqs, width, self.device)
+        # per token: ids, positions, slots, logits rows (int64), LoRA slot (int32); per sequence: five int32 arrays;
+        # block table updates (int64 index, int32 value): at most every entry of every row in one step
+        capacity = max_tokens * 36 + (max_seqs + 2) * 20 + max_seqs * width * 12 + 16 * 8
+        self.step_inputs = StepInputs(self.device, capacity)
+        eager = config.enforce_eager or self.device.type == "cpu"
+        self.decode_buckets: list[int] = [] if eager else decode_buckets(max_seqs)
+        self.graph_layout = self.device.type == "cuda" and not eager
+        self.graphs: DecodeGraphs | None = None
+        if self.graph_layout:
+            self.graphs = self._capture_decode_graphs()
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> DecodeGraphs:
+        """One graph per decode bucket, captured on a batch of padding rows only (no KV is written)."""
+        graphs = DecodeGraphs()
+        for bucket in reversed(self.decode_buckets):
+            batch, _ = self._build([], bucket)
+            graphs.capture(batch, self._eager_forward)
+        return graphs
+
+    def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self._kv_caches())
 
     def _kv_budget_bytes(self) -> int:
         """The pool's device budget: gpu_memory_utilization x the CUDA memory still free once the weights and the
@@ -167,8 +211,17 @@ class ModelRunner:
         sample a token this step (those whose chunk reaches their last token), in logits-row order. A request
         with draft tokens computes them after its last token (n counts them) and gets a logits row for each of
         its 1 + d last positions. Requests are ordered by adapter slot (stable), so that each adapter's tokens
-        are one segment."""
+        are one segment. A step of one token per sequence is padded to its decode bucket (see _init_step)."""
         items = sorted(items, key=lambda item: item[0].lora_slot)
+        bucket = None
+        if self.decode_buckets and all(n == 1 and not r.draft_token_ids for r, n in items):
+            bucket = bucket_for(len(items), self.decode_buckets)
+        return self._build(items, bucket)
+
+    def _build(self, items: Sequence[tuple[S, int]], bucket: int | None) -> tuple[ForwardBatch, list[S]]:
+        """prepare's batch of ``items`` (already in slot order), padded to ``bucket`` sequences when given: the
+        step's integer arrays go to the device in one copy (StepInputs), the block tables are updated and
+        gathered on the device (BlockTables)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -192,50 +245,86 @@ class ModelRunner:
             if end == len(tokens):
                 logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
                 sampling.append(request)
-        max_blocks = max(len(r.block_table) for r, _ in items)
-        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in items]
-
-        def dev(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
-
+        padding = 0 if bucket is None else bucket - len(items)
+        if padding:  # one token each, writing no KV (slot -1), attending to nothing (length 0)
+            input_ids.extend([0] * padding)
+            positions.extend([0] * padding)
+            slots.extend([-1] * padding)
+            seq_lens.extend([0] * padding)
+            starts.extend(range(starts[-1] + 1, starts[-1] + 1 + padding))
+        graph_layout = bucket is not None and self.graph_layout
+        plan = self.block_tables.plan(
+            [r.request_id for r, _ in items],
+            [r.block_table for r, _ in items],
+            padding,
+            self.block_tables.width if graph_layout else None,
+        )
+        lora = self._lora_batch(items, padding, always=graph_layout)
+        lora_arrays, host_segments = lora if lora is not None else ({}, [])
+        # Arrays whose length is fixed by the bucket come first, so that a padded decode step finds every array a
+        # graph reads at the offsets it was captured with (the LoRA arrays put their per-token ones first)
+        arrays: HostArrays = {
+            "input_ids": (input_ids, torch.int64),
+            "positions": (positions, torch.int64),
+            "slot_mapping": (slots, torch.int64),
+            "seq_lens": (seq_lens, torch.int32),
+            "query_start_loc": (starts, torch.int32),
+            "table_rows": (plan.rows, torch.int32),
+            **{f"lora.{name}": (values, torch.int32) for name, values in lora_arrays.items()},
+            "logits_indices": (logits_rows, torch.int64),
+            "table_update_index": (plan.update_index, torch.int64),
+            "table_update_value": (plan.update_value, torch.int32),
+        }
+        dev = self.step_inputs.upload(arrays)
+        block_tables = self.block_tables.apply(
+            plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]
+        )
+        lora_batch = None
+        if lora is not None:
+            fields: dict[str, torch.Tensor | None] = {name: dev[f"lora.{name}"] for name in lora_arrays}
+            fields.setdefault("slot_ids", None)
+            lora_batch = LoraBatch(**fields, host_segments=host_segments)  # type: ignore[arg-type]
         batch = ForwardBatch(
-            lora=self._lora_batch(items),
-            max_query_len=max(n for _, n in items),
-            input_ids=dev(input_ids, torch.long),
-            positions=dev(positions, torch.long),
-            slot_mapping=dev(slots, torch.long),
-            block_tables=dev(tables, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            query_start_loc=dev(starts, torch.int32),
-            logits_indices=dev(logits_rows, torch.long),
+            lora=lora_batch,
+            max_query_len=max((n for _, n in items), default=1),
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
+            slot_mapping=dev["slot_mapping"],
+            block_tables=block_tables,
+            seq_lens=dev["seq_lens"],
+            query_start_loc=dev["query_start_loc"],
+            logits_indices=dev["logits_indices"],
+            num_padding=padding,
         )
         return batch, sampling
 
-    def _lora_batch(self, items: Sequence[tuple[ScheduledSequence, int]]) -> LoraBatch | None:
+    def _lora_batch(
+        self, items: Sequence[tuple[ScheduledSequence, int]], padding: int = 0, always: bool = False
+    ) -> tuple[dict[str, list[int]], list[HostSegment]] | None:
         """Segments of consecutive tokens that share an adapter slot (each request's tokens are contiguous);
-        decode-only steps also get the per-token form (BGMV)."""
-        if all(r.lora_slot < 0 for r, _ in items):
+        decode-only steps also get the per-token form (BGMV). Returns the int32 arrays, named as LoraBatch's
+        fields (per-token ones first), and the host segments; None when no token has an adapter, unless
+        ``always``. ``padding`` rows at the end have no adapter."""
+        if not always and all(r.lora_slot < 0 for r, _ in items):
             return None
         seg_starts, seg_slots = [0], list[int]()
-        for request, n in items:
-            if seg_slots and seg_slots[-1] == request.lora_slot:
+        for slot, n in [*((r.lora_slot, n) for r, n in items), *([(-1, padding)] if padding else [])]:
+            if seg_slots and seg_slots[-1] == slot:
                 seg_starts[-1] += n
             else:
-                seg_slots.append(request.lora_slot)
+                seg_slots.append(slot)
                 seg_starts.append(seg_starts[-1] + n)
-        decode_only = all(n == 1 for _, n in items)
-        slot_ids = [r.lora_slot for r, _ in items] if decode_only else None
+        arrays: dict[str, list[int]] = {}
+        if all(n == 1 for _, n in items):
+            arrays["slot_ids"] = [r.lora_slot for r, _ in items] + [-1] * padding
+        arrays["seg_starts"], arrays["seg_slots"] = seg_starts, seg_slots
         rank_of = self.lora.rank_of
         host_segments = [
             (start, end, slot, rank_of[slot])
             for start, end, slot in zip(seg_starts, seg_starts[1:], seg_slots, strict=False)
             if slot >= 0
         ]
-
-        def dev(data: list[int]) -> torch.Tensor:
-            return torch.tensor(data, dtype=torch.int32).to(self.device, non_blocking=True)
-
-        return LoraBatch(dev(seg_starts), dev(seg_slots), None if slot_ids is None else dev(slot_ids), host_segments)
+        return arrays, host_segments
 
     @torch.inference_mode()
     def execute(
@@ -249,7 +338,9 @@ class ModelRunner:
         one row per verified position: 1 + d consecutive rows for a request with d draft tokens (row
         j sampled as if drafts[:j] were accepted; see verify_drafts), one row for the others."""
         batch, sampling = self.prepare(items)
-        hidden = self.model(batch, self._kv_caches())
+        hidden = self.graphs.replay(batch) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self._eager_forward(batch)
         if not sampling:
             return sampling, None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
