@@ -22,6 +22,20 @@ import triton.language as tl
 
 from kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
 
+MAX_SPLITS = 8
+
+
+def choose_splits(
+    num_tiles: int, num_slices: int, max_rank: int, in_features: int, num_sms: int, block_k: int = 64
+) -> int:
+    """The split count of a launch (untimed, from the shapes alone, so that a CUDA graph's launch stays fixed for
+    its bucket): enough programs for two waves of the SMs, num_tiles x num_slices x rank groups x splits >= 2 x SMs,
+    each split keeping at least 4 blocks of block_k in-features, at most MAX_SPLITS. Decode of an 8B model on an
+    H100 (about 20 tiles): qkv 3 slices -> 4 splits, down_proj (14336 in) -> 8; a prefill of hundreds of tiles: 1."""
+    programs = max(1, num_tiles * num_slices * groups(max_rank))
+    wanted = -(-2 * num_sms // programs)
+    return max(1, min(wanted, in_features // (4 * block_k), MAX_SPLITS))
+
 
 @triton.jit
 def _lora_shrink_kernel(

@@ -11,8 +11,12 @@ each layer and module (MODULES order) the table holds one row of ``row_len(max_r
     table[row + 1 + G + g]  where rows 16g .. 16g + 15 of B^T [r, out] start (row stride out; scaling folded in)
 
 for g < G = groups(max_rank). Offsets are element indices into the arena's flat weight view; the rows of one group
-are contiguous; groups at or past ceil(r / 16) hold -1. A group never straddles two pages, so an adapter's pages
-need not be contiguous.
+are contiguous (the last group of a module holds r - 16g rows: nothing is padded to 16); groups at or past
+ceil(r / 16) hold -1. A group never straddles two pages, so an adapter's pages need not be contiguous; groups
+start on 128-byte boundaries (the packer aligns them). Every table of an arena has the engine's max_rank, and
+r <= max_rank (kernels clamp to it). A page holds every layer's KV of one block (MiBs on real models), so the
+table and 16 rows of the widest module fit one page; adapters.page_layout.PageGeometry refuses a page that does
+not.
 
 The tile map of a step lists the work of every LoRA launch in that step: tiles of at most ``block_t`` consecutive
 token rows that share an adapter, as (table page, first row, end row) int32 triples; a table page of -1 is a tile
@@ -49,8 +53,8 @@ def table_len(num_layers: int, max_rank: int) -> int:
 
 
 def max_tiles(num_tokens: int, block_t: int, max_adapters: int) -> int:
-    """The most tiles a step of ``num_tokens`` rows can need with at most ``max_adapters`` distinct adapters: each
-    adapter's run of rows adds at most one partial tile."""
+    """The most tiles a step of ``num_tokens`` rows can need with at most ``max_adapters`` distinct adapters, each
+    adapter's rows one run (the runner's order): each run adds at most one partial tile."""
     return -(-num_tokens // block_t) + min(num_tokens, max_adapters)
 
 

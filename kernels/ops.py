@@ -8,21 +8,24 @@ below asks it for its tensors' device and returns what its kernel wrapper's docs
 same thing. Callers never choose: the test tier runs the kernel wrappers themselves under the Triton interpreter.
 Kernel modules are imported on first use, so CPU machines need no triton.
 
-LoRA shapes: x [T, in]; out [T, out_total], x's dtype; lora_a [K, slots, R, in] and lora_b [slots, out_total, R],
-x's dtype, scaling folded into B, columns r >= ranks[s] zero and never read; ranks [slots]; y [K, T, R] float32;
-slice_starts [K + 1] (list or tensor), slice k = out columns slice_starts[k]:slice_starts[k + 1]. The token to
-slot mapping: either slot_ids [T] (per row, BGMV) or seg_starts [S + 1] with seg_slots [S] (contiguous segments,
-SGMV); -1 = no adapter; integer tensors int32 or int64, on x's device."""
+LoRA: adapters live in the arena's pages and are found through their tables (kernels/lora_table.py); a step's
+tokens reach the ops grouped by adapter, as a tile map (the kernels, the twins) or as host segments carrying the
+adapters' views (the CPU path)."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels import lora_reference, quant_reference, reference
+
+if TYPE_CHECKING:
+    from kernels.segment_lora import LoraTerm
 
 
 def use_kernels(device: torch.device | str) -> bool:
@@ -31,101 +34,66 @@ def use_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def _segments(
-    slot_ids: torch.Tensor | None, seg_starts: torch.Tensor | None, seg_slots: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(seg_starts, seg_slots) for the segmented form, None for the per-row form; asserts exactly one is given."""
-    if slot_ids is not None:
-        assert seg_starts is None and seg_slots is None, "give slot_ids or (seg_starts, seg_slots), not both"
-        return None
-    assert seg_starts is not None and seg_slots is not None, "give slot_ids, or both seg_starts and seg_slots"
-    return seg_starts, seg_slots
+@dataclass(frozen=True, slots=True)
+class LoraArena:
+    """The arena as the LoRA ops read it (kernels.lora_table): two flat views of the same pages."""
 
-
-def lora_shrink(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    ranks: torch.Tensor,
-    *,
-    slot_ids: torch.Tensor | None = None,
-    seg_starts: torch.Tensor | None = None,
-    seg_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y [K, T, R] float32: y[k, t, :r] = x[t].float() @ lora_a[k, s, :r].float().T for tokens with slot s >= 0
-    and r = ranks[s]; zeros elsewhere (kernels.sgmv_shrink / bgmv_shrink)."""
-    segments = _segments(slot_ids, seg_starts, seg_slots)
-    if segments is not None:
-        if use_kernels(x.device):
-            from kernels.sgmv_shrink import sgmv_shrink
-
-            return sgmv_shrink(x, lora_a, ranks, *segments)
-        return lora_reference.sgmv_shrink(x, lora_a, ranks, *segments)
-    assert slot_ids is not None
-    if use_kernels(x.device):
-        from kernels.bgmv_shrink import bgmv_shrink
-
-        return bgmv_shrink(x, lora_a, ranks, slot_ids)
-    return lora_reference.bgmv_shrink(x, lora_a, ranks, slot_ids)
-
-
-def lora_expand(
-    y: torch.Tensor,
-    lora_b: torch.Tensor,
-    ranks: torch.Tensor,
-    slice_starts: Sequence[int] | torch.Tensor,
-    out: torch.Tensor,
-    *,
-    slot_ids: torch.Tensor | None = None,
-    seg_starts: torch.Tensor | None = None,
-    seg_slots: torch.Tensor | None = None,
-) -> None:
-    """In place: out[t, a:b] += y[k, t, :r].to(lora_b.dtype) @ lora_b[s, a:b, :r].T for every slice k = a:b and
-    token with slot s >= 0, r = ranks[s] (float32 accumulation, one rounding to out's dtype); rows with slot -1 are
-    not touched (kernels.sgmv_expand / bgmv_expand)."""
-    segments = _segments(slot_ids, seg_starts, seg_slots)
-    if segments is not None:
-        if use_kernels(out.device):
-            from kernels.sgmv_expand import sgmv_expand
-
-            sgmv_expand(y, lora_b, ranks, slice_starts, *segments, out)
-        else:
-            lora_reference.sgmv_expand(y, lora_b, ranks, slice_starts, *segments, out)
-        return
-    assert slot_ids is not None
-    if use_kernels(out.device):
-        from kernels.bgmv_expand import bgmv_expand
-
-        bgmv_expand(y, lora_b, ranks, slice_starts, slot_ids, out)
-    else:
-        lora_reference.bgmv_expand(y, lora_b, ranks, slice_starts, slot_ids, out)
+    weights: torch.Tensor  # [E] the arena in the model's dtype: what tables' offsets index
+    table: torch.Tensor  # [E * itemsize / 8] int64: page p's table starts at p * table_stride
+    table_stride: int  # int64 values per page
+    max_rank: int  # the engine's largest rank: the tables' row length
 
 
 def apply_lora(
     x: torch.Tensor,
     out: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    ranks: torch.Tensor,
-    slice_starts: Sequence[int] | torch.Tensor,
+    arena: LoraArena,
+    tiles: torch.Tensor | None,
     *,
-    slot_ids: torch.Tensor | None = None,
-    seg_starts: torch.Tensor | None = None,
-    seg_slots: torch.Tensor | None = None,
-    host_segments: Sequence[tuple[int, int, int, int]] | None = None,
-    views: dict | None = None,
+    layer: int,
+    module_base: int,
+    slice_starts: Sequence[int] | torch.Tensor,
+    max_width: int,
+    y: torch.Tensor | None,
+    block_t: int,
+    host_segments: Callable[[], Sequence[tuple[int, int, Sequence[LoraTerm]]]] | None = None,
 ) -> None:
-    """out += LoRA(x), in place: lora_expand(lora_shrink(x, ...), ...) with the same mapping. ``host_segments``
-    (start, end, slot, rank), the same mapping as host integers where each slot's tokens are contiguous: without
-    the kernels it takes the segment path (kernels.segment_lora, which reads no device tensor; ``views`` its
-    per-slot views, kept by the caller)."""
-    if host_segments is not None and not use_kernels(x.device):
+    """out += LoRA(x), in place, for one fused linear of one layer (slice k is module module_base + k; its output
+    columns slice_starts[k]:slice_starts[k + 1]). For every tile (page p, rows a:b) of the tile map ``tiles``
+    [N, 3] and slice k with rank r = the table of page p's rank for (layer, module):
+    out[a:b, slice k] += (x[a:b] @ A[:r].T) @ BT[:r], A and BT read through the table (kernels.lora_table).
+
+    With the kernels: kernels.lora_shrink into the persistent float32 workspace ``y`` [splits, K, T, R], its
+    reduction split as lora_shrink.choose_splits says for these shapes, then kernels.lora_expand; nothing is
+    allocated. Without them, where the caller has the same mapping as host segments (start, end, terms) with the
+    adapters' views, the segment path (kernels.segment_lora: a few matmuls per adapter); else the twins."""
+    if use_kernels(x.device):
+        from kernels.lora_expand import lora_expand
+        from kernels.lora_shrink import choose_splits, lora_shrink
+
+        assert tiles is not None and y is not None and isinstance(slice_starts, torch.Tensor)
+        num_slices = slice_starts.shape[0] - 1
+        splits = choose_splits(tiles.shape[0], num_slices, arena.max_rank, x.shape[1], _num_sms(x.device))
+        common = {"layer": layer, "module_base": module_base, "table_stride": arena.table_stride}
+        common |= {"max_rank": arena.max_rank, "num_splits": splits, "block_t": block_t}
+        lora_shrink(x, arena.weights, arena.table, tiles, y, num_slices=num_slices, **common)
+        lora_expand(y, arena.weights, arena.table, tiles, slice_starts, out, max_width=max_width, **common)
+        return
+    if host_segments is not None:
         from kernels.segment_lora import apply_lora_segments
 
-        starts = slice_starts.tolist() if isinstance(slice_starts, torch.Tensor) else slice_starts
-        apply_lora_segments(x, out, lora_a, lora_b, starts, host_segments, views)
+        apply_lora_segments(x, out, host_segments())
         return
-    mapping = {"slot_ids": slot_ids, "seg_starts": seg_starts, "seg_slots": seg_slots}
-    lora_expand(lora_shrink(x, lora_a, ranks, **mapping), lora_b, ranks, slice_starts, out, **mapping)
+    assert tiles is not None
+    starts = slice_starts if isinstance(slice_starts, torch.Tensor) else torch.tensor(slice_starts, dtype=torch.int32)
+    num_slices = starts.shape[0] - 1
+    workspace = torch.empty(1, num_slices, x.shape[0], -(-arena.max_rank // 16) * 16, dtype=torch.float32)
+    common = {"layer": layer, "module_base": module_base, "table_stride": arena.table_stride}
+    common |= {"max_rank": arena.max_rank, "num_splits": 1}
+    lora_reference.paged_lora_shrink(x, arena.weights, arena.table, tiles, workspace, num_slices=num_slices, **common)
+    lora_reference.paged_lora_expand(
+        workspace, arena.weights, arena.table, tiles, starts, out, max_width=max_width, **common
+    )
 
 
 def write_kv_cache(

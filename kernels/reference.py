@@ -41,17 +41,19 @@ def write_kv_cache(
     """k_cache.view(-1, kv_heads, head_dim)[slot_mapping] = quantize_kv(k, k_cache.dtype, k_scale) (and v alike),
     in place, for the tokens whose slot is >= 0.
 
-    k, v: [tokens, kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim];
-    slot_mapping: [tokens] int64, slot = block_id * block_size + offset; a negative slot (a padding token) writes
-    nothing; k_scale, v_scale: [kv_heads] float32 for an fp8 cache, else None."""
+    k, v: [tokens, kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim], any
+    strides; slot_mapping: [tokens] int64, slot = block_id * block_size + offset; a negative slot (a padding token)
+    writes nothing; k_scale, v_scale: [kv_heads] float32 for an fp8 cache, else None."""
     if slot_mapping.numel() and slot_mapping.min() < 0:  # padding rows (never on the CPU engine's own steps)
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    where = (slot_mapping // block_size, slot_mapping % block_size)  # caches may be strided (the arena's pages)
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        rows, stored = cache.view(-1, *cache.shape[2:]), quantize_kv(x, cache.dtype, scale)
-        if cache.dtype == FP8_KV_DTYPE:  # index_copy_ has no float8 kernel on the CPU: move the bytes
-            rows, stored = rows.view(torch.uint8), stored.view(torch.uint8)
-        rows.index_copy_(0, slot_mapping, stored)
+        stored = quantize_kv(x, cache.dtype, scale)
+        if cache.dtype == FP8_KV_DTYPE:  # index_put_ has no float8 kernel on the CPU: move the bytes
+            cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+        cache.index_put_(where, stored)
 
 
 def paged_attention(

@@ -1,53 +1,42 @@
 """Multi-LoRA as a few matmuls per adapter segment: the path where there are no Triton kernels (the CPU).
 
 The step's tokens come ordered so that each adapter's tokens are contiguous (the runner sorts them once per step),
-and each segment carries its slot and rank as host integers, so nothing here reads a device tensor, sorts or
-searches: per segment one batched shrink over every output slice and one in-place multiply-add per slice, at the
-adapter's own rank. Same result as lora_reference.sgmv_shrink + sgmv_expand up to float rounding (the twins round
-y to B's dtype and add in float32; here the matmuls accumulate in the model's dtype)."""
+and each segment carries its adapter's terms: views of its weights where they lie (the arena's pages), made once
+when the adapter was loaded. Nothing here reads a device tensor, sorts or searches: per segment and term one batched
+shrink over the term's slices and one in-place multiply-add per output, at the adapter's own rank. Same result as
+the twins (kernels.lora_reference) up to float rounding: the twins round y to the weights' dtype and add in
+float32, here the matmuls accumulate in the model's dtype."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-# (slot, rank) -> (A's rows of every slice, transposed [K, in, rank]; B's columns of each slice, transposed
-# [rank, width_k]): views into one wrapper's lora_a / lora_b, valid as long as those tensors are
-SlotViews = dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]]
+
+@dataclass(frozen=True, slots=True)
+class LoraTerm:
+    """Part of one adapter's LoRA in one fused linear: y = x @ a_t (y [K', n, r']) and, for each output
+    (j, y0, y1, c0, c1, bt), out[:, c0:c1] += y[j][:, y0:y1] @ bt. Usually one term holds a whole group (its
+    slices' A back to back, one output per slice); larger adapters split into a term per piece."""
+
+    a_t: torch.Tensor  # [K', in, r'] A's rows, transposed (a view)
+    outputs: list[tuple[int, int, int, int, int, torch.Tensor]]  # (j, y0, y1, c0, c1, bt [y1 - y0, c1 - c0])
 
 
 def apply_lora_segments(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    slice_starts: Sequence[int],
-    segments: Sequence[tuple[int, int, int, int]],
-    views: SlotViews | None = None,
+    x: torch.Tensor, out: torch.Tensor, segments: Sequence[tuple[int, int, Sequence[LoraTerm]]]
 ) -> None:
-    """In place, for each segment (start, end, slot, rank) and slice k = a:b:
-    out[start:end, a:b] += (x[start:end] @ lora_a[k, slot, :rank].T) @ lora_b[slot, a:b, :rank].T.
-    x [T, in]; out [T, out_total]; lora_a [K, slots, R, in]; lora_b [slots, out_total, R]; segments with
-    rank 0 or slot -1 are skipped; rows outside every segment are not touched. ``views``: a dict the caller keeps
-    for these lora_a and lora_b, so that each (slot, rank)'s views are made once."""
-    views = {} if views is None else views
+    """In place, for each segment (start, end, terms) and term: out[start:end] += the term's LoRA of x[start:end].
+    x [T, in]; out [T, out_total]; rows outside every segment are not touched."""
     whole = len(segments) == 1 and segments[0][0] == 0 and segments[0][1] == x.shape[0]
-    for start, end, slot, rank in segments:
-        if slot < 0 or rank <= 0 or end <= start:
+    for start, end, terms in segments:
+        if end <= start:
             continue
-        pair = views.get((slot, rank))
-        if pair is None:
-            b_rows = lora_b[slot, :, :rank]
-            pair = views[(slot, rank)] = (
-                lora_a[:, slot, :rank].mT,
-                [b_rows[a:b].T for a, b in zip(slice_starts, slice_starts[1:], strict=False)],
-            )
-        a_t, b_ts = pair
         rows_x, rows_out = (x, out) if whole else (x[start:end], out[start:end])
-        y = torch.matmul(rows_x, a_t)  # [K, n, rank]
-        if len(b_ts) == 1:
-            rows_out.addmm_(y[0], b_ts[0])
-            continue
-        for k, b_t in enumerate(b_ts):
-            rows_out[:, slice_starts[k] : slice_starts[k + 1]].addmm_(y[k], b_t)
+        for term in terms:
+            y = torch.matmul(rows_x, term.a_t)  # [K', n, r']
+            for j, y0, y1, c0, c1, bt in term.outputs:
+                target = rows_out if c0 == 0 and c1 == out.shape[1] else rows_out[:, c0:c1]
+                target.addmm_(y[j] if y0 == 0 and y1 == y.shape[2] else y[j][:, y0:y1], bt)

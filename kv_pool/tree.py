@@ -29,7 +29,7 @@ HIT_HISTORY = 256  # hit times kept per node; enough for any reuse window the po
 
 class Tier(Enum):
     GPU = "gpu"
-    HOST = "host"  # KV: in host blocks; an adapter: only the registry's host copy of its weights
+    HOST = "host"  # KV: in host blocks; an adapter: not on the device (its weights staged on the host, or on disk)
     DROPPED = "dropped"
 
 
@@ -59,9 +59,8 @@ class PrefixKey:
 class OpKind(Enum):
     KV_SWAP_OUT = "kv_swap_out"  # copy GPU blocks `src` to host blocks `dst`
     KV_SWAP_IN = "kv_swap_in"  # copy host blocks `src` to GPU blocks `dst`
-    ADAPTER_LOAD = "adapter_load"  # write `adapter`'s weights (the registry's host copy) into device slot `slot`
-    # (its GPU blocks `dst` are what the budget charges for them)
-    ADAPTER_UNLOAD = "adapter_unload"  # `adapter` left slot `slot` and GPU blocks `src`; nothing to copy
+    ADAPTER_LOAD = "adapter_load"  # write `adapter`'s staged pages into GPU blocks `dst` (dst[0]: its table page)
+    ADAPTER_UNLOAD = "adapter_unload"  # `adapter` left GPU blocks `src` (src[0] was its table page); nothing to copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,6 @@ class CopyOp:
     src: tuple[int, ...] = ()  # [n] block ids on the source tier
     dst: tuple[int, ...] = ()  # [n] block ids on the destination tier
     adapter: AdapterKey | None = None
-    slot: int = -1  # adapter ops: the device slot the LoRA kernels read the adapter's weights from
 
 
 ChildKey = tuple[str, str, tuple[int, ...]]  # (domain, salt, the tokens of the child's first block)
@@ -83,9 +81,9 @@ class AdapterNode:
     num_bytes: int
     num_blocks: int  # weight size in GPU blocks
     tier: Tier = Tier.HOST
-    blocks: list[int] = field(default_factory=list)  # GPU blocks holding the weights while tier is GPU
-    slot: int = -1  # the device slot of its weights while tier is GPU (the lowest free one at load)
+    blocks: list[int] = field(default_factory=list)  # GPU blocks (arena pages) holding its weights while on the GPU
     pinned: bool = False  # never evicted from the GPU (it may still be dropped: unloaded or replaced)
+    staged: bool = False  # its weights are ready on the host to be copied in (the engine's loader says so)
     children: dict[ChildKey, KVNode] = field(default_factory=dict)
     lock: int = 0  # locked handles at or below this node
     last_access: float = 0.0
@@ -94,6 +92,12 @@ class AdapterNode:
     @property
     def parent(self) -> None:
         return None
+
+    @property
+    def table_page(self) -> int:
+        """Where the LoRA kernels find it: its first GPU block, which starts with its table; -1 off the GPU (and for
+        the base model, which has no weights)."""
+        return self.blocks[0] if self.tier is Tier.GPU and self.blocks else -1
 
 
 @dataclass(eq=False, slots=True)
@@ -165,11 +169,15 @@ class PrefixTree:
 
     # ---- adapters -------------------------------------------------------------------------------------------
 
-    def add_adapter(self, key: AdapterKey, num_bytes: int, num_blocks: int, pinned: bool = False) -> AdapterNode:
-        """Make an adapter version known (tier HOST: its weights are only in the registry's host copy)."""
+    def add_adapter(
+        self, key: AdapterKey, num_bytes: int, num_blocks: int, pinned: bool = False, staged: bool = False
+    ) -> AdapterNode:
+        """Make an adapter version known (tier HOST: not on the device; ``staged``: its weights are ready on the
+        host)."""
         if key in self._adapters:
             raise ValueError(f"adapter {key} is already in the tree")
-        node = self._adapters[key] = AdapterNode(next(self._ids), key, num_bytes, num_blocks, pinned=pinned)
+        node = AdapterNode(next(self._ids), key, num_bytes, num_blocks, pinned=pinned, staged=staged)
+        self._adapters[key] = node
         return node
 
     def adapter(self, key: AdapterKey) -> AdapterNode | None:
@@ -182,20 +190,20 @@ class PrefixTree:
     def load_adapter(self, node: AdapterNode, num_blocks: int | None = None) -> None:
         """Put the weights on the GPU (num_blocks: pad to a slot size). Raises OutOfBlocksError, changing nothing."""
         assert node.tier is Tier.HOST and not node.dropped, f"cannot load {node.key} from {node.tier}"
+        assert node.staged, f"{node.key} is not staged on the host"
         node.blocks = self.gpu.allocate(node.num_blocks if num_blocks is None else num_blocks)
-        used = {a.slot for a in self.adapters() if a.tier is Tier.GPU}
-        node.tier, node.slot = Tier.GPU, next(s for s in itertools.count() if s not in used)
-        self.ops.append(CopyOp(OpKind.ADAPTER_LOAD, dst=tuple(node.blocks), adapter=node.key, slot=node.slot))
+        node.tier = Tier.GPU
+        self.ops.append(CopyOp(OpKind.ADAPTER_LOAD, dst=tuple(node.blocks), adapter=node.key))
         self.counters["adapter_bytes_h2d"] += node.num_bytes
 
     def unload_adapter(self, node: AdapterNode, reason: str = "adapter_unload") -> None:
         """Free the weights' GPU blocks. The tree does not require its KV to leave first; policies that do
         (kv_needs_adapter) only pick adapters without KV on the GPU."""
         assert node.tier is Tier.GPU and node.lock == 0 and node.key != BASE, f"cannot unload {node.key}"
-        self.ops.append(CopyOp(OpKind.ADAPTER_UNLOAD, src=tuple(node.blocks), adapter=node.key, slot=node.slot))
+        self.ops.append(CopyOp(OpKind.ADAPTER_UNLOAD, src=tuple(node.blocks), adapter=node.key))
         self.counters[reason] += len(node.blocks)
         self.gpu.free(node.blocks)
-        node.blocks, node.tier, node.slot = [], Tier.HOST, -1
+        node.blocks, node.tier = [], Tier.HOST
 
     def drop_adapter(self, adapter_id: int, version: int | None = None) -> list[AdapterKey]:
         """Unload or replace: every version of adapter_id (or just `version`) becomes unreachable at once and its
@@ -417,9 +425,9 @@ class PrefixTree:
         return isinstance(node, KVNode) or (adapters and node.num_blocks > 0 and not node.dropped and not node.pinned)
 
     def swap_in_candidates(self) -> Iterator[Node]:
-        """Host roots, and the adapters that are not on the GPU."""
+        """Host roots, and the adapters that are not on the GPU but staged on the host."""
         for adapter in self._adapters.values():
-            if adapter.tier is Tier.HOST:
+            if adapter.tier is Tier.HOST and adapter.staged:
                 yield adapter
             elif adapter.tier is Tier.GPU:
                 yield from (n for n in self._subtree(adapter) if n.tier is Tier.HOST and n.parent.tier is Tier.GPU)

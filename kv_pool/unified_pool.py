@@ -31,6 +31,7 @@ from kv_pool.tree import (
     CopyOp,
     Handle,
     Node,
+    OpKind,
     PrefixKey,
     PrefixTree,
     Tier,
@@ -48,8 +49,9 @@ class PoolConfig:
     adapter_slots: int = 4  # slot policies (lru-separate): adapter slots reserved up front
     adapter_slot_blocks: int = 8  # slot policies: blocks per slot, the largest adapter they accept
     free_watermark_blocks: int = 0  # proactive policies: tick() swaps out below it and swaps in down to it
-    max_resident_adapters: int | None = None  # unified policies: at most this many adapters on the GPU (the device
-    # slots the LoRA kernels read); None: only the block budget limits them. Slot policies use adapter_slots.
+    max_resident_adapters: int | None = None  # unified policies: an optional cap on adapters on the GPU; None (the
+    # engine's): the policy decides within the block budget alone. Slot policies use adapter_slots.
+    max_pinned_share: float = 0.5  # pinned adapters may take at most this share of the GPU blocks
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.num_host_blocks < 0 or self.block_size < 1 or self.block_bytes < 1:
@@ -62,9 +64,23 @@ class PoolConfig:
             raise ValueError("free_watermark_blocks must be in [0, num_gpu_blocks)")
         if self.max_resident_adapters is not None and self.max_resident_adapters < 1:
             raise ValueError("max_resident_adapters must be >= 1 or None")
+        if not 0 <= self.max_pinned_share < 1:
+            raise ValueError("max_pinned_share must be in [0, 1)")
 
     def adapter_blocks(self, num_bytes: int) -> int:
         return -(-num_bytes // self.block_bytes)
+
+    def pin_blocks(self, num_blocks: int) -> int:
+        """What pinning an adapter of num_blocks takes from max_pinned_blocks: its blocks (slot policies: a slot)."""
+        return self.adapter_slot_blocks if POLICIES[self.policy].adapter_slots else num_blocks
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The most GPU blocks pinned adapters may take together (slot policies: whole slots)."""
+        limit = int(self.num_gpu_blocks * self.max_pinned_share)
+        if POLICIES[self.policy].adapter_slots:
+            return min(limit, (self.adapter_slots - 1) * self.adapter_slot_blocks)
+        return limit
 
     @classmethod
     def for_budget(
@@ -78,10 +94,11 @@ class PoolConfig:
         max_loras: int,
         adapter_slot_bytes: int,
     ) -> PoolConfig:
-        """The pool of an engine: its device budget cut into blocks of block_bytes, adapters charged
-        ceil(bytes / block_bytes) blocks while resident, at most ``max_loras`` of them (the device slots the LoRA
-        kernels read; slot policies reserve them up front at ``adapter_slot_bytes`` each), and a free watermark
-        of 1/32 of the budget for the proactive policies. ValueError when the slots would take the whole budget."""
+        """The pool of an engine: its device budget (the arena) cut into blocks of block_bytes, an adapter taking
+        the pages of its own layout while resident, as many adapters as the policy keeps (slot policies reserve
+        ``max_loras`` slots up front at ``adapter_slot_bytes`` each, the largest adapter's pages), and a free
+        watermark of 1/32 of the budget for the proactive policies. ValueError when the slots would take the whole
+        budget."""
         slot_blocks = -(-adapter_slot_bytes // block_bytes)
         if POLICIES[policy].adapter_slots and max_loras * slot_blocks >= num_gpu_blocks:
             raise ValueError(
@@ -99,7 +116,6 @@ class PoolConfig:
             adapter_slots=max_loras,
             adapter_slot_blocks=slot_blocks,
             free_watermark_blocks=num_gpu_blocks // 32,
-            max_resident_adapters=max_loras,
         )
 
 
@@ -113,7 +129,8 @@ class Admission:
     new_blocks: tuple[int, ...] = ()  # blocks allocated at admission for its first chunk (admit's token_budget)
     num_new_tokens: int = 0  # the first chunk: tokens after the cached prefix the new blocks are for
     adapter_loaded: bool = False  # its adapter was not on the GPU and admission loaded it
-    adapter_slot: int = -1  # its adapter's device slot (-1: the base model); stable while it is held
+    adapter_page: int = -1  # its adapter's table page, where the LoRA kernels find it (-1: the base model); stable
+    # while it is held
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +139,8 @@ class AdapterPlacement:
 
     key: AdapterKey
     tier: str  # "gpu" or "host" (the base model: always "gpu")
-    slot: int  # its device slot while on the GPU, else -1
+    table_page: int  # its table page while on the GPU, else -1
+    staged: bool  # its weights are ready on the host (always False for the base model)
     pinned: bool
     weight_blocks: int  # GPU blocks charged to its weights while resident
     kv_blocks_gpu: int  # KV blocks cached under it on the GPU
@@ -176,26 +194,64 @@ class UnifiedPool:
         return self.gpu.blocks_for_tokens(num_tokens) + adapter
 
     def resident_adapters(self) -> dict[AdapterKey, int]:
-        """The adapter versions on the GPU and their device slots."""
-        return {a.key: a.slot for a in self.tree.adapters() if a.tier is Tier.GPU and a.slot >= 0}
+        """The adapter versions on the GPU and their table pages."""
+        return {a.key: a.table_page for a in self.tree.adapters() if a.tier is Tier.GPU and a.table_page >= 0}
 
     # ---- adapters -------------------------------------------------------------------------------------------
 
-    def register_adapter(self, adapter_id: int, version: int, num_bytes: int, pinned: bool = False) -> AdapterKey:
-        """Make an adapter version known (its weights stay in the registry's host copy until a request needs
-        them, or for a pinned one until the GPU has room: it then stays there). Earlier versions of the same id are
-        dropped with their KV: a new version replaces them."""
+    def register_adapter(
+        self, adapter_id: int, version: int, num_bytes: int, pinned: bool = False, staged: bool = False
+    ) -> AdapterKey:
+        """Make an adapter version known, ``num_bytes`` its pages' bytes (it stays off the GPU until a request needs
+        it, or for a pinned one until it is staged and the GPU has room: it then stays there). Earlier versions of
+        the same id are dropped with their KV: a new version replaces them. ``staged``: its weights are ready on
+        the host already (else set_staged says when). ValueError for a pin beyond ``max_pinned_blocks``."""
         if adapter_id == BASE_ADAPTER_ID or num_bytes < 1:
             raise ValueError("an adapter needs an id other than the base model's and a positive size")
         num_blocks = self.config.adapter_blocks(num_bytes)
         if self.policy.adapter_slots and num_blocks > self.config.adapter_slot_blocks:
             raise ValueError(f"the adapter takes {num_blocks} blocks; a slot holds {self.config.adapter_slot_blocks}")
+        if pinned and not self.can_pin(num_blocks, adapter_id):
+            raise ValueError(
+                f"pinning it would take more than {self.config.max_pinned_blocks} of the {self.config.num_gpu_blocks}"
+                " device blocks for pinned adapters"
+            )
         key = AdapterKey(adapter_id, version)
         if self.tree.adapter(key) is not None:
             raise ValueError(f"adapter {adapter_id} version {version} is already registered")
         self.tree.drop_adapter(adapter_id)
-        self.tree.add_adapter(key, num_bytes, num_blocks, pinned)
+        self.tree.add_adapter(key, num_bytes, num_blocks, pinned, staged)
         return key
+
+    def can_pin(self, num_blocks: int, replacing: int | None = None) -> bool:
+        """Whether an adapter of ``num_blocks`` can be pinned beside those pinned now (those of id ``replacing``
+        aside: a new version replaces them)."""
+        c = self.config
+        pinned = sum(
+            c.pin_blocks(a.num_blocks)
+            for a in self.tree.adapters()
+            if a.pinned and not a.dropped and a.key.adapter_id != replacing
+        )
+        return pinned + c.pin_blocks(num_blocks) <= c.max_pinned_blocks
+
+    def set_staged(self, adapter: AdapterKey, staged: bool) -> None:
+        """The engine's loader has this adapter's weights ready on the host (or no longer): only staged adapters
+        are loaded. Unknown versions are ignored (dropped meanwhile)."""
+        node = self.tree.adapter(adapter)
+        if node is not None:
+            node.staged = staged
+
+    def set_pinned(self, adapter: AdapterKey, pinned: bool) -> None:
+        """Pin an adapter (kept on the GPU once loaded; the caller checked can_pin) or unpin it."""
+        node = self.tree.adapter(adapter)
+        if node is not None:
+            node.pinned = pinned
+
+    def pending_adapter_pages(self, unloads: bool = False) -> set[int]:
+        """Table pages of the adapter loads (or unloads) decided but not yet taken by take_copy_ops."""
+        if unloads:
+            return {op.src[0] for op in self.tree.ops if op.kind is OpKind.ADAPTER_UNLOAD}
+        return {op.dst[0] for op in self.tree.ops if op.kind is OpKind.ADAPTER_LOAD}
 
     def knows(self, adapter: AdapterKey) -> bool:
         """Whether this adapter version is registered (and not dropped)."""
@@ -212,6 +268,8 @@ class UnifiedPool:
     def _make_resident(self, adapter: AdapterNode, now: float) -> bool:
         if adapter.tier is Tier.GPU:
             return True
+        if not adapter.staged:
+            return False
         if not self.policy.adapter_slots:
             cap = self.config.max_resident_adapters
             if cap is not None and self._resident_adapters() >= cap and not self._unload_one(now):
@@ -257,9 +315,9 @@ class UnifiedPool:
 
         With `token_budget`, also allocate the blocks of the first chunk: the uncached tokens, at most
         token_budget of them (all of them or nothing when not `partial`). None: the adapter cannot be made
-        resident now (all candidates are locked) or the chunk does not fit; nothing is held or counted then
-        (an adapter loaded or KV swapped in on the way stays, unlocked). Raises KeyError for an adapter version
-        that is not registered."""
+        resident now (it is not staged on the host, or all candidates are locked) or the chunk does not fit;
+        nothing is held or counted then (an adapter loaded or KV swapped in on the way stays, unlocked). Raises
+        KeyError for an adapter version that is not registered."""
         adapter = self.tree.adapter(key.adapter)
         if adapter is None:
             raise KeyError(f"adapter {key.adapter_id} version {key.version} is not registered")
@@ -298,7 +356,9 @@ class UnifiedPool:
         salt = self._by_salt.setdefault(key.salt, [0, 0])
         salt[0] += len(tokens)
         salt[1] += cached
-        return Admission(handle, tuple(blocks), cached, tuple(new_blocks), num_new, not was_resident, adapter.slot)
+        return Admission(
+            handle, tuple(blocks), cached, tuple(new_blocks), num_new, not was_resident, adapter.table_page
+        )
 
     def _lock_and_restore(self, handle: Handle, now: float) -> Handle:
         """Lock the GPU part of a matched path, then swap in its host part, top first, while the policy prefers
@@ -389,7 +449,7 @@ class UnifiedPool:
         first, whenever there is room for them."""
         self.policy.observe_step(now, batch_size)
         for adapter in self.tree.adapters():
-            if adapter.pinned and adapter.tier is Tier.HOST and not adapter.dropped:
+            if adapter.pinned and adapter.tier is Tier.HOST and not adapter.dropped and adapter.staged:
                 self._make_resident(adapter, now)
         if not self.policy.proactive:
             return
@@ -454,8 +514,8 @@ class UnifiedPool:
         )
 
     def adapter_placement(self) -> list[AdapterPlacement]:
-        """Each known adapter version (the base model included): its tier, slot, pin, and the KV blocks cached
-        under it on each tier (what a status page draws)."""
+        """Each known adapter version (the base model included): its tier, table page, whether it is staged, its
+        pin, and the KV blocks cached under it on each tier (what a status page draws)."""
         out = []
         for adapter in self.tree.adapters():
             if adapter.dropped:
@@ -465,7 +525,8 @@ class UnifiedPool:
                 AdapterPlacement(
                     adapter.key,
                     adapter.tier.value,
-                    adapter.slot,
+                    adapter.table_page,
+                    adapter.staged,
                     adapter.pinned,
                     len(adapter.blocks),
                     kv[Tier.GPU],

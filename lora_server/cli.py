@@ -168,6 +168,24 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--layers", type=int, default=32, help="--host-work: the tiny Llama's layers (default: 32)")
     p.add_argument("--steps", type=int, default=3, help="--host-work: decode steps counted (default: 3)")
+    p.add_argument(
+        "--registered",
+        type=_ints,
+        default=None,
+        help="instead: for each N (takes commas, e.g. 16,2000), register N adapters (time, host memory) and serve "
+        "--rounds batches of the first --batch requests whose adapters follow Zipf(--alpha) over them, on the "
+        "embedded model",
+    )
+    p.add_argument("--alpha", type=float, default=1.0, help="--registered: the Zipf exponent (default: 1.0)")
+    p.add_argument("--rounds", type=int, default=4, help="--registered: batches served (default: 4)")
+    p.add_argument("--trace-seed", type=int, default=0, help="--registered, --loads: the trace's seed (default: 0)")
+    p.add_argument(
+        "--loads",
+        action="store_true",
+        help="instead: the decode step time of a batch (the first --batch, 4 adapters) while --load-count other "
+        "adapters are registered, staged and loaded, against the same batch with none, on the embedded model",
+    )
+    p.add_argument("--load-count", type=int, default=8, help="--loads: adapters loaded meanwhile (default: 8)")
 
 
 @command("bench-engine", "decode throughput against the memory-bandwidth floor", _bench_engine_args)
@@ -191,6 +209,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
         if args.quick:
             args.batch, args.output_len, args.repeats = [8], 24, 2
         bench_structured(args, config_from_flags(EngineConfig, args))
+        return 0
+    if args.registered or args.loads:
+        from lora_server.bench.adapters import bench_loads, bench_registered
+
+        _embedded_model(args)
+        args.quantization = args.quantization or "auto"
+        if args.batch == [1, 16, 64, 128]:  # the defaults of the bandwidth benchmark
+            args.batch, args.prompt_len, args.output_len, args.rank = [16], [16], 16, 8
+        if args.quick:
+            args.batch, args.output_len, args.rounds, args.load_count = [4], 4, 2, 2
+        args.max_num_seqs = max(args.max_num_seqs, *args.batch)
+        (bench_registered if args.registered else bench_loads)(args, config_from_flags(EngineConfig, args))
         return 0
     if args.peer:
         from lora_server.bench.peer import bench_peer

@@ -167,10 +167,20 @@ class EngineConfig:
         ),
     )
     max_loras: int = field(
-        default=8,
-        metadata=flag("device slots for adapters: the most distinct adapters resident (and in one batch) at once"),
+        default=16,
+        metadata=flag(
+            "the most distinct adapters in one batch (vLLM's meaning); how many stay resident on the device is the "
+            "pool's decision within --kv-cache-gb, where adapters and KV share one arena"
+        ),
     )
     max_lora_rank: int = field(default=16, metadata=flag("the largest adapter rank accepted"))
+    max_cpu_loras: int = field(
+        default=64,
+        metadata=flag(
+            "adapters kept staged in host memory, laid out for the device (pinned on CUDA), beside those on the "
+            "device; others are read from disk again when a request needs them (in the background)"
+        ),
+    )
     adapter_roots: tuple[str, ...] | None = field(
         default=None,
         metadata=flag(
@@ -195,6 +205,7 @@ class EngineConfig:
             "max_waiting_requests",
             "max_loras",
             "max_lora_rank",
+            "max_cpu_loras",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -268,6 +279,14 @@ class ServerConfig:
         metadata=flag(
             "keep /v1 open to callers without a key once tenants exist (without it and without --api-key, /v1 is "
             "open only while no tenant exists)"
+        ),
+    )
+    load_adapters_on_demand: bool = field(
+        default=False,
+        metadata=flag(
+            "a request naming an adapter that is not registered but lies in an adapter root as ROOT/NAME registers "
+            "it on first use (vLLM's filesystem resolver; a tenant's allow-list is checked first; this server's "
+            "own, not written to the registry store)"
         ),
     )
     max_request_bytes: int = field(

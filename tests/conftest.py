@@ -61,7 +61,8 @@ CHAT_PROMPTS = [
     "Give me a name for a pet turtle.",
 ]
 
-# adapters of different ranks and targets (rsLoRA, regex targets, rank and alpha patterns): the HF + PEFT tests'
+# adapters of different ranks and targets (rsLoRA, regex targets, rank and alpha patterns, attention-only and
+# MLP-only): the HF + PEFT tests'
 ADAPTERS = {
     "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=list(range(0, 30, 3))),
     "all-r8-rslora": dict(
@@ -80,6 +81,7 @@ ADAPTERS = {
         rank_pattern={"q_proj": 6},
         alpha_pattern={"gate_proj": 12},
     ),
+    "mlp-r8": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
 }
 
 

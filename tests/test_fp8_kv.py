@@ -14,7 +14,7 @@ from kv_pool.tree import CopyOp, OpKind
 from lora_server.cli import main_parser
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.model.runner import kv_bytes_per_block
+from lora_server.model.arena import page_bytes
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 
@@ -63,15 +63,15 @@ def test_blocks_in_the_same_budget(engine_fp32, engine_fp8):
     """256 MiB of device budget: 364 fp32 blocks of 737280 bytes, 1456 = 4 x 364 fp8 blocks of 184320; the host
     tier's 64 MiB: 364 fp8 blocks. (A bf16 model's blocks would halve: 368640 -> 184320.)"""
     arch = engine_fp8.core.arch
-    assert kv_bytes_per_block(arch, 16, torch.float32) == FP32_BLOCK_BYTES
-    assert kv_bytes_per_block(arch, 16, torch.bfloat16) == 2 * FP8_BLOCK_BYTES
-    assert kv_bytes_per_block(arch, 16, torch.float8_e4m3fn) == FP8_BLOCK_BYTES
+    assert page_bytes(arch, 16, torch.float32) == FP32_BLOCK_BYTES
+    assert page_bytes(arch, 16, torch.bfloat16) == 2 * FP8_BLOCK_BYTES
+    assert page_bytes(arch, 16, torch.float8_e4m3fn) == FP8_BLOCK_BYTES
     fp32, fp8 = engine_fp32.core, engine_fp8.core
     assert (fp32.runner.num_blocks, fp8.runner.num_blocks) == (364, 1456)
     assert fp8.pool.config.num_gpu_blocks == 1456 and fp8.pool.config.block_bytes == FP8_BLOCK_BYTES
     assert fp8.runner.num_host_blocks == fp8.pool.config.num_host_blocks == 364
-    assert fp8.runner.kv_cache.dtype == fp8.runner.host_kv.dtype == torch.float8_e4m3fn
-    assert fp8.runner.kv_cache.nbytes == 1456 * FP8_BLOCK_BYTES <= 256 * MIB
+    assert fp8.runner.arena.kv.dtype == torch.float8_e4m3fn
+    assert fp8.runner.arena.nbytes == 1456 * FP8_BLOCK_BYTES <= 256 * MIB
     assert fp8.runner.host_kv.nbytes == 364 * FP8_BLOCK_BYTES <= 64 * MIB
     assert engine_fp8.describe().kv_bytes_per_token == FP8_BLOCK_BYTES // 16
     # a resident adapter is charged its bytes in the smaller blocks: the same bytes, four times as many blocks
@@ -121,7 +121,9 @@ def test_greedy_agreement_with_fp32_kv(engine_fp32, engine_fp8, adapter):
             assert behind <= max_behind, (first, behind)
     agreement = same / (NEW_TOKENS * len(prompts))
     assert agreement >= min_agree, agreement
-    stored = engine_fp8.core.runner.kv_cache.float().abs()
+    runner = engine_fp8.core.runner
+    kv_pages = [p for p in range(runner.num_blocks) if p not in runner.adapters.pages()]  # not adapters' weights
+    stored = runner.arena.kv[kv_pages].float().abs()
     assert stored.max() < 448, "a key or value was clamped: the scales leave too little room"
     engine_fp8.core.check_integrity()
 
@@ -130,22 +132,22 @@ def test_host_swap_round_trip(engine_fp8):
     """Device blocks holding fp8 KV go to the host tier and come back into other device blocks byte for byte; a
     block moves in one copy of FP8_BLOCK_BYTES, and what attention reads from it (stored x scale) is unchanged."""
     runner = engine_fp8.core.runner
-    cache, host = runner.kv_cache, runner.host_kv
+    cache, host = runner.arena.kv, runner.host_kv  # [blocks, layers, 2, 16, kv_heads, head_dim]; [blocks, bytes]
     src, host_blocks, dst = (1400, 1401), (10, 11), (1450, 1451)  # free: the tests' requests use the low blocks
     gen = torch.Generator().manual_seed(0)
-    values = torch.randn(cache[:, :, list(src)].shape, generator=gen) * 100
-    cache[:, :, list(src)] = values.clamp(-448, 448).to(torch.float8_e4m3fn)
-    original = cache[:, :, list(src)].clone()
+    values = torch.randn(cache[list(src)].shape, generator=gen) * 100
+    cache[list(src)] = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    original = cache[list(src)].clone()
     assert host[0].nbytes == FP8_BLOCK_BYTES
-    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_OUT, src=src, dst=host_blocks)], weights=lambda key: None)
-    cache[:, :, list(src)] = torch.zeros_like(original)
-    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_IN, src=host_blocks, dst=dst)], weights=lambda key: None)
-    back = cache[:, :, list(dst)]
+    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_OUT, src=src, dst=host_blocks)], lambda key: None)
+    cache[list(src)] = torch.zeros_like(original)
+    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_IN, src=host_blocks, dst=dst)], lambda key: None)
+    back = cache[list(dst)]
     assert torch.equal(back.view(torch.uint8), original.view(torch.uint8))
     scales = runner.kv_scales  # [layers, 2, kv_heads]
     for layer in (0, 29):
         for kv in (0, 1):
-            rows = back[layer, kv]  # [2 blocks, 16, kv_heads, head_dim]
-            want = original[layer, kv].float() * scales[layer, kv][:, None]
+            rows = back[:, layer, kv]  # [2 blocks, 16, kv_heads, head_dim]
+            want = original[:, layer, kv].float() * scales[layer, kv][:, None]
             assert torch.equal(dequantize_kv(rows, scales[layer, kv]), want)
-    cache[:, :, list(dst)] = torch.zeros_like(original)
+    cache[list(dst)] = torch.zeros_like(original)

@@ -199,8 +199,8 @@ def test_benchmark_counts_a_decode_step_of_the_cuda_path():
     # this short context: no reduce), SiLU-and-multiply
     assert step["kernels"] == {
         "_rms_norm_kernel": 5,
-        "_bgmv_shrink_kernel": 8,
-        "_bgmv_expand_kernel": 8,
+        "_lora_shrink_kernel": 8,
+        "_lora_expand_kernel": 8,
         "_rotary_write_kv_kernel": 2,
         "_decode_attention_kernel": 2,
         "_silu_and_mul_kernel": 2,

@@ -366,8 +366,9 @@ def test_first_hour(tmp_path):
         log = s.log_text()
         for line in (
             "serving SmolLM2-135M-Instruct: gguf weights from",
-            "device budget:",
-            "adapter slots",
+            "device memory: weights",
+            "GiB + arena",
+            "at most 4 in one batch",
             "adapters: command line: own; demo: upper",
             f"adapter roots: {roots}",
             f"registry: sqlite at {xdg / 'lora-server'} (the user's data directory (XDG))",

@@ -80,13 +80,12 @@ def test_the_page_shows_what_the_admin_api_says(server):
     assert shown["policy"] == pool["policy"] == "tree-cost"
     assert (shown["gpu_free"], shown["gpu_cached"]) == (pool["gpu_free"], pool["gpu_cached"])
     assert shown["kv_hit"] == f"{100 * pool['kv_token_hit_rate']:.1f}%"
-    on_device = {a["name"]: a for a in pool["adapters"] if a["tier"] == "gpu"}
+    on_device = {", ".join(a["names"]): a for a in pool["adapters"] if a["tier"] == "gpu"}
     assert {row[0] for row in shown["device"]} == set(on_device) >= {"<base>", "upper", "pirate"}
-    for name, version, slot, _, weights, kv_gpu, kv_host in shown["device"]:
-        a = on_device[name]
-        assert (int(version), -1 if slot == "-" else int(slot), int(weights), int(kv_gpu), int(kv_host)) == (
-            a["version"],
-            a["slot"],
+    for names, page, _, weights, kv_gpu, kv_host in shown["device"]:
+        a = on_device[names]
+        assert (-1 if page == "-" else int(page), int(weights), int(kv_gpu), int(kv_host)) == (
+            a["table_page"],
             a["weight_blocks"],
             a["kv_blocks_gpu"],
             a["kv_blocks_host"],

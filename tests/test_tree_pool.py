@@ -30,7 +30,7 @@ K1 = PrefixKey("chat", "t1", 1, 0)
 def make_tree(gpu_blocks=16, host_blocks=4, adapters=((A1, 2),)) -> PrefixTree:
     tree = PrefixTree(2, BlockPool(gpu_blocks, 2), BlockPool(host_blocks, 2))
     for key, blocks in adapters:
-        tree.load_adapter(tree.add_adapter(key, 100 * blocks, blocks))
+        tree.load_adapter(tree.add_adapter(key, 100 * blocks, blocks, staged=True))
     return tree
 
 
@@ -60,7 +60,7 @@ def dump(tree: PrefixTree, key: AdapterKey) -> dict[tuple[int, ...], tuple[str, 
 
 def test_insert_match_and_split():
     tree = make_tree()
-    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1, slot=0)]
+    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1)]
     blocks, n, top = tree.match_prefix(K1, [1, 2, 3, 4, 5, 6, 7], now=1.0)
     assert (blocks, n, top.node) == ([], 0, tree.adapter(A1))
 
@@ -137,7 +137,7 @@ def test_evict_swap_out_swap_in_and_locks():
     tree.take_ops()
     assert tree.evict(10, adapters=True) == 4  # (7, 8), then (1, 2), then the adapter, now without KV
     assert dump(tree, A1) == {} and tree.adapter(A1).tier is Tier.HOST
-    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_UNLOAD, src=(0, 1), adapter=A1, slot=0)]
+    assert tree.take_ops() == [CopyOp(OpKind.ADAPTER_UNLOAD, src=(0, 1), adapter=A1)]
     assert tree.gpu.num_free == 12
     assert tree.counters["kv_drop"] == 4 and tree.counters["kv_swap_out"] == 1 and tree.counters["kv_swap_in"] == 1
 
@@ -291,11 +291,11 @@ def serve(pool: UnifiedPool, key: PrefixKey, tokens: list[int], now: float) -> l
 
 def test_tree_cost_pool_by_hand():
     pool = pool_of("tree-cost")
-    pool.register_adapter(1, 0, 200)
-    pool.register_adapter(2, 0, 200)
+    pool.register_adapter(1, 0, 200, staged=True)
+    pool.register_adapter(2, 0, 200, staged=True)
     k2 = PrefixKey("chat", "t1", 2, 0)
     p1, p2 = list(range(9)), list(range(100, 109))
-    assert serve(pool, K1, p1, 1.0) == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1, slot=0)]  # KV: 2, 3
+    assert serve(pool, K1, p1, 1.0) == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1)]  # KV: 2, 3
     assert serve(pool, K1, p1, 2.0) == []
     s = pool.stats()
     assert (s.adapter_hit_rate, s.kv_token_hit_rate) == (0.5, 8 / 18)
@@ -304,7 +304,7 @@ def test_tree_cost_pool_by_hand():
     adm = pool.admit(k2, p2, 3.0)  # adapter 2 takes 2 of the 4 free blocks
     table = pool.allocate(3, 3.0)  # 2 free: the tail of adapter 1's KV goes to the host
     assert pool.take_copy_ops() == [
-        CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0), slot=1),
+        CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0)),
         CopyOp(OpKind.KV_SWAP_OUT, (3,), (0,)),
     ]
     assert table == [4, 5, 3]  # the block freed by the swap-out is reused after its copy-out
@@ -327,8 +327,8 @@ def test_tree_cost_pool_by_hand():
 @pytest.mark.parametrize("policy,invalid", [("tree-cost", 0.0), ("lru-unified", 0.0), ("lru-separate", 0.5)])
 def test_invalid_kv_after_adapter_churn(policy, invalid):
     pool = pool_of(policy)
-    pool.register_adapter(1, 0, 200)
-    pool.register_adapter(2, 0, 200)
+    pool.register_adapter(1, 0, 200, staged=True)
+    pool.register_adapter(2, 0, 200, staged=True)
     serve(pool, K1, list(range(9)), 1.0)
     serve(pool, PrefixKey("chat", "t1", 2, 0), list(range(100, 109)), 2.0)
     s = pool.stats()
@@ -343,7 +343,7 @@ def test_invalid_kv_after_adapter_churn(policy, invalid):
 
 def test_lru_unified_keeps_no_history():
     pool = pool_of("lru-unified")
-    pool.register_adapter(1, 0, 200)
+    pool.register_adapter(1, 0, 200, staged=True)
     serve(pool, K1, list(range(9)), 1.0)
     adm = pool.admit(K1, list(range(9)), 2.0)
     assert adm.num_cached_tokens == 0 and pool.stats().gpu_cached == 2  # the adapter only
@@ -357,11 +357,11 @@ def test_config_and_registration_errors():
         pool_of("lru-separate", adapter_slots=4)  # 4 slots x 2 blocks = the whole budget
     pool = pool_of("lru-separate")
     with pytest.raises(ValueError):
-        pool.register_adapter(1, 0, 300)  # 3 blocks do not fit a 2-block slot
-    pool.register_adapter(1, 0, 200)
+        pool.register_adapter(1, 0, 300, staged=True)  # 3 blocks do not fit a 2-block slot
+    pool.register_adapter(1, 0, 200, staged=True)
     with pytest.raises(ValueError):
-        pool.register_adapter(1, 0, 200)
-    pool.register_adapter(1, 1, 200)  # a new version replaces the old
+        pool.register_adapter(1, 0, 200, staged=True)
+    pool.register_adapter(1, 1, 200, staged=True)  # a new version replaces the old
     with pytest.raises(KeyError):
         pool.admit(K1, [1, 2, 3], 1.0)
     with pytest.raises(OutOfBlocksError):
@@ -404,7 +404,7 @@ def test_random_operations_keep_integrity(policy):
     bs = pool.config.block_size
     versions: dict[int, int | None] = {i: 0 for i in (1, 2, 3, 4)}
     for i in versions:
-        pool.register_adapter(i, 0, rng.randint(64, 256))
+        pool.register_adapter(i, 0, rng.randint(64, 256), staged=True)
     prefixes = [[rng.randrange(40) for _ in range(rng.randint(0, 12))] for _ in range(6)]
     gpu: dict[int, object] = {}
     host: dict[int, object] = {}
@@ -485,7 +485,7 @@ def test_random_operations_keep_integrity(policy):
                 versions[adapter_id] = None
             else:  # re-versioned (or registered again after an unload)
                 versions[adapter_id] = new = (old if old is not None else 0) + 1
-                pool.register_adapter(adapter_id, new, rng.randint(64, 256))
+                pool.register_adapter(adapter_id, new, rng.randint(64, 256), staged=True)
             execute_copies()
         pool.check_integrity()
         for r in running:  # locked paths never move
@@ -511,38 +511,73 @@ def test_random_operations_keep_integrity(policy):
 # ---- device placement and pins ----------------------------------------------------------------------------------
 
 
-def test_pool_places_adapters_in_the_lowest_free_slot():
-    pool = pool_of("tree-cost", num_gpu_blocks=16, max_resident_adapters=2)
+def test_an_adapter_is_found_at_its_first_page_and_residency_is_the_policys():
+    """No slots: an adapter's table page is the first of its blocks (the free list's order here), as many stay
+    resident as the blocks hold, and an optional cap (max_resident_adapters) unloads the one of lowest value."""
+    pool = pool_of("tree-cost", num_gpu_blocks=16)
     for i in (1, 2, 3):
-        pool.register_adapter(i, 0, 200)
+        pool.register_adapter(i, 0, 200, staged=True)  # 2 blocks each
     adm1 = pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0)
     adm2 = pool.admit(PrefixKey("chat", "", 2, 0), [1, 2, 3], 1.0)
-    assert (adm1.adapter_slot, adm2.adapter_slot) == (0, 1)
-    assert pool.resident_adapters() == {AdapterKey(1, 0): 0, AdapterKey(2, 0): 1}
-    pool.release(adm1, [], list(adm1.blocks), 2.0)
-    pool.take_copy_ops()
-    adm3 = pool.admit(PrefixKey("chat", "", 3, 0), [1, 2, 3], 3.0)  # the cap of 2: adapter 1 leaves slot 0
-    assert adm3.adapter_slot == 0
-    ops = [(op.kind, op.adapter, op.slot) for op in pool.take_copy_ops()]
-    assert ops == [(OpKind.ADAPTER_UNLOAD, AdapterKey(1, 0), 0), (OpKind.ADAPTER_LOAD, AdapterKey(3, 0), 0)]
+    adm3 = pool.admit(PrefixKey("chat", "", 3, 0), [1, 2, 3], 1.0)
+    assert (adm1.adapter_page, adm2.adapter_page, adm3.adapter_page) == (0, 2, 4)
+    assert pool.resident_adapters() == {AdapterKey(1, 0): 0, AdapterKey(2, 0): 2, AdapterKey(3, 0): 4}
+    ops = [(op.kind, op.adapter, op.dst) for op in pool.take_copy_ops()]
+    assert ops == [(OpKind.ADAPTER_LOAD, AdapterKey(i, 0), (2 * i - 2, 2 * i - 1)) for i in (1, 2, 3)]
     base = pool.admit(PrefixKey("chat", "", BASE_ADAPTER_ID, 0), [1, 2, 3], 3.0)
-    assert base.adapter_slot == -1
-    for adm in (adm2, adm3, base):
+    assert base.adapter_page == -1
+    for adm in (adm1, adm2, adm3, base):
         pool.release(adm, [], list(adm.blocks), 4.0)
     pool.check_integrity()
+
+    capped = pool_of("tree-cost", num_gpu_blocks=16, max_resident_adapters=2)
+    for i in (1, 2, 3):
+        capped.register_adapter(i, 0, 200, staged=True)
+    first = capped.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0)
+    second = capped.admit(PrefixKey("chat", "", 2, 0), [1, 2, 3], 1.0)
+    capped.release(first, [], list(first.blocks), 2.0)
+    capped.take_copy_ops()
+    third = capped.admit(PrefixKey("chat", "", 3, 0), [1, 2, 3], 3.0)  # the cap: adapter 1 leaves
+    ops = [(op.kind, op.adapter) for op in capped.take_copy_ops()]
+    assert ops == [(OpKind.ADAPTER_UNLOAD, AdapterKey(1, 0)), (OpKind.ADAPTER_LOAD, AdapterKey(3, 0))]
+    assert third.adapter_page == 4  # blocks 4, 5: the front of the free list (those freed go to its back)
+    for adm in (second, third):
+        capped.release(adm, [], list(adm.blocks), 4.0)
+    capped.check_integrity()
+
+
+def test_an_adapter_not_staged_is_not_loaded():
+    pool = pool_of("tree-cost", num_gpu_blocks=16)
+    pool.register_adapter(1, 0, 200)
+    assert pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0) is None and not pool.take_copy_ops()
+    pool.set_staged(AdapterKey(1, 0), True)
+    adm = pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 2.0)
+    assert adm is not None and adm.adapter_loaded
+    pool.release(adm, [], list(adm.blocks), 3.0)
+    pool.check_integrity()
+
+
+def test_pins_beyond_the_share_are_refused():
+    pool = pool_of("tree-cost", num_gpu_blocks=16)  # max_pinned_share 0.5: 8 blocks
+    for i in (1, 2, 3, 4):
+        pool.register_adapter(i, 0, 200, pinned=True)
+    with pytest.raises(ValueError, match="more than 8 of the 16 device blocks"):
+        pool.register_adapter(5, 0, 200, pinned=True)
+    pool.register_adapter(1, 1, 100, pinned=True)  # a new version of 1 replaces it: 1 block instead of 2
+    pool.register_adapter(5, 0, 100, pinned=True)
 
 
 @pytest.mark.parametrize("policy", ["tree-cost", "lru-unified", "lru-separate"])
 def test_pinned_adapter_is_loaded_when_there_is_room_and_never_evicted(policy):
     pool = pool_of(policy, num_gpu_blocks=16, adapter_slots=2, max_resident_adapters=2)
-    pool.register_adapter(1, 0, 200, pinned=True)
+    pool.register_adapter(1, 0, 200, pinned=True, staged=True)
     for i in (2, 3):
-        pool.register_adapter(i, 0, 200)
+        pool.register_adapter(i, 0, 200, staged=True)
     pool.tick(0.0)
     assert pool.resident_adapters() == {AdapterKey(1, 0): 0}  # loaded before any request asked for it
     for t, i in enumerate((2, 3, 2, 3), start=1):  # two unpinned adapters take turns in the one place left
         adm = pool.admit(PrefixKey("chat", "", i, 0), [1, 2, 3], float(t))
-        assert adm is not None and adm.adapter_slot == 1
+        assert adm is not None and adm.adapter_page >= 0
         pool.release(adm, [], list(adm.blocks), float(t))
         pool.check_integrity()
         assert AdapterKey(1, 0) in pool.resident_adapters()

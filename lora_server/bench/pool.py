@@ -27,8 +27,8 @@ from lora_server.bench.engine import write_random_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.request import Request
+from lora_server.model.arena import page_bytes
 from lora_server.model.loader import open_checkpoint
-from lora_server.model.runner import kv_bytes_per_block
 from lora_server.sampling_params import SamplingParams
 
 POLICIES = ("tree-cost", "lru-separate", "lru-unified")
@@ -198,9 +198,9 @@ def bench(args, base: EngineConfig) -> dict:
     settings = [(n, a, r) for n in args.adapters for a in args.alpha for r in args.rate]
     probe = dataclasses.replace(base, max_lora_rank=args.rank)
     arch = open_checkpoint(probe).arch  # reads the file's metadata; weights load lazily
-    model_block_bytes = kv_bytes_per_block(arch, probe.block_size, probe.torch_dtype)
+    model_block_bytes = page_bytes(arch, probe.block_size, probe.torch_dtype)
     block_bytes, device = (
-        kv_bytes_per_block(arch, probe.block_size, probe.torch_kv_cache_dtype),
+        page_bytes(arch, probe.block_size, probe.torch_kv_cache_dtype),
         str(probe.torch_device),
     )
     if probe.num_kv_blocks is not None:

@@ -1,16 +1,24 @@
-"""The adapters an engine knows: each name's current version, every live version's host weights, and how many
-requests hold each version. One owner for these facts; what is on the device, and where, is the pool's."""
+"""The adapters an engine knows: each name's current version, what each version's weights are (their content hash,
+ranks and place on disk), and how many requests hold each. One owner for these facts; whether the weights are
+staged on the host is the loader's (engine.adapter_loader), what is on the device and where is the pool's.
+
+Weights are keyed by content: registering reads and validates the files once, hashes the weights with their
+scaling, and keeps no weights. Names whose weights are equal share one content id, and so one place in the pool and
+one prefix cache (per tenant): re-registering the same weights keeps the cache, other weights under the same name
+never share it."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from adapters.peft_format import AdapterError, BaseShapes, LoraAdapter, load_peft_adapter
+from adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
+from adapters.peft_format import AdapterError, LoraAdapter, load_peft_adapter
+from kv_pool import PoolConfig
 from kv_pool.tree import AdapterKey
 from lora_server.errors import InvalidRequestError
 
@@ -24,116 +32,174 @@ class UnknownAdapterError(InvalidRequestError):
 
 @dataclass(frozen=True, slots=True)
 class AdapterHandle:
-    """What a request holds: one version of one adapter. Every registration gets a new ``adapter_id``; ``version``
-    counts the registrations of its name (1, 2, ...; or the registry store's own when reloaded)."""
+    """What a request holds: one version of one name. ``adapter_id`` names the weights (equal weights, equal id:
+    the pool's key); ``version`` counts the registrations of the name (1, 2, ...; or the registry store's own)."""
 
     name: str
     adapter_id: int
     version: int
-    device_nbytes: int  # its A and B in the device dtype: its share of the device budget
+    device_nbytes: int  # the bytes of its pages in the arena: its share of the device budget
     pinned: bool = False  # kept on the device once loaded (see kv_pool)
     source: str = "api"  # where it was registered from: "demo", "command line" or "api"
 
     @property
     def key(self) -> AdapterKey:
-        return AdapterKey(self.adapter_id, self.version)
+        """The pool's key: the weights', whatever the name or version."""
+        return AdapterKey(self.adapter_id)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterContent:
+    """One set of weights: where to read them, what they hash to, how they lie in pages."""
+
+    adapter_id: int
+    digest: str  # content_hash of the weights as registered
+    path: Path  # the directory it was last registered from
+    name: str  # the name it was last registered under
+    ranks: tuple[tuple[int, str, int], ...]  # (layer, module, rank) of every module it targets
+    num_pages: int
+    host_nbytes: int  # its A and B in float32, as read
+
+    @property
+    def rank_map(self) -> dict[tuple[int, str], int]:
+        return {(layer, module): r for layer, module, r in self.ranks}
 
 
 @dataclass(frozen=True, slots=True)
 class AdapterChanges:
-    """What the pool must learn since it last asked: versions registered, versions retired (ids)."""
+    """What the pool must learn since it last asked: contents registered, contents retired (ids), and contents
+    whose pin changed (id -> pinned now)."""
 
     added: list[AdapterHandle]
     retired: list[int]
+    pins: dict[int, bool]
+
+
+def content_hash(adapter: LoraAdapter) -> str:
+    """A hash of the weights as served: every (layer, module)'s A and scaled B in float32, in a fixed order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for (layer, module), (a, b) in sorted(adapter.weights.items()):
+        digest.update(f"{layer}.{module}.{tuple(a.shape)}.{tuple(b.shape)};".encode())
+        digest.update(a.float().contiguous().numpy().tobytes())
+        digest.update(b.float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 class AdapterRegistry:
-    """Registered adapters, any number of them, as host copies. Thread-safe: HTTP threads register and resolve
-    names, the engine thread takes changes and weights. A version lives while it is current or a request holds
-    it: unloading or replacing a name retires the old version once its last request ends."""
+    """Registered adapters, any number of them, as metadata. Thread-safe: HTTP threads register and resolve names,
+    the engine thread takes changes, the loader reads contents. A content id lives while a name points to it or a
+    request holds it: unloading or replacing a name retires the old weights once their last request ends."""
 
-    def __init__(
-        self,
-        shapes: BaseShapes,
-        max_rank: int,
-        device_dtype: torch.dtype,
-        allowed_roots: list[Path] | None,
-        max_pinned: int,
-    ) -> None:
-        self.shapes, self.max_rank, self.device_dtype = shapes, max_rank, device_dtype
-        self.allowed_roots, self.max_pinned = allowed_roots, max_pinned
+    def __init__(self, geometry: PageGeometry, allowed_roots: list[Path] | None, pool: PoolConfig) -> None:
+        self.geometry, self.allowed_roots, self.pool = geometry, allowed_roots, pool
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._current: dict[str, AdapterHandle] = {}
-        self._weights: dict[int, LoraAdapter] = {}  # adapter_id -> host weights, while live
-        self._refs: dict[int, int] = {}  # adapter_id -> requests holding it
+        self._contents: dict[int, AdapterContent] = {}  # adapter_id -> its content, while live
+        self._by_digest: dict[str, int] = {}  # digest -> adapter_id, while live
+        self._refs: Counter[int] = Counter()  # adapter_id -> requests holding it
         self._versions: dict[str, int] = {}  # name -> its latest version
+        self._paths: dict[str, Path] = {}  # name -> the directory its current version was read from
+        self._pinned: dict[int, bool] = {}  # adapter_id -> pinned, as the pool last heard
         self._added: list[AdapterHandle] = []
         self._retired: list[int] = []
+        self._changed = False  # names changed since take_changes last looked
 
     # ---- names (any thread) ---------------------------------------------------------------------------------
 
     def register(
         self, name: str, path: str | Path, pinned: bool = False, version: int | None = None, source: str = "api"
     ) -> AdapterHandle:
-        """Validate and read a PEFT directory (AdapterError with the reason) and make it the current version of
-        ``name``; the old version lives on until its requests end. ``version``: at least one above the name's
-        latest (the registry store's version when reloading); default the next one. A pin beyond ``max_pinned``
-        is refused: the device must keep room for the adapters that are not pinned."""
-        adapter = load_peft_adapter(name, path, self.shapes, self.max_rank, self.allowed_roots)
+        """Validate and read a PEFT directory (AdapterError with the reason), hash its weights and make it the
+        current version of ``name``; the old version lives on until its requests end. ``version``: at least one
+        above the name's latest (the registry store's version when reloading); default the next one. A pin that
+        would take the pinned adapters beyond the pool's share of the device is refused."""
+        adapter = load_peft_adapter(name, path, self.geometry.shapes, self.geometry.max_rank, self.allowed_roots)
+        digest = content_hash(adapter)
+        ranks = adapter_ranks(adapter)
+        num_pages = PageLayout(self.geometry, ranks).num_pages
         with self._lock:
             old = self._current.get(name)
-            pins = sum(h.pinned for h in self._current.values()) - (old is not None and old.pinned)
-            if pinned and pins >= self.max_pinned:
-                raise AdapterError(
-                    f"at most {self.max_pinned} adapters can be pinned (the device keeps a slot for "
-                    "the others); unpin one first"
-                )
-            number = max(self._versions.get(name, 0) + 1, version or 0)
-            handle = AdapterHandle(
-                name, next(self._ids), number, adapter.nbytes * self.device_dtype.itemsize // 4, pinned, source
+            adapter_id = self._by_digest.get(digest)
+            if pinned:
+                self._check_pin(num_pages, adapter_id, old)
+            new = adapter_id is None
+            if adapter_id is None:
+                adapter_id = next(self._ids)
+                self._by_digest[digest] = adapter_id
+            self._contents[adapter_id] = AdapterContent(  # the latest files the weights were read from
+                adapter_id,
+                digest,
+                adapter.path,
+                name,
+                tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
+                num_pages,
+                adapter.nbytes,
             )
+            self._paths[name] = adapter.path
+            number = max(self._versions.get(name, 0) + 1, version or 0)
+            handle = AdapterHandle(name, adapter_id, number, num_pages * self.geometry.page_bytes, pinned, source)
             self._versions[name] = number
             self._current[name] = handle
-            self._weights[handle.adapter_id] = adapter
-            self._refs[handle.adapter_id] = 0
-            self._added.append(handle)
-            if old is not None:
+            self._changed = True
+            if new:
+                self._added.append(handle)
+            if old is not None and old.adapter_id != adapter_id:
                 self._retire_if_unused(old.adapter_id)
         return handle
+
+    def _check_pin(self, num_pages: int, adapter_id: int | None, old: AdapterHandle | None) -> None:
+        """Refuse a pin beyond the pool's max_pinned_blocks (called with the lock held)."""
+        pool = self.pool
+        pinned_ids = {h.adapter_id for h in self._current.values() if h.pinned and h is not old}
+        pinned_ids.discard(adapter_id or -1)
+        taken = sum(pool.pin_blocks(self._contents[i].num_pages) for i in pinned_ids)
+        if taken + pool.pin_blocks(num_pages) > pool.max_pinned_blocks:
+            raise AdapterError(
+                f"pinned adapters may take {pool.max_pinned_blocks} of the {pool.num_gpu_blocks} device pages and "
+                f"{taken} are taken; this one needs {pool.pin_blocks(num_pages)}: unpin one first"
+            )
 
     def unregister(self, name: str) -> None:
         with self._lock:
             handle = self._current.pop(name, None)
             if handle is None:
                 raise UnknownAdapterError(name)
+            del self._paths[name]
+            self._changed = True
             self._retire_if_unused(handle.adapter_id)
 
     def get(self, name: str) -> AdapterHandle:
         with self._lock:
-            handle = self._current.get(name)
-        if handle is None:
-            raise UnknownAdapterError(name)
-        return handle
+            return self._handle(name)
 
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._current)
 
-    def names_by_id(self) -> dict[int, str]:
-        """adapter_id -> name, for every version a name points to now."""
+    def names_by_id(self) -> dict[int, list[str]]:
+        """adapter_id -> the names that point to it now, sorted."""
         with self._lock:
-            return {h.adapter_id: name for name, h in self._current.items()}
+            out: dict[int, list[str]] = {}
+            for name in sorted(self._current):
+                out.setdefault(self._current[name].adapter_id, []).append(name)
+            return out
 
     def path(self, name: str) -> Path:
         """The directory the name's current version was read from."""
         with self._lock:
-            return self._weights[self._handle(name).adapter_id].path
+            self._handle(name)
+            return self._paths[name]
 
     def nbytes(self, name: str) -> int:
-        """Bytes of the host copy (fp32) of the current version's A and B matrices."""
+        """Bytes of the name's A and B matrices in float32, as read."""
         with self._lock:
-            return self._weights[self._handle(name).adapter_id].nbytes
+            return self._contents[self._handle(name).adapter_id].host_nbytes
+
+    def content(self, adapter_id: int) -> AdapterContent | None:
+        """A live content (None once retired): what the loader reads and checks."""
+        with self._lock:
+            return self._contents.get(adapter_id)
 
     def _handle(self, name: str) -> AdapterHandle:
         handle = self._current.get(name)
@@ -157,29 +223,34 @@ class AdapterRegistry:
             self._retire_if_unused(handle.adapter_id)
 
     def _retire_if_unused(self, adapter_id: int) -> None:
-        """Retire a version no request holds and no name points to (called with the lock held); its weights stay
-        until the engine thread takes the retirement, so a load it decided before then still finds them."""
-        if (
-            adapter_id in self._refs
-            and self._refs[adapter_id] == 0
-            and adapter_id not in {h.adapter_id for h in self._current.values()}
-        ):
-            del self._refs[adapter_id]
+        """Retire a content no request holds and no name points to (called with the lock held)."""
+        if self._refs[adapter_id] > 0 or any(h.adapter_id == adapter_id for h in self._current.values()):
+            return
+        del self._refs[adapter_id]
+        content = self._contents.pop(adapter_id, None)
+        if content is not None:
+            del self._by_digest[content.digest]
             self._retired.append(adapter_id)
 
     # ---- the engine thread ----------------------------------------------------------------------------------
 
     def take_changes(self) -> AdapterChanges:
-        """Versions registered and versions retired since the last call (a version may be in both); the retired
-        ones' weights are let go now."""
+        """Contents registered and retired since the last call (an id may be in both), and pins that changed (a
+        content is pinned while any name on it is)."""
         with self._lock:
-            changes = AdapterChanges(self._added, self._retired)
+            if not self._changed and not self._retired:
+                return AdapterChanges([], [], {})
+            self._changed = False
+            pinned_now = {h.adapter_id for h in self._current.values() if h.pinned}
+            live = {h.adapter_id for h in self._added} | set(self._pinned)
+            pins = {}
+            for adapter_id in live:
+                now = adapter_id in pinned_now
+                if self._pinned.get(adapter_id, False) != now:
+                    pins[adapter_id] = now
+                self._pinned[adapter_id] = now
+            for adapter_id in self._retired:
+                self._pinned.pop(adapter_id, None)
+            changes = AdapterChanges(self._added, self._retired, pins)
             self._added, self._retired = [], []
-            for adapter_id in changes.retired:
-                del self._weights[adapter_id]
         return changes
-
-    def weights(self, adapter_id: int) -> LoraAdapter:
-        """A live version's host weights (what an ADAPTER_LOAD copies to the device)."""
-        with self._lock:
-            return self._weights[adapter_id]

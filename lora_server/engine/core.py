@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from adapters.peft_format import LoraAdapter
-from kv_pool import BASE_ADAPTER_ID, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from adapters.page_layout import PageLayout
+from kernels.lora_table import MODULES
+from kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.config import EngineConfig
+from lora_server.engine.adapter_loader import AdapterLoader, StagedAdapter
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
@@ -81,21 +83,28 @@ class EngineCore:
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, checkpoint, wanted_len)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
-        self.adapters = AdapterRegistry(
-            self.runner.adapter_shapes, config.max_lora_rank, self.runner.dtype, roots, max_pinned=config.max_loras - 1
-        )
         runner = self.runner
+        geometry = runner.geometry
+        # the slot policies' slot: the pages of an adapter of the largest rank on every module
+        slot_bytes = 0
+        if POLICIES[config.pool_policy].adapter_slots:
+            full = {(i, m): config.max_lora_rank for i in range(self.arch.num_layers) for m in MODULES}
+            slot_bytes = PageLayout(geometry, full).nbytes
         self.pool = UnifiedPool(
             PoolConfig.for_budget(
                 runner.num_blocks,
                 runner.num_host_blocks,
                 config.block_size,
-                runner.kv_bytes_per_block,
+                geometry.page_bytes,
                 config.pool_policy,
                 PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()),
                 config.max_loras,
-                runner.lora.slot_nbytes,
+                slot_bytes,
             )
+        )
+        self.adapters = AdapterRegistry(geometry, roots, self.pool.config)
+        self.loader = AdapterLoader(
+            self.adapters, geometry, pin_memory=runner.device.type == "cuda", capacity=config.max_cpu_loras
         )
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         budget = config.max_num_batched_tokens
@@ -113,9 +122,12 @@ class EngineCore:
                 ngram_min=config.speculative_ngram_min,
                 ngram_max=config.speculative_ngram_max,
                 speculative_max_batch=config.speculative_max_batch,
+                max_loras=config.max_loras,
             ),
             self.pool,
             self.adapters,
+            self.loader,
+            adapter_loaded=runner.adapter_loaded if runner.device.type == "cuda" else None,
         )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -269,7 +281,7 @@ class EngineCore:
         """What an idle engine still does: let the pool act on adapter changes and its policy, and execute the
         copies it decides (pinned adapters loading, host KV coming back)."""
         self.scheduler.tick()
-        self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._weights)
+        self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._staged)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -279,9 +291,12 @@ class EngineCore:
         carrying RequestFailedError; its blocks are freed, the rest of the batch goes on); a device fault, or a
         fault in the scheduler or the pool (shared state), propagates and stops the engine."""
         work = self.scheduler.schedule()
-        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._weights)
+        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._staged)
+        failed_early = [self._fail(request, reason) for request, reason in work.failed]
         if not work.items:
-            return []
+            if not failed_early and self.scheduler.has_work() and self.loader.busy():
+                self.loader.wait(0.01)  # nothing to run until an adapter is staged: no busy loop
+            return failed_early
         for request, _ in work.items:
             if request.adapter_loaded and request.first_token_time is None:
                 request.adapter_load_s += adapter_s
@@ -290,7 +305,7 @@ class EngineCore:
         num_tokens = work.num_tokens
         if num_tokens >= 16 and not failed:  # prefill-sized steps: what recomputing a token costs, for the policy
             self.pool.observe_recompute(num_tokens, time.perf_counter() - start)
-        outputs = [self._fail(request, reason) for request, reason in failed.items()]
+        outputs = failed_early + [self._fail(request, reason) for request, reason in failed.items()]
         work.items = [(r, n) for r, n in work.items if r not in failed]
         lengths = {r.request_id: r.num_tokens for r, _ in work.items}
         advanced = self.scheduler.update(work, {rid: tokens for rid, (tokens, _) in sampled.items()})
@@ -317,8 +332,11 @@ class EngineCore:
         if self._structured.accept(request.grammar, request.token_ids[-1]) and not request.finished:
             self.scheduler.finish(request, FinishReason.STOP)
 
-    def _weights(self, key: AdapterKey) -> LoraAdapter:
-        return self.adapters.weights(key.adapter_id)
+    def _staged(self, key: AdapterKey) -> StagedAdapter:
+        """The staged image of an adapter the pool is loading (it saw it staged this step: still there)."""
+        staged = self.loader.staged(key.adapter_id)
+        assert staged is not None, f"adapter {key} is loaded by the pool but not staged"
+        return staged
 
     def _execute(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
         """Run the batch; returns each sampling request's (token, logprobs) and the requests that failed, with
@@ -399,7 +417,12 @@ class EngineCore:
         return text, tokens
 
     def check_integrity(self) -> None:
+        """The scheduler's and the pool's invariants, and the arena holds exactly the adapters the pool placed
+        there (after this step's copies)."""
         self.scheduler.check_integrity()
+        loads, unloads = self.pool.pending_adapter_pages(), self.pool.pending_adapter_pages(unloads=True)
+        placed = (set(self.pool.resident_adapters().values()) - loads) | unloads
+        assert self.runner.adapters.table_pages() == placed, "the arena's adapters differ from the pool's"
 
     def pool_figures(self) -> dict[str, Any]:
         """The pool's figures and the TTFT split, as plain data (engine thread)."""
@@ -411,10 +434,13 @@ class EngineCore:
         names = self.adapters.names_by_id()
         placement = [
             {
-                "name": "<base>" if p.key.adapter_id == BASE_ADAPTER_ID else names.get(p.key.adapter_id),
-                "version": p.key.version,
+                "name": "<base>"
+                if p.key.adapter_id == BASE_ADAPTER_ID
+                else next(iter(names.get(p.key.adapter_id, [])), None),
+                "names": ["<base>"] if p.key.adapter_id == BASE_ADAPTER_ID else names.get(p.key.adapter_id, []),
                 "tier": p.tier,
-                "slot": p.slot,
+                "table_page": p.table_page,
+                "staged": p.staged,
                 "pinned": p.pinned,
                 "weight_blocks": p.weight_blocks,
                 "kv_blocks_gpu": p.kv_blocks_gpu,
@@ -422,7 +448,15 @@ class EngineCore:
             }
             for p in self.pool.adapter_placement()
         ]
+        runner = self.runner
         return {
+            "device_memory": {
+                "weights_bytes": runner.weight_bytes,
+                "arena_bytes": runner.arena.nbytes,
+                "workspace_bytes": runner.workspace_bytes,
+                "host_tier_bytes": runner.host_kv.nbytes,
+                "staged_adapters": len(self.loader.staged_ids()),
+            },
             "policy": self.pool.config.policy,
             "block_size": self.config.block_size,
             "gpu_blocks": self.pool.config.num_gpu_blocks,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterHandle, UnknownAdapterError
 from lora_server.engine.core import EngineCore, Prompt
@@ -64,7 +65,7 @@ class EngineSnapshot:
     num_preemptions: int
     running_adapters: tuple[str, ...]  # adapter names of running requests (sorted, distinct)
     waiting_adapters: tuple[str, ...]
-    resident_slots: dict[int, int]  # adapter version (adapter_id) -> its device slot
+    resident_pages: dict[int, int]  # adapter weights (adapter_id) on the device -> their table page
     pool: dict[str, Any]  # EngineCore.pool_figures()
     spec_draft_tokens: int = 0  # speculative draft tokens verified since start
     spec_accepted_tokens: int = 0  # of them, those accepted
@@ -173,6 +174,22 @@ class Engine:
         "command line", "api")."""
         return self.core.adapters.register(name, path, pinned, version, source)
 
+    def stage_adapters(self, names: Sequence[str], timeout_s: float = 60.0) -> None:
+        """Read these adapters' weights and stage them in host memory now, blocking until they are (or
+        ``timeout_s``): their first requests then wait for no disk read. Up to max_cpu_loras stay staged.
+        UnknownAdapterError for a name that is not registered; AdapterError if one cannot be staged."""
+        loader = self.core.loader
+        ids = [self.core.adapters.get(name).adapter_id for name in names]
+        for adapter_id in ids:
+            loader.request(adapter_id)
+        deadline = time.monotonic() + timeout_s
+        while any(loader.staged(i) is None for i in ids) and time.monotonic() < deadline:
+            failed = loader.failed(ids)
+            if failed:
+                raise AdapterError(failed)
+            loader.wait(0.05)
+        self._wake.set()
+
     def remove_adapter(self, name: str) -> None:
         """New requests for ``name`` fail (UnknownAdapterError); in-flight ones finish, then its memory is freed."""
         self.core.adapters.unregister(name)
@@ -181,20 +198,20 @@ class Engine:
         return self.core.adapters.names()
 
     def adapter_info(self, name: str) -> dict[str, Any] | None:
-        """Where an adapter's current version is served from: its path, bytes, and device slot if resident."""
+        """Where an adapter's current version is served from: its path, bytes, and table page if resident."""
         adapters = self.core.adapters
         try:
             handle, path, nbytes = adapters.get(name), adapters.path(name), adapters.nbytes(name)
         except UnknownAdapterError:
             return None
-        slot = self.snapshot().resident_slots.get(handle.adapter_id)
+        page = self.snapshot().resident_pages.get(handle.adapter_id)
         return {
             "path": str(path),
             "source": handle.source,
             "version": handle.version,
             "pinned": handle.pinned,
-            "state": "resident" if slot is not None else "registered",
-            "slot": slot,
+            "state": "resident" if page is not None else "registered",
+            "table_page": page,
             "bytes": nbytes,
             "device_bytes": handle.device_nbytes,
         }

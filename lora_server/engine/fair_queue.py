@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 
 from lora_server.engine.request import Request, TenantShare
 
@@ -97,18 +97,24 @@ class FairQueue:
         if not line:
             del self._lines[tenant]
 
-    def next(self, running: Mapping[str, int]) -> Request | None:
+    def next(self, running: Mapping[str, int], passed: Container[Request] = ()) -> Request | None:
         """The request to admit next, or None when every waiting tenant is at its cap (``running``: tenant ->
-        its running requests). It stays in the line until ``remove``."""
+        its running requests). Requests in ``passed`` are stepped over (the scheduler cannot take them now); the
+        request returned stays in the line until ``remove``."""
         best: tuple[float, float, str] | None = None
+        firsts: dict[str, Request] = {}
         for tenant, line in self._lines.items():
             cap = self._shares[tenant].max_running if self.fair else 0
             if cap and running.get(tenant, 0) >= cap:
                 continue
-            key = (self.counters.get(tenant, 0.0), line[0][1].arrival_time, tenant)
+            first = next((r for _, r in line if r not in passed), None)
+            if first is None:
+                continue
+            firsts[tenant] = first
+            key = (self.counters.get(tenant, 0.0), first.arrival_time, tenant)
             if best is None or key < best:
                 best = key
-        return None if best is None else self._lines[best[2]][0][1]
+        return None if best is None else firsts[best[2]]
 
     def admit(self, request: Request) -> None:
         """Take the request out of the line to run it (it was ``next``)."""

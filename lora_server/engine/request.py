@@ -106,9 +106,9 @@ class Request:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def lora_slot(self) -> int:
-        """Its adapter's device slot while admitted (the pool's placement), -1 = no adapter."""
-        return -1 if self.admission is None else self.admission.adapter_slot
+    def lora_page(self) -> int:
+        """Its adapter's table page in the arena while admitted (the pool's placement), -1 = no adapter."""
+        return -1 if self.admission is None else self.admission.adapter_page
 
     @property
     def finished(self) -> bool:

@@ -9,9 +9,13 @@ admitted running request is preempted: its blocks are freed, it goes back to the
 recomputed from its tokens later.
 
 Blocks come from the unified pool (kv_pool.UnifiedPool): admission matches the longest cached prefix of the
-request's tokens under its cache salt and adapter version and makes the adapter resident; the request then starts
-with those tokens computed. Ending or preempting a request releases it to the pool, which keeps its full blocks
-as cached KV where the policy reuses KV (a preempted request usually finds its own KV again).
+request's tokens under its cache salt and adapter weights and makes the adapter resident; the request then starts
+with those tokens computed. A waiting request whose adapter is not staged on the host yet (engine.adapter_loader
+reads it in the background) is passed over, as is one whose adapter would make the batch's distinct adapters more
+than max_loras; the requests behind it are admitted meanwhile. Where adapter loads are asynchronous (CUDA), a
+request of an adapter whose copy into the arena has not run yet computes nothing until it has. Ending or
+preempting a request releases it to the pool, which keeps its full blocks as cached KV where the policy reuses KV
+(a preempted request usually finds its own KV again).
 
 Speculative decoding (speculative_ngram > 0, while at most speculative_max_batch requests run): a decode also
 computes the draft tokens proposed from its own context (engine.ngram), 1 + d tokens in all; update keeps the
@@ -25,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_pool import OutOfBlocksError
-from kv_pool.tree import BASE_ADAPTER_ID, PrefixKey
+from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, PrefixKey
 from kv_pool.unified_pool import UnifiedPool
+from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.ngram import propose_ngram
@@ -47,6 +52,7 @@ class SchedulerConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int = 8  # no drafts while more requests than this run
+    max_loras: int = 1 << 30  # the most distinct adapters among the running requests (one batch)
 
 
 @dataclass(slots=True)
@@ -55,6 +61,7 @@ class ScheduledWork:
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # ended before running: their adapter cannot load
 
     @property
     def num_tokens(self) -> int:
@@ -70,12 +77,20 @@ class Scheduler:
         config: SchedulerConfig,
         pool: UnifiedPool,
         adapters: AdapterRegistry | None = None,
+        loader: AdapterLoader | None = None,
         clock: Callable[[], float] = time.monotonic,
+        adapter_loaded: Callable[[int], bool] | None = None,
     ) -> None:
+        """``loader`` stages adapters' weights (needed with ``adapters``); ``adapter_loaded(table page)``, where
+        adapter loads are asynchronous, says whether an adapter's copy into the arena has run (None: loads are
+        done before the step's forward pass)."""
         self.config = config
         self.pool = pool
         self.adapters = adapters
+        self.loader = loader
         self.clock = clock
+        self.adapter_loaded = adapter_loaded
+        self._failed_adapters: dict[int, str] = {}  # content id -> why it cannot be staged
         self._last_tick = float("-inf")
         self.waiting = FairQueue(config.fair_sharing)
         self.running: list[Request] = []
@@ -90,7 +105,7 @@ class Scheduler:
             raise QueueFullError(f"the queue holds {len(self.waiting)} waiting requests; retry later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.adapter is not None and self.adapters is None:
+        if request.adapter is not None and (self.adapters is None or self.loader is None):
             raise ValueError("this scheduler serves no adapters")
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -120,6 +135,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._loading(request):
+                continue
             n = min(request.num_uncomputed_tokens, budget)
             if not self._reserve_or_preempt(request, n, work, now):
                 continue
@@ -130,11 +147,20 @@ class Scheduler:
             return work  # blocks are short: admit nobody new this step, and no drafts
         if speculate:
             budget = self._add_drafts(work, budget, now)
+        if self._failed_adapters:
+            self._fail_waiting(work)
         running_by_tenant = Counter(r.tenant.name for r in self.running)
+        in_batch = {r.adapter.adapter_id for r in self.running if r.adapter is not None}
+        passed: set[Request] = set()  # waiting for their adapter to be staged, or for room among max_loras
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            head = self.waiting.next(running_by_tenant)
+            head = self.waiting.next(running_by_tenant, passed)
             if head is None:
                 break
+            if head.adapter is not None:
+                new_adapter = head.adapter.adapter_id not in in_batch
+                if (new_adapter and len(in_batch) >= self.config.max_loras) or not self._staged(head):
+                    passed.add(head)
+                    continue
             chunk = self._admit(head, budget, now)
             if chunk is None:
                 break
@@ -142,28 +168,75 @@ class Scheduler:
             head.status = RequestStatus.RUNNING
             self.running.append(head)
             running_by_tenant[head.tenant.name] += 1
+            if head.adapter is not None:
+                in_batch.add(head.adapter.adapter_id)
+            if self._loading(head):  # admitted, its blocks taken; it computes once its adapter's copy has run
+                continue
             work.items.append((head, chunk))
             self.waiting.charge(head, chunk)
             budget -= chunk
         return work
 
+    def _fail_waiting(self, work: ScheduledWork) -> None:
+        """End the waiting requests of adapters the loader could not stage (their files changed or went); a later
+        request of the same adapter tries again."""
+        failed, self._failed_adapters = self._failed_adapters, {}
+        for request in list(self.waiting):
+            if request.adapter is not None and request.adapter.adapter_id in failed:
+                self.finish(request, FinishReason.ERROR)
+                work.failed.append((request, failed[request.adapter.adapter_id]))
+
+    def _staged(self, request: Request) -> bool:
+        """Whether the request's adapter can be made resident now: on the device, or staged on the host. If not,
+        the loader is asked to stage it."""
+        assert request.adapter is not None and self.loader is not None
+        key = request.adapter.key
+        node = self.pool.tree.adapter(key)
+        if node is not None and (node.staged or node.table_page >= 0):
+            return True
+        self.loader.request(key.adapter_id)
+        return False
+
+    def _loading(self, request: Request) -> bool:
+        """Whether the request's adapter is still being copied into the arena (asynchronous loads only): its load
+        is decided but not yet executed, or executed and not yet run."""
+        page = request.lora_page
+        if self.adapter_loaded is None or page < 0:
+            return False
+        return page in self.pool.pending_adapter_pages() or not self.adapter_loaded(page)
+
     def _sync_adapters(self) -> None:
-        """Tell the pool of adapter versions registered (pinned ones are loaded as room allows) and retired (they
-        go with their KV) since the last step."""
-        if self.adapters is None:
+        """Tell the pool of adapter contents registered and retired (they go with their KV) since the last step,
+        of pins that changed (pinned adapters are staged at once and loaded as room allows), and of what the
+        loader staged, evicted from the host or failed to stage."""
+        if self.adapters is None or self.loader is None:
             return
         changes = self.adapters.take_changes()
         retired = set(changes.retired)
         for handle in changes.added:
             if handle.adapter_id not in retired:
-                self.pool.register_adapter(handle.adapter_id, handle.version, handle.device_nbytes, handle.pinned)
+                self.pool.register_adapter(handle.adapter_id, 0, handle.device_nbytes)
+        for adapter_id, pinned in changes.pins.items():
+            if adapter_id not in retired:
+                self.pool.set_pinned(AdapterKey(adapter_id), pinned)
+                self.loader.protect(adapter_id, pinned)
+                if pinned:
+                    self.loader.request(adapter_id)
         for adapter_id in retired:
             self.pool.drop_adapter(adapter_id)
+            self.loader.forget(adapter_id)
+        events = self.loader.take_events()
+        for adapter_id in events.staged:
+            self.pool.set_staged(AdapterKey(adapter_id), True)
+        for adapter_id in events.evicted:
+            self.pool.set_staged(AdapterKey(adapter_id), False)
+        self._failed_adapters.update(events.failed)
 
     def prefix_key(self, request: Request) -> PrefixKey:
+        """KV is shared under the same domain, tenant salt and adapter weights (not name or version)."""
         if request.adapter is None:
             return PrefixKey(KV_DOMAIN, request.cache_salt, BASE_ADAPTER_ID)
-        return PrefixKey(KV_DOMAIN, request.cache_salt, request.adapter.adapter_id, request.adapter.version)
+        return PrefixKey(KV_DOMAIN, request.cache_salt, request.adapter.adapter_id)
 
     def _admit(self, request: Request, budget: int, now: float) -> int | None:
         """Take the request into the pool: its cached prefix counts as computed, and the blocks of its first

@@ -34,7 +34,7 @@ class ScheduledSequence(Protocol):
     def output_token_ids(self) -> list[int]: ...
 
     @property
-    def lora_slot(self) -> int: ...  # its adapter's device slot, -1 = no adapter
+    def lora_page(self) -> int: ...  # its adapter's table page in the arena, -1 = no adapter
 
 
 @dataclass(slots=True)
@@ -51,7 +51,7 @@ class DraftPosition:
     block_table: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    lora_slot: int
+    lora_page: int
     draft_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -64,7 +64,7 @@ class DraftPosition:
             seq.block_table,
             seq.params,
             seq.eos_token_ids,
-            seq.lora_slot,
+            seq.lora_page,
         )
 
     @property

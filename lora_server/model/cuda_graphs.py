@@ -37,9 +37,9 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
 
 def graph_inputs(batch: ForwardBatch) -> tuple[object, ...]:
     """What a captured graph reads of a batch: the address, shape and strides of every tensor the forward pass
-    reads (the decode mapping of the LoRA metadata: slot_ids), and the query length. Two batches with equal keys
-    are interchangeable for a graph."""
-    lora_slots = None if batch.lora is None else batch.lora.slot_ids
+    reads (the LoRA tile map among them) and the query length and LoRA tile size. Two batches with equal keys are
+    interchangeable for a graph."""
+    lora_tiles = None if batch.lora is None else batch.lora.tiles
     tensors = (
         batch.input_ids,
         batch.positions,
@@ -47,9 +47,14 @@ def graph_inputs(batch: ForwardBatch) -> tuple[object, ...]:
         batch.block_tables,
         batch.seq_lens,
         batch.query_start_loc,
-        lora_slots,
+        lora_tiles,
     )
-    return (batch.max_query_len, *((t.data_ptr(), t.shape, t.stride()) if t is not None else None for t in tensors))
+    block_t = None if batch.lora is None else batch.lora.block_t
+    return (
+        batch.max_query_len,
+        block_t,
+        *((t.data_ptr(), t.shape, t.stride()) if t is not None else None for t in tensors),
+    )
 
 
 @dataclass(slots=True)

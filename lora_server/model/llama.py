@@ -99,9 +99,10 @@ class LayerKV(NamedTuple):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, qkv: QuantLinear, o: QuantLinear) -> None:
+    def __init__(self, arch: ModelArch, layer: int, qkv: QuantLinear, o: QuantLinear) -> None:
         super().__init__()
-        self.qkv_proj, self.o_proj = LoraLinear(qkv), LoraLinear(o)
+        self.qkv_proj = LoraLinear(qkv, layer, "qkv", (arch.q_size, arch.kv_size, arch.kv_size))
+        self.o_proj = LoraLinear(o, layer, "o", (arch.hidden_size,))
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = self.head_dim**-0.5
@@ -139,9 +140,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, gate_up: QuantLinear, down: QuantLinear) -> None:
+    def __init__(self, arch: ModelArch, layer: int, gate_up: QuantLinear, down: QuantLinear) -> None:
         super().__init__()
-        self.gate_up_proj, self.down_proj = LoraLinear(gate_up), LoraLinear(down)
+        intermediate = arch.intermediate_size
+        self.gate_up_proj = LoraLinear(gate_up, layer, "gate_up", (intermediate, intermediate))
+        self.down_proj = LoraLinear(down, layer, "down", (arch.hidden_size,))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
@@ -196,7 +199,7 @@ class LlamaModel(nn.Module):
         return x
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
-        """[layer][group] -> the LoRA wrapper of each fused linear (groups as in lora.GROUPS)."""
+        """[layer][group] -> the LoRA wrapper of each fused linear (groups as in kernels.lora_table.GROUPS)."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         return [
             dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
@@ -245,8 +248,8 @@ def build_llama(
         qkv = cat_linears(
             [linear(p + "q", p + "q_bias"), linear(p + "k", p + "k_bias"), linear(p + "v", p + "v_bias")], dtype
         )
-        attn = Attention(arch, qkv, linear(p + "o"))
-        mlp = MLP(cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
+        attn = Attention(arch, i, qkv, linear(p + "o"))
+        mlp = MLP(arch, i, cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
         layers.append(DecoderLayer(norm(p + "attn_norm"), attn, norm(p + "mlp_norm"), mlp))
     rope_freqs = w["rope_freqs"].dense(torch.float32, device) if "rope_freqs" in w else None
     lm_head = None if arch.tie_word_embeddings or "lm_head" not in w else linear("lm_head")

@@ -8,33 +8,50 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 
-from adapters.peft_format import BaseShapes, LoraAdapter
+from adapters.page_layout import PageGeometry, PageLayout
+from adapters.peft_format import BaseShapes
+from kernels import ops
+from kernels.lora_table import max_tiles, tile_map
 from kernels.reference import FP8_KV_DTYPE
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
-from lora_server.model.arch import ModelArch
+from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
 from lora_server.model.batch import DraftPosition, ForwardBatch, ScheduledSequence
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
-from lora_server.model.lora import LoraBatch, LoraSlots
+from lora_server.model.lora import LoraBatch, LoraWorkspace, workspace_shape
 from lora_server.model.sampler import Sampler, SampleResult
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
-HostSegment = tuple[int, int, int, int]  # (start, end, slot, rank): see LoraBatch.host_segments
+DECODE_BLOCK_T, PREFILL_BLOCK_T = 16, 64  # token rows per LoRA tile: a decode step's few rows per adapter, a chunk's
 
 
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: K and V of block_size tokens in every layer, in the cache's dtype (fp8: one byte a
-    value; the per-head scales are fixed and held apart)."""
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+class StagedImage(Protocol):
+    """An adapter ready to be copied into the arena (engine.adapter_loader.StagedAdapter)."""
+
+    @property
+    def layout(self) -> PageLayout: ...
+
+    @property
+    def image(self) -> torch.Tensor: ...  # uint8 [pages, page bytes]
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Within the block, CUDA work goes to ``stream`` (None: the current stream, or the CPU)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
 
 
 class ModelRunner:
@@ -60,48 +77,37 @@ class ModelRunner:
                 config.show_progress,
                 config.cpu_head_copy,
             )
+        self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         arch = self.arch
         self.adapter_shapes = BaseShapes.llama(
             arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
         )
-        self.lora = LoraSlots(
-            self.adapter_shapes, arch.num_layers, config.max_loras, config.max_lora_rank, self.device, self.dtype
+        self.geometry = PageGeometry(
+            page_bytes(arch, self.block_size, self.kv_dtype), self.dtype, config.max_lora_rank, self.adapter_shapes
         )
-        self.lora.attach(self.model.lora_wrappers())
         # an fp8 cache's scales, fixed for the engine's life: [layers, 2 (k, v), kv_heads] float32; None otherwise
         self.kv_scales = (
             calibrate_kv_scales(self.model, arch, self.dtype, self.device, max_model_len)
             if self.kv_dtype == FP8_KV_DTYPE
             else None
         )
-        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.kv_bytes_per_block)
-        # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            self.arch.num_layers,
-            2,
-            self.num_blocks,
-            self.block_size,
-            self.arch.num_kv_heads,
-            self.arch.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
-        # The host tier, one contiguous block per index so that a block moves in one copy:
-        # [host blocks, layers, 2, block_size, kv_heads, head_dim], pinned on CUDA
-        self.num_host_blocks = config.host_kv_bytes // self.kv_bytes_per_block
+        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.geometry.page_bytes)
+        self.arena = Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device)
+        # The host tier, one page per index, so that a block moves in one copy: [host blocks, page bytes], pinned
+        # on CUDA
+        self.num_host_blocks = config.host_kv_bytes // self.geometry.page_bytes
         self.host_kv = torch.zeros(
-            self.num_host_blocks,
-            *self.kv_cache[:, :, 0].shape,
-            dtype=self.kv_dtype,
-            pin_memory=self.device.type == "cuda",
+            self.num_host_blocks, self.geometry.page_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
         )
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # KV swaps: the forward waits
+        self._load_stream = torch.cuda.Stream(self.device) if cuda else None  # adapter loads: requests wait
+        self._loads_in_flight: dict[int, torch.cuda.Event] = {}  # table page -> its load's event (CUDA)
         self.sampler = Sampler(self.arch.vocab_size)
         self._init_step(max_model_len)
 
     def _init_step(self, max_model_len: int) -> None:
-        """The step's persistent buffers, the decode buckets and, on CUDA unless --enforce-eager, the decode
-        graphs (captured now that the KV cache and the adapter slots exist: graphs read them where they are).
+        """The step's persistent buffers, the LoRA wrappers' workspace, the decode buckets and, on CUDA unless
+        --enforce-eager, the decode graphs (captured now that the arena exists: graphs read it where it is).
 
         Decode steps are padded to their bucket wherever the CUDA code path runs (CUDA, or the meta device that
         stands for it in bench-engine --host-work); on the CPU they are not (padding is pure cost there), unless a
@@ -114,16 +120,47 @@ class ModelRunner:
         if not config.enable_chunked_prefill:
             max_tokens = max(max_tokens, max_model_len)  # a whole prompt in one step
         self.block_tables = BlockTables(max_seqs, width, self.device)
-        # per token: ids, positions, slots, logits rows (int64), LoRA slot (int32); per sequence: five int32 arrays;
-        # block table updates (int64 index, int32 value): at most every entry of every row in one step
-        capacity = max_tokens * 36 + (max_seqs + 2) * 20 + max_seqs * width * 12 + 16 * 8
+        self.max_tiles = max_tiles(max_tokens, DECODE_BLOCK_T, config.max_loras)
+        # per token: ids, positions, slots, logits rows (int64); per sequence: five int32 arrays; block table
+        # updates (int64 index, int32 value): at most every entry of every row in one step; the LoRA tile map
+        capacity = max_tokens * 32 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 8
         self.step_inputs = StepInputs(self.device, capacity)
+        self._init_lora(max_tokens)
         eager = config.enforce_eager or self.device.type == "cpu"
         self.decode_buckets: list[int] = [] if eager else decode_buckets(max_seqs)
         self.graph_layout = self.device.type == "cuda" and not eager
         self.graphs: DecodeGraphs | None = None
         if self.graph_layout:
             self.graphs = self._capture_decode_graphs()
+
+    def _init_lora(self, max_tokens: int) -> None:
+        """The adapters in the arena, and every LoRA wrapper pointed at them (and, where the kernels run, at one
+        persistent float32 workspace for their partial sums)."""
+        arena = self.arena
+        wrappers = self.model.lora_wrappers()
+        self.adapters = ResidentAdapters(arena, self.geometry, {g: w.slice_starts for g, w in wrappers[0].items()})
+        y = None
+        if ops.use_kernels(self.device):
+            y = torch.empty(
+                workspace_shape(max_tokens, self.config.max_lora_rank), dtype=torch.float32, device=self.device
+            )
+        workspace = LoraWorkspace(
+            ops.LoraArena(arena.weights, arena.table, arena.table_stride, self.config.max_lora_rank),
+            self.adapters.terms,
+            y,
+        )
+        for layer in wrappers:
+            for wrapper in layer.values():
+                wrapper.attach(workspace)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes beside the weights and the arena held for good: the LoRA workspace, the step's buffers, the
+        block tables."""
+        wrapper = self.model.lora_wrappers()[0]["qkv"]
+        y = wrapper.workspace.y if wrapper.workspace is not None else None
+        held = [self.block_tables.store, self.block_tables.gathered]
+        return (0 if y is None else y.nbytes) + sum(t.nbytes for t in held) + self.step_inputs.capacity_bytes
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> DecodeGraphs:
@@ -138,8 +175,8 @@ class ModelRunner:
         return self.model(batch, self._kv_caches())
 
     def _kv_budget_bytes(self) -> int:
-        """The pool's device budget: gpu_memory_utilization x the CUDA memory still free once the weights and the
-        adapter slots are allocated, or kv_cache_bytes (always on the CPU)."""
+        """The arena's size: gpu_memory_utilization x the CUDA memory still free once the weights are loaded, or
+        kv_cache_bytes (always on the CPU)."""
         share = self.config.gpu_memory_utilization
         if share is None or self.device.type != "cuda":
             return self.config.kv_cache_bytes
@@ -148,14 +185,13 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.arch, self.block_size, self.kv_dtype)
+        return self.geometry.page_bytes
 
     def _kv_caches(self) -> list[LayerKV]:
+        layers = [self.arena.layer_kv(i) for i in range(self.arch.num_layers)]
         if self.kv_scales is None:
-            return [LayerKV(layer[0], layer[1]) for layer in self.kv_cache]
-        return [
-            LayerKV(layer[0], layer[1], *scales) for layer, scales in zip(self.kv_cache, self.kv_scales, strict=True)
-        ]
+            return [LayerKV(k, v) for k, v in layers]
+        return [LayerKV(k, v, *scales) for (k, v), scales in zip(layers, self.kv_scales, strict=True)]
 
     @torch.inference_mode()
     def measure_h2d_bandwidth(self) -> float:
@@ -168,43 +204,67 @@ class ModelRunner:
         for _ in range(3):
             start = time.perf_counter()
             for b in range(n):
-                self.kv_cache[:, :, b].copy_(self.host_kv[b], non_blocking=True)
+                self.arena.pages[b].copy_(self.host_kv[b], non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - start)
         return n * self.kv_bytes_per_block / max(best, 1e-9)
 
     @torch.inference_mode()
-    def apply_copy_ops(self, ops: list[CopyOp], weights: Callable[[AdapterKey], LoraAdapter]) -> float:
-        """Execute the pool's moves in order, before this step's forward pass: KV blocks between the device and
-        the host tier, adapters into and out of the device slots (``weights``: an adapter version's host copy).
-        On CUDA the copies run on a side stream that waits for the previous step's writes, and the next forward
-        waits for them on the GPU: the host never blocks on a swap. Returns the seconds spent loading adapters
-        (host clock)."""
+    def apply_copy_ops(self, ops: list[CopyOp], staged: Callable[[AdapterKey], StagedImage]) -> float:
+        """Execute the pool's moves in order, before this step's forward pass: KV pages between the device and the
+        host tier, adapters into and out of the arena (``staged``: an adapter's staged layout and pinned image).
+        On CUDA the copies run on side streams that wait for the previous step's writes; the next forward waits
+        for the KV copies on the GPU, not for adapter loads (the scheduler holds back the requests of an adapter
+        until ``adapter_loaded`` says its copy ran): the host never blocks on a copy. Returns the seconds spent
+        issuing adapter loads (host clock)."""
         if not ops:
             return 0.0
-        stream = self._copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        copy, load = self._copy_stream, self._load_stream
+        current = torch.cuda.current_stream(self.device) if copy is not None else None
+        if current is not None:
+            for stream in (copy, load):
+                if stream is not None:
+                    stream.wait_stream(current)
         adapter_s = 0.0
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for op in ops:
-                if op.kind is OpKind.KV_SWAP_OUT:
+        pages, host = self.arena.pages, self.host_kv
+        for op in ops:
+            if op.kind is OpKind.KV_SWAP_OUT:
+                with _on(copy):
                     for src, dst in zip(op.src, op.dst, strict=True):
-                        self.host_kv[dst].copy_(self.kv_cache[:, :, src], non_blocking=True)
-                elif op.kind is OpKind.KV_SWAP_IN:
+                        host[dst].copy_(pages[src], non_blocking=True)
+            elif op.kind is OpKind.KV_SWAP_IN:
+                with _on(copy):
                     for src, dst in zip(op.src, op.dst, strict=True):
-                        self.kv_cache[:, :, dst].copy_(self.host_kv[src], non_blocking=True)
-                elif op.kind is OpKind.ADAPTER_LOAD:
-                    assert op.adapter is not None
-                    start = time.perf_counter()
-                    self.lora.write(op.slot, weights(op.adapter))
-                    adapter_s += time.perf_counter() - start
-                else:
-                    self.lora.clear(op.slot)
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+                        pages[dst].copy_(host[src], non_blocking=True)
+            elif op.kind is OpKind.ADAPTER_LOAD:
+                assert op.adapter is not None
+                start = time.perf_counter()
+                image = staged(op.adapter)
+                with _on(load):
+                    self.adapters.load(list(op.dst), image.layout, image.image)
+                    if load is not None:
+                        event = torch.cuda.Event()
+                        event.record(load)
+                        self._loads_in_flight[op.dst[0]] = event
+                adapter_s += time.perf_counter() - start
+            else:
+                self.adapters.unload(op.src[0])
+                self._loads_in_flight.pop(op.src[0], None)
+        if current is not None and copy is not None:
+            current.wait_stream(copy)
         return adapter_s
+
+    def adapter_loaded(self, table_page: int) -> bool:
+        """Whether the copy of the adapter whose table is on ``table_page`` has run (always, off CUDA): a query of
+        its event, no sync."""
+        event = self._loads_in_flight.get(table_page)
+        if event is None:
+            return True
+        if event.query():
+            del self._loads_in_flight[table_page]
+            return True
+        return False
 
     def prepare(self, items: Sequence[tuple[S, int]]) -> tuple[ForwardBatch, list[S]]:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
@@ -212,7 +272,7 @@ class ModelRunner:
         with draft tokens computes them after its last token (n counts them) and gets a logits row for each of
         its 1 + d last positions. Requests are ordered by adapter slot (stable), so that each adapter's tokens
         are one segment. A step of one token per sequence is padded to its decode bucket (see _init_step)."""
-        items = sorted(items, key=lambda item: item[0].lora_slot)
+        items = sorted(items, key=lambda item: item[0].lora_page)
         bucket = None
         if self.decode_buckets and all(n == 1 and not r.draft_token_ids for r, n in items):
             bucket = bucket_for(len(items), self.decode_buckets)
@@ -259,10 +319,9 @@ class ModelRunner:
             padding,
             self.block_tables.width if graph_layout else None,
         )
-        lora = self._lora_batch(items, padding, always=graph_layout)
-        lora_arrays, host_segments = lora if lora is not None else ({}, [])
+        segments, tiles, block_t = self._lora_mapping(items, bucket if graph_layout else None)
         # Arrays whose length is fixed by the bucket come first, so that a padded decode step finds every array a
-        # graph reads at the offsets it was captured with (the LoRA arrays put their per-token ones first)
+        # graph reads at the offsets it was captured with
         arrays: HostArrays = {
             "input_ids": (input_ids, torch.int64),
             "positions": (positions, torch.int64),
@@ -270,7 +329,7 @@ class ModelRunner:
             "seq_lens": (seq_lens, torch.int32),
             "query_start_loc": (starts, torch.int32),
             "table_rows": (plan.rows, torch.int32),
-            **{f"lora.{name}": (values, torch.int32) for name, values in lora_arrays.items()},
+            "lora_tiles": (tiles or [], torch.int32),
             "logits_indices": (logits_rows, torch.int64),
             "table_update_index": (plan.update_index, torch.int64),
             "table_update_value": (plan.update_value, torch.int32),
@@ -280,10 +339,9 @@ class ModelRunner:
             plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]
         )
         lora_batch = None
-        if lora is not None:
-            fields: dict[str, torch.Tensor | None] = {name: dev[f"lora.{name}"] for name in lora_arrays}
-            fields.setdefault("slot_ids", None)
-            lora_batch = LoraBatch(**fields, host_segments=host_segments)  # type: ignore[arg-type]
+        if segments or graph_layout:
+            lora_tiles = dev["lora_tiles"].view(-1, 3) if tiles is not None else None
+            lora_batch = LoraBatch(segments, lora_tiles, block_t)
         batch = ForwardBatch(
             lora=lora_batch,
             max_query_len=max((n for _, n in items), default=1),
@@ -298,33 +356,27 @@ class ModelRunner:
         )
         return batch, sampling
 
-    def _lora_batch(
-        self, items: Sequence[tuple[ScheduledSequence, int]], padding: int = 0, always: bool = False
-    ) -> tuple[dict[str, list[int]], list[HostSegment]] | None:
-        """Segments of consecutive tokens that share an adapter slot (each request's tokens are contiguous);
-        decode-only steps also get the per-token form (BGMV). Returns the int32 arrays, named as LoraBatch's
-        fields (per-token ones first), and the host segments; None when no token has an adapter, unless
-        ``always``. ``padding`` rows at the end have no adapter."""
-        if not always and all(r.lora_slot < 0 for r, _ in items):
-            return None
-        seg_starts, seg_slots = [0], list[int]()
-        for slot, n in [*((r.lora_slot, n) for r, n in items), *([(-1, padding)] if padding else [])]:
-            if seg_slots and seg_slots[-1] == slot:
-                seg_starts[-1] += n
-            else:
-                seg_slots.append(slot)
-                seg_starts.append(seg_starts[-1] + n)
-        arrays: dict[str, list[int]] = {}
-        if all(n == 1 for _, n in items):
-            arrays["slot_ids"] = [r.lora_slot for r, _ in items] + [-1] * padding
-        arrays["seg_starts"], arrays["seg_slots"] = seg_starts, seg_slots
-        rank_of = self.lora.rank_of
-        host_segments = [
-            (start, end, slot, rank_of[slot])
-            for start, end, slot in zip(seg_starts, seg_starts[1:], seg_slots, strict=False)
-            if slot >= 0
-        ]
-        return arrays, host_segments
+    def _lora_mapping(
+        self, items: Sequence[tuple[ScheduledSequence, int]], bucket: int | None
+    ) -> tuple[list[tuple[int, int, int]], list[int] | None, int]:
+        """The step's runs of tokens that share an adapter, (start, end, table page), each request's tokens being
+        contiguous and the requests in page order; where the kernels run, their tile map (flattened; with a
+        ``bucket``, padded to the bucket's fixed tile count, what a graph reads); and its rows per tile."""
+        segments: list[tuple[int, int, int]] = []
+        row = 0
+        for request, n in items:
+            page = request.lora_page
+            if page >= 0 and segments and segments[-1][2] == page and segments[-1][1] == row:
+                segments[-1] = (segments[-1][0], row + n, page)
+            elif page >= 0:
+                segments.append((row, row + n, page))
+            row += n
+        decode = all(n == 1 for _, n in items)
+        block_t = DECODE_BLOCK_T if decode else PREFILL_BLOCK_T
+        if not ops.use_kernels(self.device) or (not segments and bucket is None):
+            return segments, None, block_t
+        num_tiles = None if bucket is None else max_tiles(bucket, block_t, self.config.max_loras)
+        return segments, tile_map(segments, block_t, num_tiles), block_t
 
     @torch.inference_mode()
     def execute(

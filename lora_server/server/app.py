@@ -68,6 +68,26 @@ class EngineAdapters:
             return False
         return True
 
+    def load_on_demand(self, name: str) -> bool:
+        """Register ``<adapter root>/<name>`` under ``name`` if one of the engine's adapter roots has that directory
+        (vLLM's filesystem resolver), as this server's own (source "on-demand": not written to the registry
+        store, left alone by its sync); True when ``name`` is served afterwards. ``name`` must be a plain name
+        (the caller refuses separators). ApiError 400 when the directory exists but cannot be served."""
+        roots = self.engine.config.adapter_roots or ()
+        with self.lock:
+            if name in self.engine.adapter_names():
+                return True
+            for root in roots:
+                path = Path(root) / name
+                if (path / "adapter_config.json").is_file():
+                    try:
+                        self.engine.add_adapter(name, path, source="on-demand")
+                    except AdapterError as exc:
+                        raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc}", param="model") from exc
+                    log.info("adapter %s registered on first use from %s", name, path)
+                    return True
+        return False
+
     def served_adapters(self) -> list[str]:
         return self.engine.adapter_names()
 
@@ -83,7 +103,7 @@ class EngineAdapters:
             "num_preemptions": snap.num_preemptions,
             "running": snap.running,
             "waiting": snap.waiting,
-            "adapter_slots": self.engine.config.max_loras,
+            "max_loras": self.engine.config.max_loras,
             "registered_adapters": self.engine.adapter_names(),
         }
 
@@ -291,8 +311,10 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
             raise ApiError(401, "missing or wrong API key for this tenant", "authentication_error")
         return record
 
-    def resolve(model: str | None, tenant: TenantRecord | None) -> str | None:
-        """The adapter a request's ``model`` names (None: the base model); 404 unknown, 403 not allowed."""
+    async def resolve(model: str | None, tenant: TenantRecord | None) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 unknown, 403 not allowed. With
+        --load-adapters-on-demand, an unknown plain name that an adapter root holds is registered first (off the
+        event loop; the tenant's allow-list is checked before, a name with a path separator is refused)."""
         if tenant is not None and not model:
             model = tenant.default_adapter
         if not model or model == model_id:
@@ -301,11 +323,16 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
             raise ApiError(
                 403, f"model {model!r} is not available to tenant {tenant.name!r}", "permission_error", param="model"
             )
-        if model not in engine.adapter_names():
-            raise ApiError(
-                404, f"The model `{model}` does not exist.", "not_found_error", param="model", code="model_not_found"
-            )
-        return model
+        if model in engine.adapter_names():
+            return model
+        if settings.load_adapters_on_demand:
+            if not _plain_name(model):
+                raise ApiError(400, "a model name must not contain a path separator", param="model")
+            if await run_in_threadpool(control.load_on_demand, model):
+                return model
+        raise ApiError(
+            404, f"The model `{model}` does not exist.", "not_found_error", param="model", code="model_not_found"
+        )
 
     # ---- the completion endpoints ---------------------------------------------------------------------------
 
@@ -313,7 +340,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         raw = await request.body()
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = await run_in_threadpool(parse_body, raw, model_cls)
-        adapter = resolve(req.model, tenant)
+        adapter = await resolve(req.model, tenant)
         prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
         prepared: Prepared = await run_in_threadpool(
             prepare,  # type: ignore[arg-type]
@@ -455,6 +482,11 @@ class TenantMeter:
                 completion_tokens,
                 exc,
             )
+
+
+def _plain_name(name: str) -> bool:
+    """A name that can only mean a directory directly under an adapter root."""
+    return name not in (".", "..") and not any(c in name for c in ("/", "\\", "\0")) and not name.startswith("~")
 
 
 def _refuse_unless_allowed(decision: RateDecision, limit: int, kind: str) -> None:

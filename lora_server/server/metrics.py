@@ -143,9 +143,10 @@ class EngineCollector(Collector):
     wall-clock time of the reading (routers take the newest series).
 
     Residency per adapter, as vLLM's proposal has it (vllm-project/vllm#54830): ``vllm:lora_adapter_loaded
-    {adapter_name, level, pinned}`` = 1 for each adapter, level "gpu" while its weights are on the device, else
-    "cpu" (every registered adapter keeps its weights in host memory); ``vllm:num_gpu_loaded_lora_adapters`` and
-    ``vllm:num_cpu_loaded_lora_adapters`` count them, the CPU count including those also on the device."""
+    {adapter_name, level, pinned}`` = 1 for each adapter whose weights are loaded somewhere, level "gpu" while they
+    are on the device, "cpu" while they are only staged in host memory (a registered adapter on neither is read
+    from disk when a request needs it: no series); ``vllm:num_gpu_loaded_lora_adapters`` counts those on the
+    device, ``vllm:num_cpu_loaded_lora_adapters`` those staged in host memory (some also on the device)."""
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -155,7 +156,7 @@ class EngineCollector(Collector):
         pool: dict[str, Any] = snap.pool
         salts = pool["kv_tokens_by_salt"].values()
         residency = adapter_residency(pool["adapters"])
-        on_device = sorted(name for name, (level, _) in residency.items() if level == "gpu")
+        on_device = sorted(name for name, (level, _, _) in residency.items() if level == "gpu")
         counters = {
             "vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
             "vllm:prefix_cache_queries": (
@@ -176,8 +177,8 @@ class EngineCollector(Collector):
             ),
             "vllm:num_gpu_loaded_lora_adapters": ("Adapters with weights on the device.", len(on_device)),
             "vllm:num_cpu_loaded_lora_adapters": (
-                "Adapters with weights in host memory (every registered one, those on the device included).",
-                len(residency),
+                "Adapters with weights staged in host memory (those also on the device included).",
+                sum(staged for _, _, staged in residency.values()),
             ),
             "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
             "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
@@ -204,10 +205,10 @@ class EngineCollector(Collector):
                 yield family
         loaded = GaugeMetricFamily(
             "vllm:lora_adapter_loaded",
-            "1 per adapter: level gpu while its weights are on the device, else cpu (host memory).",
+            "1 per loaded adapter: level gpu while its weights are on the device, cpu while only in host memory.",
             labels=["model_name", "adapter_name", "level", "pinned"],
         )
-        for name, (level, pinned) in sorted(residency.items()):
+        for name, (level, pinned, _) in sorted(residency.items()):
             loaded.add_metric([self.model_name, name, level, str(pinned).lower()], 1)
         yield loaded
         cache = GaugeMetricFamily(
@@ -226,16 +227,18 @@ class EngineCollector(Collector):
         yield lora
 
 
-def adapter_residency(placement: list[dict[str, Any]]) -> dict[str, tuple[str, bool]]:
-    """Adapter name -> (level, pinned) from the pool's placement in a snapshot (``EngineCore.pool_figures``
-    "adapters"): level "gpu" for a version on the device, else "cpu". The base model and versions no name points
-    to any more (replaced or unloaded, kept while their last requests run) are left out."""
-    residency: dict[str, tuple[str, bool]] = {}
+def adapter_residency(placement: list[dict[str, Any]]) -> dict[str, tuple[str, bool, bool]]:
+    """Adapter name -> (level, pinned, staged) from the pool's placement in a snapshot (``EngineCore.pool_figures``
+    "adapters"): level "gpu" while its weights are in the device's arena, "cpu" while they are only staged in host
+    memory; names whose weights are on neither (registered, read from disk when needed) are left out, as are the
+    base model and weights no name points to any more (kept while their last requests run). Names with equal
+    weights share one entry of the placement."""
+    residency: dict[str, tuple[str, bool, bool]] = {}
     for adapter in placement:
-        name = adapter["name"]
-        if name is None or name == BASE_PLACEMENT_NAME:
+        level = "gpu" if adapter["tier"] == "gpu" else "cpu" if adapter["staged"] else None
+        if level is None:
             continue
-        level = "gpu" if adapter["tier"] == "gpu" else "cpu"
-        if residency.get(name, ("cpu", False))[0] == "cpu":
-            residency[name] = (level, bool(adapter["pinned"]))
+        for name in adapter["names"]:
+            if name != BASE_PLACEMENT_NAME:
+                residency[name] = (level, bool(adapter["pinned"]), bool(adapter["staged"]))
     return residency

@@ -102,6 +102,7 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
             "when it restarts; enable appendonly or save"
         )
     demos = demo_adapters()
+    preloaded = []
     for spec in config.adapters if config.adapters is not None else list(demos):
         name, _, path = spec.partition("=")
         if not path and name not in demos:
@@ -109,6 +110,9 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
                 f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); use NAME=PATH"
             )
         engine.add_adapter(name, path or demos[name], source="command line" if path else "demo")
+        preloaded.append(name)
+    # the adapters given at start wait in host memory: their first requests read no disk
+    engine.stage_adapters(preloaded[: config.engine.max_cpu_loras])
     base_id = config.served_model_name or model_id(config.engine)
     app = build_app(engine, store, config, base_id, admin_key)
     registry = RegistrySync(store, engine, app.state.control.lock, app.state.tenants.changed)
@@ -122,7 +126,7 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
     """What the server serves, in a few lines for its log at start; ``place``: where the registry store is."""
     info, pool = engine.describe(), engine.snapshot().pool
     a = info.arch
-    blocks, block_size = pool["gpu_blocks"], pool["block_size"]
+    blocks, block_size, memory = pool["gpu_blocks"], pool["block_size"], pool["device_memory"]
     adapters = [(n, engine.adapter_info(n)) for n in engine.adapter_names()]
     by_source: dict[str, list[str]] = {}
     for name, adapter in adapters:
@@ -136,10 +140,13 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
             f"  model: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_heads}/{a.num_kv_heads} heads, context "
             f"{info.max_model_len}; quantization {config.engine.quantization}, dtype {dtype}, device {info.device}; "
             f"resident weights {info.weight_bytes / 2**20:.0f} MiB",
-            f"  device budget: {blocks} KV blocks x {block_size} tokens = {blocks * block_size} tokens "
-            f"({blocks * pool['block_bytes'] / gib:.2f} GiB, adapters charged to it), {config.engine.max_loras} "
-            f"adapter slots, policy {pool['policy']}; host tier {pool['host_blocks']} blocks "
-            f"({pool['host_blocks'] * pool['block_bytes'] / gib:.2f} GiB)",
+            f"  device memory: weights {memory['weights_bytes'] / gib:.2f} GiB + arena "
+            f"{memory['arena_bytes'] / gib:.2f} GiB + workspace {memory['workspace_bytes'] / 2**20:.1f} MiB; the "
+            f"arena: {blocks} pages of {pool['block_bytes'] / 2**20:.2f} MiB, each {block_size} tokens of KV or part "
+            f"of an adapter (as many resident as policy {pool['policy']} keeps; at most {config.engine.max_loras} in "
+            "one batch); host tier "
+            f"{pool['host_blocks']} pages ({memory['host_tier_bytes'] / gib:.2f} GiB), up to "
+            f"{config.engine.max_cpu_loras} adapters staged in host memory",
             "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
             f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
             f"  registry: {store.backend} at {place}; changes by other {followed}",

@@ -1,0 +1,171 @@
+"""An adapter in the arena's layout: which of its pages each weight block goes to, the page image that a load copies
+to the device, and the table (kernels/lora_table.py) that tells the kernels where the blocks are.
+
+A page is one KV block's bytes (``page_bytes``). An adapter takes as many pages as its own ranks need: its first
+page starts with its table, then come its blocks, packed in order (layer, fused group, A then B^T): a group's A
+blocks of every slice back to back when they fit in a page (so that a CPU matmul can read them as one [K, r, in]
+view), else each slice's alone; B^T slice by slice; a block larger than a page in row groups of ROW_GROUP rows. A
+unit that does not fit in what is left of a page starts the next. Blocks: A [r, in] and B^T [r, out] (B
+transposed, its scaling folded in), row-major, in the model's dtype. The image holds every page in order with the
+table left zero: the table's offsets depend on which pages the adapter is given, so ``table`` computes it at
+load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
+from kernels.lora_table import GROUPS, MODULE_INDEX, NUM_MODULES, ROW_GROUP, groups, row_len, table_len
+
+_ALIGN_BYTES = 128  # every unit starts on a 128-byte boundary (whole cache lines and vector loads)
+
+
+@dataclass(frozen=True, slots=True)
+class PageGeometry:
+    """What every adapter of an engine is laid out for: the pages' size, the weights' dtype, the largest rank (the
+    table's row length) and the base model's module shapes."""
+
+    page_bytes: int
+    dtype: torch.dtype
+    max_rank: int
+    shapes: BaseShapes
+
+    def __post_init__(self) -> None:
+        if self.page_bytes % 8 or self.page_bytes % self.dtype.itemsize:
+            raise ValueError(f"a page of {self.page_bytes} bytes does not hold whole int64 and {self.dtype} values")
+
+    def check_fits(self) -> None:
+        """AdapterError unless a page holds the table and a row group of the widest module (true of real models,
+        whose page is every layer's KV of a block: MiBs; a tiny test model may need a larger --block-size)."""
+        widest = max(max(f) for f in self.shapes.features.values())
+        if min(ROW_GROUP, self.max_rank) * widest > self.page_elems - self.table_elems:
+            raise AdapterError(
+                f"this model's pages ({self.page_bytes} bytes: one KV block of every layer) cannot hold "
+                f"{min(ROW_GROUP, self.max_rank)} rows of {widest} {self.dtype} values beside an adapter table, "
+                "so it cannot serve adapters: raise --block-size"
+            )
+
+    @property
+    def page_elems(self) -> int:
+        return self.page_bytes // self.dtype.itemsize
+
+    @property
+    def table_elems(self) -> int:
+        """Elements (of the weights' dtype) the table takes at the start of an adapter's first page, aligned."""
+        return _align(table_len(self.shapes.num_layers, self.max_rank) * 8) // self.dtype.itemsize
+
+
+def _align(nbytes: int) -> int:
+    """nbytes rounded up to the unit alignment."""
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Where one weight block lies in an adapter's pages: rows [row0, row1) of A or B^T of one (layer, module)."""
+
+    layer: int
+    module: str
+    is_b: bool
+    row0: int
+    row1: int
+    width: int  # elements per row: in (A) or out (B^T)
+    page: int  # index into the adapter's pages
+    offset: int  # element offset inside that page
+
+
+class PageLayout:
+    """Where each block of one adapter goes in its pages, for a PageGeometry; ``ranks``: (layer, module) -> r for
+    the modules it targets."""
+
+    def __init__(self, geometry: PageGeometry, ranks: dict[tuple[int, str], int]) -> None:
+        geometry.check_fits()
+        if any(r > geometry.max_rank for r in ranks.values()):
+            raise AdapterError(f"rank {max(ranks.values())} is above the server's maximum {geometry.max_rank}")
+        self.geometry, self.ranks = geometry, dict(ranks)
+        self.blocks: list[Block] = []
+        self.num_pages = 1
+        self._cursor = geometry.table_elems
+        features, item = geometry.shapes.features, geometry.dtype.itemsize
+        for layer in range(geometry.shapes.num_layers):
+            for modules in GROUPS.values():
+                targeted = [m for m in modules if ranks.get((layer, m), 0) > 0]
+                self._place_unit(layer, False, [(m, ranks[(layer, m)], features[m][0]) for m in targeted], item)
+                for m in targeted:  # B^T slice by slice: nothing reads them as one
+                    self._place_unit(layer, True, [(m, ranks[(layer, m)], features[m][1])], item)
+
+    def _place_unit(self, layer: int, is_b: bool, pieces: list[tuple[str, int, int]], item: int) -> None:
+        """Put one unit (these blocks back to back) where it fits whole; split it per module, then per row group,
+        when it is larger than a page."""
+        if not pieces:
+            return
+        size = sum(r * w for _, r, w in pieces)
+        page_elems = self.geometry.page_elems
+        if size > page_elems and len(pieces) > 1:
+            for piece in pieces:
+                self._place_unit(layer, is_b, [piece], item)
+            return
+        if size > page_elems:  # one module's block: its row groups one by one
+            module, r, w = pieces[0]
+            for row0 in range(0, r, ROW_GROUP):
+                row1 = min(r, row0 + ROW_GROUP)
+                page, offset = self._claim((row1 - row0) * w, item)
+                self.blocks.append(Block(layer, module, is_b, row0, row1, w, page, offset))
+            return
+        page, offset = self._claim(size, item)
+        for module, r, w in pieces:
+            self.blocks.append(Block(layer, module, is_b, 0, r, w, page, offset))
+            offset += r * w
+
+    def _claim(self, size: int, item: int) -> tuple[int, int]:
+        """(page, offset) of ``size`` elements at the cursor, on the next page when they do not fit in this one."""
+        if self._cursor + size > self.geometry.page_elems:
+            self.num_pages += 1
+            self._cursor = 0
+        place = (self.num_pages - 1, self._cursor)
+        self._cursor += _align(size * item) // item
+        return place
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.geometry.page_bytes
+
+    def image(self, adapter: LoraAdapter, pin_memory: bool = False) -> torch.Tensor:
+        """The adapter's pages as the device will hold them: uint8 [num_pages, page_bytes], the table left zero,
+        unused bytes zero; pinned when asked (a copy from it to CUDA does not wait for the host)."""
+        g = self.geometry
+        pages = torch.zeros(self.num_pages, g.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        values = pages.view(-1).view(g.dtype).view(self.num_pages, g.page_elems)
+        for block in self.blocks:
+            a, b = adapter.weights[(block.layer, block.module)]
+            rows = b.t()[block.row0 : block.row1] if block.is_b else a[block.row0 : block.row1]
+            n = rows.numel()
+            values[block.page, block.offset : block.offset + n].copy_(rows.reshape(-1))
+        return pages
+
+    def table(self, pages: list[int]) -> np.ndarray:
+        """The table (int64 [table_len]) of the adapter laid out in arena pages ``pages`` (its pages in order):
+        offsets into the arena's flat weight view, -1 where there is no block."""
+        g = self.geometry
+        num_groups, width = groups(g.max_rank), row_len(g.max_rank)
+        table = np.full((g.shapes.num_layers, NUM_MODULES, width), -1, dtype=np.int64)
+        table[:, :, 0] = 0
+        for (layer, module), r in self.ranks.items():
+            table[layer, MODULE_INDEX[module], 0] = r
+        page_elems = g.page_elems
+        for block in self.blocks:
+            base = pages[block.page] * page_elems + block.offset
+            column = 1 + (num_groups if block.is_b else 0)
+            for row in range(block.row0, block.row1, ROW_GROUP):
+                table[block.layer, MODULE_INDEX[block.module], column + row // ROW_GROUP] = (
+                    base + (row - block.row0) * block.width
+                )
+        return table.reshape(-1)
+
+
+def adapter_ranks(adapter: LoraAdapter) -> dict[tuple[int, str], int]:
+    """(layer, module) -> rank of every module the adapter targets."""
+    return {key: a.shape[0] for key, (a, _) in adapter.weights.items()}

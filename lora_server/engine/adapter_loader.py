@@ -1,0 +1,174 @@
+"""Stages adapters' weights on the host, off the engine's step: a background thread reads a registered adapter's files
+again, checks them against the content hash it was registered with, converts them to the model's dtype and lays
+them out in pages (adapters.page_layout), in pinned memory on CUDA so that the device copy (a copy operation of the
+pool's, on a side stream) never waits for the host. The engine thread asks for what it needs and takes what is
+ready; a request whose adapter is not staged yet waits while the running batch keeps stepping.
+
+Ownership: the loader owns the staged images and the set of contents in flight. Staged images are kept up to
+``capacity``, least recently used first out, evicted on the engine thread only (``take_events``), so an image the
+pool saw staged is still there when the step's copies run; pinned adapters' images are never evicted."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from adapters.page_layout import PageGeometry, PageLayout
+from adapters.peft_format import AdapterError, load_peft_adapter
+from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
+
+log = logging.getLogger("lora_server")
+
+
+@dataclass(frozen=True, slots=True)
+class StagedAdapter:
+    adapter_id: int
+    layout: PageLayout
+    image: torch.Tensor  # uint8 [num_pages, page_bytes], pinned on CUDA
+
+
+@dataclass(slots=True)
+class LoaderEvents:
+    """What changed since the engine thread last asked: contents staged, evicted from the host, failed (why)."""
+
+    staged: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+class AdapterLoader:
+    """Stages registered adapters' pages on the host (see the module). ``request`` and ``take_events`` are for the
+    engine thread; the work is the loader thread's."""
+
+    def __init__(self, registry: AdapterRegistry, geometry: PageGeometry, pin_memory: bool, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"the loader must be able to stage at least one adapter, got capacity {capacity}")
+        self.registry, self.geometry, self.pin_memory, self.capacity = registry, geometry, pin_memory, capacity
+        self._staged: OrderedDict[int, StagedAdapter] = OrderedDict()  # least recently used first
+        self._in_flight: set[int] = set()
+        self._protected: set[int] = set()  # never evicted: pinned adapters
+        self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
+        self._events = LoaderEvents()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._thread: threading.Thread | None = None  # started by the first request
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+
+    def request(self, adapter_id: int) -> None:
+        """Stage this content unless it is staged or on its way (a retired one is reported failed)."""
+        with self._lock:
+            if adapter_id in self._staged:
+                self._staged.move_to_end(adapter_id)
+                return
+            if adapter_id in self._in_flight:
+                return
+            self._failures.pop(adapter_id, None)
+            self._in_flight.add(adapter_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
+                self._thread.start()
+        self._queue.put(adapter_id)
+
+    def staged(self, adapter_id: int) -> StagedAdapter | None:
+        """The staged image of a content (it counts as a use), or None."""
+        with self._lock:
+            staged = self._staged.get(adapter_id)
+            if staged is not None:
+                self._staged.move_to_end(adapter_id)
+            return staged
+
+    def protect(self, adapter_id: int, protected: bool) -> None:
+        """Keep (or no longer keep) a content's image whatever the capacity: a pinned adapter's."""
+        with self._lock:
+            (self._protected.add if protected else self._protected.discard)(adapter_id)
+
+    def forget(self, adapter_id: int) -> None:
+        """A retired content: its image goes (a load in flight is dropped when it lands)."""
+        with self._lock:
+            self._staged.pop(adapter_id, None)
+            self._protected.discard(adapter_id)
+
+    def failed(self, adapter_ids: Iterable[int]) -> str | None:
+        """Why staging one of these contents failed last (None: none has failed since it was last asked for)."""
+        with self._lock:
+            return next((self._failures[i] for i in adapter_ids if i in self._failures), None)
+
+    def busy(self) -> bool:
+        """Whether any content is on its way."""
+        with self._lock:
+            return bool(self._in_flight)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a load lands or fails (or ``timeout`` seconds): for an engine with nothing else to do."""
+        with self._done:
+            if self._in_flight:
+                self._done.wait(timeout)
+
+    def take_events(self) -> LoaderEvents:
+        """Contents staged, failed and evicted since the last call; evicts down to the capacity first."""
+        with self._lock:
+            events = self._events
+            keep = self._protected | set(events.staged)  # what just landed gets its chance to be loaded first
+            while len(self._staged) > self.capacity:
+                victim = next((i for i in self._staged if i not in keep), None)
+                if victim is None:
+                    break
+                del self._staged[victim]
+                events.evicted.append(victim)
+            self._events = LoaderEvents()
+        return events
+
+    def staged_ids(self) -> list[int]:
+        with self._lock:
+            return list(self._staged)
+
+    def close(self) -> None:
+        """Stop the loader thread (after the load under way)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # ---- the loader thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (adapter_id := self._queue.get()) is not None:
+            try:
+                staged = self._stage(adapter_id)
+                error = None
+            except AdapterError as exc:
+                staged, error = None, str(exc)
+            except Exception as exc:  # noqa: BLE001 (any failure to stage fails that adapter's requests, not the loop)
+                log.exception("staging adapter %d failed", adapter_id)
+                staged, error = None, f"{type(exc).__name__}: {exc}"
+            with self._done:
+                self._in_flight.discard(adapter_id)
+                if staged is not None and self.registry.content(adapter_id) is not None:
+                    self._staged[adapter_id] = staged
+                    self._events.staged.append(adapter_id)
+                elif error is not None:
+                    self._events.failed[adapter_id] = error
+                    self._failures[adapter_id] = error
+                self._done.notify_all()
+
+    def _stage(self, adapter_id: int) -> StagedAdapter:
+        content = self.registry.content(adapter_id)
+        if content is None:
+            raise AdapterError(f"adapter content {adapter_id} is no longer registered")
+        g = self.geometry
+        adapter = load_peft_adapter(content.name, content.path, g.shapes, g.max_rank, self.registry.allowed_roots)
+        if content_hash(adapter) != content.digest:
+            raise AdapterError(
+                f"the files of adapter `{content.name}` at {content.path} changed since it was registered; "
+                "register it again"
+            )
+        layout = PageLayout(g, content.rank_map)
+        return StagedAdapter(adapter_id, layout, layout.image(adapter, pin_memory=self.pin_memory))

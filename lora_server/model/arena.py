@@ -1,0 +1,184 @@
+"""The device arena: one buffer of pages that holds the KV cache and the resident adapters' weights, S-LoRA's unified
+paging. A page is one KV block's bytes: as KV, every layer's K and V of block_size tokens; as part of an adapter,
+a run of its weight blocks (adapters.page_layout), its first page starting with its table (kernels/lora_table.py).
+Which page holds what is the pool's decision (kv_pool); this module holds the tensor and its views, and does what a
+copy operation says: moves KV pages to and from the host tier, writes an adapter's staged pages and table.
+
+Owned by the model runner. ``ResidentAdapters`` keeps, for each adapter in the arena (by its table page), its layout
+and, on the CPU, the views the CPU's LoRA path multiplies with (views into the arena: no second copy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adapters.page_layout import PageGeometry, PageLayout
+from kernels.lora_table import GROUPS
+from kernels.segment_lora import LoraTerm
+from lora_server.model.arch import ModelArch
+
+
+class Arena:
+    """``num_pages`` pages of ``page_bytes`` on ``device``, zero-filled, and three views of them:
+
+    kv       [pages, layers, 2 (k, v), block_size, kv_heads, head_dim], the KV dtype: page p's KV
+    weights  [pages * page_bytes / itemsize], the model's dtype, flat: what adapter tables' offsets index
+    table    [pages * page_bytes / 8] int64, flat: page p's table starts at p * table_stride"""
+
+    def __init__(
+        self,
+        num_pages: int,
+        arch: ModelArch,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        weight_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_bytes = page_bytes(arch, block_size, kv_dtype)
+        self.num_pages = num_pages
+        self.pages = torch.zeros(num_pages, self.page_bytes, dtype=torch.uint8, device=device)  # [pages, bytes]
+        kv_shape = (num_pages, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv = self.pages.view(kv_dtype).view(kv_shape)
+        self.weights = self.pages.view(-1).view(weight_dtype)
+        self.table = self.pages.view(-1).view(torch.int64)
+        self.table_stride = self.page_bytes // 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.nbytes
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V caches: [pages, block_size, kv_heads, head_dim] each (strided: a page holds
+        every layer)."""
+        return self.kv[:, layer, 0], self.kv[:, layer, 1]
+
+
+def page_bytes(arch: ModelArch, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one page: K and V of block_size tokens in every layer, in the cache's dtype (fp8: one byte a value;
+    the per-head scales are held apart)."""
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * kv_dtype.itemsize
+
+
+@dataclass(slots=True)
+class ResidentAdapter:
+    layout: PageLayout
+    pages: list[int]  # its arena pages, table page first
+    # CPU only: [layer][group] -> the terms its LoRA is computed as (segment_lora), views into the arena
+    terms: list[dict[str, list[LoraTerm]]] | None = None
+
+
+class ResidentAdapters:
+    """The adapters in the arena, by table page: what an ADAPTER_LOAD wrote and an ADAPTER_UNLOAD forgets. On the
+    CPU each also gets its LoRA terms: per layer and fused group, views of its A blocks as [K, in, r] (the group's
+    slices at once where they lie back to back with one rank) and of its B^T rows per slice."""
+
+    def __init__(self, arena: Arena, geometry: PageGeometry, slice_starts: dict[str, list[int]]) -> None:
+        self.arena, self.geometry, self.slice_starts = arena, geometry, slice_starts
+        self._by_page: dict[int, ResidentAdapter] = {}
+        self._cpu = arena.pages.device.type == "cpu"
+
+    def __contains__(self, table_page: int) -> bool:
+        return table_page in self._by_page
+
+    def __len__(self) -> int:
+        return len(self._by_page)
+
+    def load(self, pages: list[int], layout: PageLayout, image: torch.Tensor) -> None:
+        """Copy a staged image (uint8 [n, page_bytes], pinned on CUDA) into arena ``pages`` (at least n; the first
+        is the table page) and write its table there. Asynchronous on CUDA (the caller's stream): ``image`` must
+        stay untouched until the copy has run (torch's pinned allocator keeps it alive)."""
+        assert len(pages) >= layout.num_pages == image.shape[0], (len(pages), layout.num_pages, image.shape)
+        arena = self.arena
+        pages = pages[: layout.num_pages]
+        if arena.pages.device.type == "cpu":
+            arena.pages.index_copy_(0, torch.tensor(pages, dtype=torch.int64), image)
+        else:
+            for i, page in enumerate(pages):
+                arena.pages[page].copy_(image[i], non_blocking=True)
+        values = layout.table(pages)
+        start = pages[0] * arena.table_stride
+        dst = arena.table[start : start + values.size]
+        # off the CPU the table goes from pinned memory too: no copy of a load waits for the host
+        table = torch.empty(values.size, dtype=torch.int64, pin_memory=dst.device.type != "cpu")
+        table.numpy()[:] = values
+        dst.copy_(table, non_blocking=True)
+        resident = ResidentAdapter(layout, pages)
+        if self._cpu:
+            resident.terms = self._terms(layout, pages)
+        self._by_page[pages[0]] = resident
+
+    def pages(self) -> set[int]:
+        """Every page that holds an adapter's weights."""
+        return {p for resident in self._by_page.values() for p in resident.pages}
+
+    def table_pages(self) -> set[int]:
+        """The table pages of the adapters in the arena."""
+        return set(self._by_page)
+
+    def unload(self, table_page: int) -> None:
+        """Forget the adapter whose table is on ``table_page`` (its pages go back to the pool: nothing to copy)."""
+        del self._by_page[table_page]
+
+    def terms(self, table_page: int, layer: int, group: str) -> list[LoraTerm]:
+        """The CPU's LoRA terms of one resident adapter's layer and fused group (empty: it targets none of them)."""
+        terms = self._by_page[table_page].terms
+        assert terms is not None, "LoRA terms are built on the CPU only"
+        return terms[layer].get(group, [])
+
+    def _terms(self, layout: PageLayout, pages: list[int]) -> list[dict[str, list[LoraTerm]]]:
+        weights, page_elems = self.arena.weights, self.geometry.page_elems
+        found: dict[tuple[int, str, bool], list[tuple[int, torch.Tensor]]] = {}
+        for block in layout.blocks:
+            start = pages[block.page] * page_elems + block.offset
+            rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
+            found.setdefault((block.layer, block.module, block.is_b), []).append((block.row0, rows))
+        out: list[dict[str, list[LoraTerm]]] = []
+        for layer in range(self.geometry.shapes.num_layers):
+            by_group: dict[str, list[LoraTerm]] = {}
+            for group, modules in GROUPS.items():
+                terms = self._group_terms(layer, group, modules, found)
+                if terms:
+                    by_group[group] = terms
+            out.append(by_group)
+        return out
+
+    def _group_terms(
+        self,
+        layer: int,
+        group: str,
+        modules: tuple[str, ...],
+        found: dict[tuple[int, str, bool], list[tuple[int, torch.Tensor]]],
+    ) -> list[LoraTerm]:
+        """One term for the whole group when its A blocks are one [K, r, in] run (every slice targeted with one
+        rank, whole, back to back); otherwise a term per A piece (a slice's block, or a row group of it), each
+        output pairing the rows it computes with the B^T rows of the same slice that overlap them."""
+        starts = self.slice_starts[group]
+        a_parts = [found.get((layer, m, False), []) for m in modules]
+        b_parts = [found.get((layer, m, True), []) for m in modules]
+        if all(len(p) == 1 for p in a_parts) and len({p[0][1].shape for p in a_parts}) == 1:
+            first = a_parts[0][0][1]
+            rank, width = first.shape
+            run = first.as_strided((len(modules), rank, width), (rank * width, width, 1))
+            if all(run[k].data_ptr() == p[0][1].data_ptr() for k, p in enumerate(a_parts)):
+                outputs = [o for k in range(len(modules)) for o in _outputs(k, 0, rank, k, starts, b_parts[k])]
+                return [LoraTerm(run.mT, outputs)]
+        terms = []
+        for k, a_list in enumerate(a_parts):
+            for row0, a_rows in a_list:
+                outputs = _outputs(0, row0, row0 + a_rows.shape[0], k, starts, b_parts[k])
+                terms.append(LoraTerm(a_rows.T.unsqueeze(0), outputs))
+        return terms
+
+
+def _outputs(
+    j: int, row0: int, row1: int, k: int, starts: list[int], b_list: list[tuple[int, torch.Tensor]]
+) -> list[tuple[int, int, int, int, int, torch.Tensor]]:
+    """The outputs of y's slice ``j`` holding rank rows [row0, row1) of slice k: for each B^T piece of slice k
+    that overlaps those rows, (j, y's first and end column, slice k's columns, the overlapping B^T rows)."""
+    out = []
+    for b0, bt in b_list:
+        lo, hi = max(row0, b0), min(row1, b0 + bt.shape[0])
+        if lo < hi:
+            out.append((j, lo - row0, hi - row0, starts[k], starts[k + 1], bt[lo - b0 : hi - b0]))
+    return out

@@ -1,0 +1,81 @@
+"""--load-adapters-on-demand on a real server, through the openai client: a request naming an adapter that is not
+registered but lies in an adapter root as ROOT/NAME is registered on first use and answered; an unknown name stays
+a 404, a name with a path separator is a 400, a tenant's allow-list is checked before anything is read, and
+without the flag nothing is looked up."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.servers import Server, write_adapter
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    root = tmp_path_factory.mktemp("on-demand")
+    (root / "data").mkdir()
+    (root / "adapters").mkdir()
+    write_adapter(root / "adapters" / "fresh", seed=31)
+    write_adapter(root / "adapters" / "secret", seed=32)
+    write_adapter(root / "adapters" / "later", seed=33)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(roots):
+    s = Server(roots / "data", [roots / "adapters"], ["--allow-anonymous", "--load-adapters-on-demand"])
+    yield s
+    s.stop()
+
+
+def _ask(client: openai.OpenAI, model: str):
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+    )
+
+
+def _served(server: Server) -> set[str]:
+    return {a["name"] for a in server.admin("GET", "/admin/adapters").json()["data"]}
+
+
+def test_a_name_in_a_root_is_registered_on_first_use(server):
+    assert "fresh" not in _served(server)
+    reply = _ask(server.client(), "fresh")
+    assert reply.model == "fresh" and reply.usage.completion_tokens == 3
+    info = server.admin("GET", "/admin/adapters/fresh").json()
+    assert info["source"] == "on-demand" and info["version"] == 1
+    assert _ask(server.client(), "fresh").usage.completion_tokens == 3  # now simply registered
+    assert server.admin("GET", "/admin/adapters/fresh").json()["version"] == 1
+
+
+def test_unknown_and_path_like_names_are_refused(server):
+    with pytest.raises(openai.NotFoundError) as missing:
+        _ask(server.client(), "nowhere")
+    assert missing.value.body["code"] == "model_not_found"
+    for name in ("../adapters/fresh", "sub/fresh", "..", "~root"):
+        with pytest.raises(openai.BadRequestError) as bad:
+            _ask(server.client(), name)
+        assert bad.value.body["param"] == "model", name
+    assert "nowhere" not in _served(server)
+    assert server.admin("GET", "/health").status_code == 200
+
+
+def test_a_tenant_allow_list_is_checked_first(server):
+    created = server.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["fresh"]}).json()
+    client = server.client("acme", created["api_key"])
+    with pytest.raises(openai.PermissionDeniedError):
+        _ask(client, "secret")
+    assert "secret" not in _served(server)  # refused before anything was read
+    assert _ask(client, "fresh").usage.completion_tokens == 3
+
+
+def test_without_the_flag_nothing_is_looked_up(roots, tmp_path):
+    (tmp_path / "data").mkdir()
+    s = Server(tmp_path / "data", [roots / "adapters"], ["--allow-anonymous"])
+    try:
+        with pytest.raises(openai.NotFoundError):
+            _ask(s.client(), "later")
+        assert "later" not in {a["name"] for a in s.admin("GET", "/admin/adapters").json()["data"]}
+    finally:
+        s.stop()

@@ -1,0 +1,110 @@
+"""adapters.page_layout: where an adapter's blocks go in its pages, its table, its image. A small case by hand
+(every offset computed here from the packing rule), then larger adapters that split per module and per row group,
+checked against the rule's invariants and by reading every weight back through the table, the kernels' way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.page_layout import PageGeometry, PageLayout
+from adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
+from kernels.lora_table import MODULE_INDEX, MODULES, ROW_GROUP, groups, row_len
+
+# 2 layers, hidden 8, intermediate 16, q 8, kv 4
+SHAPES = BaseShapes.llama(2, 8, 16, 8, 4)
+
+
+def _adapter(ranks: dict[tuple[int, str], int], seed: int = 0) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for (layer, module), r in ranks.items():
+        in_f, out_f = SHAPES.features[module]
+        weights[(layer, module)] = (torch.randn(r, in_f, generator=gen), torch.randn(out_f, r, generator=gen))
+    return LoraAdapter("t", None, max(ranks.values()), weights)  # type: ignore[arg-type]
+
+
+def test_a_small_adapter_by_hand():
+    # pages of 2048 bytes = 512 float32; the table: 2 layers x 7 modules x (1 + 2 * 1) int64 = 336 bytes, 384 aligned
+    geometry = PageGeometry(2048, torch.float32, 16, SHAPES)
+    assert (geometry.page_elems, geometry.table_elems) == (512, 96)
+    layout = PageLayout(geometry, {(0, "q"): 4, (0, "v"): 4})
+    # layer 0, qkv, A: q [4, 8] at 96, v [4, 8] right after (64 elements, 256 bytes); then B^T: q [4, 8] at 160,
+    # v [4, 4] at 192 (48 elements, 192 bytes -> 256 aligned)
+    where = {(b.module, b.is_b): (b.page, b.offset, b.row0, b.row1) for b in layout.blocks}
+    assert where == {
+        ("q", False): (0, 96, 0, 4),
+        ("v", False): (0, 128, 0, 4),
+        ("q", True): (0, 160, 0, 4),
+        ("v", True): (0, 192, 0, 4),
+    }
+    assert layout.num_pages == 1 and layout.nbytes == 2048
+    table = layout.table([5]).reshape(2, 7, 3)  # given arena page 5: offsets + 5 * 512
+    assert table[0, MODULE_INDEX["q"]].tolist() == [4, 2656, 2720]
+    assert table[0, MODULE_INDEX["v"]].tolist() == [4, 2688, 2752]
+    assert table[0, MODULE_INDEX["k"]].tolist() == [0, -1, -1]
+    assert (table[1, :, 0] == 0).all() and (table[1, :, 1:] == -1).all()
+
+
+def _check_by_table(layout: PageLayout, adapter: LoraAdapter, pages: list[int], num_pages: int) -> None:
+    """Place the image in an arena of num_pages at ``pages`` and read every block back through the table."""
+    g = layout.geometry
+    arena = torch.full((num_pages, g.page_bytes), 0xFF, dtype=torch.uint8)  # 0xFF bytes: NaN as float32
+    image = layout.image(adapter)
+    for i, page in enumerate(pages):
+        arena[page] = image[i]
+    weights = arena.view(-1).view(torch.float32)
+    table = layout.table(pages).reshape(SHAPES.num_layers, len(MODULES), row_len(g.max_rank))
+    for layer in range(SHAPES.num_layers):
+        for module in MODULES:
+            row = table[layer, MODULE_INDEX[module]]
+            pair = adapter.weights.get((layer, module))
+            if pair is None:
+                assert row[0] == 0 and (row[1:] == -1).all()
+                continue
+            a, b = pair
+            r = a.shape[0]
+            assert row[0] == r
+            for mat, first in ((a, 1), (b.t(), 1 + groups(g.max_rank))):
+                width = mat.shape[1]
+                for g_i in range(groups(g.max_rank)):
+                    rows = mat[g_i * ROW_GROUP : (g_i + 1) * ROW_GROUP]
+                    if rows.numel() == 0:
+                        assert row[first + g_i] == -1
+                        continue
+                    start = int(row[first + g_i])
+                    got = weights[start : start + rows.numel()].view(-1, width)
+                    assert torch.equal(got, rows), (layer, module, g_i)
+
+
+@pytest.mark.parametrize(
+    ("page_bytes", "max_rank", "ranks"),
+    [
+        pytest.param(2048, 16, {(i, m): 8 for i in range(2) for m in MODULES}, id="every-module-r8"),
+        pytest.param(2048, 32, {(0, "gate"): 32, (0, "up"): 32, (1, "down"): 20, (1, "q"): 3}, id="row-groups"),
+        pytest.param(1536, 16, {(0, "gate"): 16, (0, "up"): 16, (0, "q"): 16, (1, "v"): 1}, id="per-module"),
+    ],
+)
+def test_blocks_fit_their_pages_and_read_back_through_the_table(page_bytes, max_rank, ranks):
+    geometry = PageGeometry(page_bytes, torch.float32, max_rank, SHAPES)
+    adapter = _adapter(ranks, seed=len(ranks))
+    layout = PageLayout(geometry, ranks)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for block in layout.blocks:
+        size = (block.row1 - block.row0) * block.width
+        assert block.offset >= 0 and block.offset + size <= geometry.page_elems, block  # never across a page
+        assert block.page > 0 or block.offset >= geometry.table_elems, block  # never over the table
+        assert (block.row1 - block.row0) <= ROW_GROUP or block.row0 == 0, block  # split blocks are row groups
+        spans.setdefault(block.page, []).append((block.offset, block.offset + size))
+    for intervals in spans.values():
+        intervals.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(intervals, intervals[1:], strict=False))
+    needed = sum(r * (sum(SHAPES.features[m])) for (_, m), r in ranks.items()) * 4 + geometry.table_elems * 4
+    assert layout.num_pages == max(spans) + 1 >= -(-needed // page_bytes)
+    _check_by_table(layout, adapter, [7, 2, 5, 0, 3, 6][: layout.num_pages], 8)  # pages scattered in the arena
+
+
+def test_a_page_too_small_for_a_row_group_is_refused():
+    geometry = PageGeometry(1024, torch.float32, 16, SHAPES)  # 16 rows of 16 floats beside the table need more
+    with pytest.raises(AdapterError, match="raise --block-size"):
+        PageLayout(geometry, {(0, "q"): 4})
