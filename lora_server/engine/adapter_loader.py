@@ -54,6 +54,7 @@ class AdapterLoader:
         self._in_flight: set[int] = set()
         self._protected: set[int] = set()  # never evicted: pinned adapters
         self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
+        self.num_staged = 0  # stagings done since start (reads from disk)
         self._events = LoaderEvents()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -153,6 +154,7 @@ class AdapterLoader:
                 self._in_flight.discard(adapter_id)
                 if staged is not None and self.registry.content(adapter_id) is not None:
                     self._staged[adapter_id] = staged
+                    self.num_staged += 1
                     self._events.staged.append(adapter_id)
                 elif error is not None:
                     self._events.failed[adapter_id] = error

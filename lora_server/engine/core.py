@@ -456,6 +456,7 @@ class EngineCore:
                 "workspace_bytes": runner.workspace_bytes,
                 "host_tier_bytes": runner.host_kv.nbytes,
                 "staged_adapters": len(self.loader.staged_ids()),
+                "adapter_stagings": self.loader.num_staged,
             },
             "policy": self.pool.config.policy,
             "block_size": self.config.block_size,
