@@ -516,11 +516,13 @@ class UnifiedPool:
     def adapter_placement(self) -> list[AdapterPlacement]:
         """Each known adapter version (the base model included): its tier, table page, whether it is staged, its
         pin, and the KV blocks cached under it on each tier (what a status page draws)."""
+        kv: Counter[tuple[int, Tier]] = Counter()  # one pass over the KV: O(nodes), not adapters x nodes
+        for n in self.tree.kv_nodes():
+            kv[id(n.adapter), n.tier] += len(n.blocks)
         out = []
         for adapter in self.tree.adapters():
             if adapter.dropped:
                 continue
-            kv = Counter(n.tier for n in self.tree.kv_nodes() if n.adapter is adapter for _ in n.blocks)
             out.append(
                 AdapterPlacement(
                     adapter.key,
@@ -529,8 +531,8 @@ class UnifiedPool:
                     adapter.staged,
                     adapter.pinned,
                     len(adapter.blocks),
-                    kv[Tier.GPU],
-                    kv[Tier.HOST],
+                    kv[id(adapter), Tier.GPU],
+                    kv[id(adapter), Tier.HOST],
                 )
             )
         return out

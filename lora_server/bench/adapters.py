@@ -73,7 +73,10 @@ def bench_registered(args, base: EngineConfig) -> dict:
         names = write_random_adapters(Path(tmp), max(args.registered), args.rank, probe, targets=TARGETS)
         probe.shutdown()
         del probe
-        per_adapter = retained_bytes_per_adapter(Engine(base), Path(tmp), names[: min(200, max(args.registered))])
+        measured = Engine(base)
+        per_adapter = retained_bytes_per_adapter(measured, Path(tmp), names[: min(200, max(args.registered))])
+        measured.shutdown()
+        del measured
         for n in args.registered:
             engine = Engine(base)
             start = time.perf_counter()
@@ -135,7 +138,18 @@ def bench_registered(args, base: EngineConfig) -> dict:
                 flush=True,
             )
             engine.shutdown()
-    result = {"model": base.model or "SmolLM2-135M-Instruct (embedded)", "rank": args.rank, "rows": rows}
+    result = {
+        "model": base.model or "SmolLM2-135M-Instruct (embedded)",
+        "quantization": base.quantization,
+        "rank": args.rank,
+        "targets": TARGETS,
+        "batch": args.batch[0],
+        "prompt_len": args.prompt_len[0],
+        "output_len": args.output_len,
+        "rounds": args.rounds,
+        "alpha": args.alpha,
+        "rows": rows,
+    }
     return _write(args, "bench-registered.json", result)
 
 
