@@ -17,26 +17,28 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class LoraTerm:
-    """Part of one adapter's LoRA in one fused linear: y = x @ a_t (y [K', n, r']) and, for each output
-    (j, y0, y1, c0, c1, bt), out[:, c0:c1] += y[j][:, y0:y1] @ bt. Usually one term holds a whole group (its
-    slices' A back to back, one output per slice); larger adapters split into a term per piece."""
+    """Part of one adapter's LoRA in one fused linear: y = x @ a_t (y [T, R']) and, for each output
+    (y0, y1, c0, c1, bt), out[:, c0:c1] += y[:, y0:y1] @ bt. Usually one term holds a whole group (its slices' A
+    back to back: one 2-D shrink for all of them, one output per slice); larger adapters split into a term per
+    piece."""
 
-    a_t: torch.Tensor  # [K', in, r'] A's rows, transposed (a view)
-    outputs: list[tuple[int, int, int, int, int, torch.Tensor]]  # (j, y0, y1, c0, c1, bt [y1 - y0, c1 - c0])
+    a_t: torch.Tensor  # [in, R'] A's rows of the term, transposed (a view)
+    outputs: list[tuple[int, int, int, int, torch.Tensor]]  # (y0, y1, c0, c1, bt [y1 - y0, c1 - c0])
 
 
 def apply_lora_segments(
     x: torch.Tensor, out: torch.Tensor, segments: Sequence[tuple[int, int, Sequence[LoraTerm]]]
 ) -> None:
     """In place, for each segment (start, end, terms) and term: out[start:end] += the term's LoRA of x[start:end].
-    x [T, in]; out [T, out_total]; rows outside every segment are not touched."""
+    x [T, in]; out [T, out_total]; rows outside every segment are not touched. Two-dimensional matmuls only: a
+    batched one would broadcast x over the slices at a cost of its own (measured: most of this path's time)."""
     whole = len(segments) == 1 and segments[0][0] == 0 and segments[0][1] == x.shape[0]
     for start, end, terms in segments:
         if end <= start:
             continue
         rows_x, rows_out = (x, out) if whole else (x[start:end], out[start:end])
         for term in terms:
-            y = torch.matmul(rows_x, term.a_t)  # [K', n, r']
-            for j, y0, y1, c0, c1, bt in term.outputs:
+            y = torch.mm(rows_x, term.a_t)  # [rows, R']
+            for y0, y1, c0, c1, bt in term.outputs:
                 target = rows_out if c0 == 0 and c1 == out.shape[1] else rows_out[:, c0:c1]
-                target.addmm_(y[j] if y0 == 0 and y1 == y.shape[2] else y[j][:, y0:y1], bt)
+                target.addmm_(y if y0 == 0 and y1 == y.shape[1] else y[:, y0:y1], bt)

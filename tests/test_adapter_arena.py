@@ -104,6 +104,7 @@ def test_churn_through_a_small_arena_matches_peft(peft_dirs, peft_model, fillers
     assert len(engine.core.loader.staged_ids()) <= 4 + 0  # the host kept at most max_cpu_loras staged
 
 
+@pytest.mark.slow
 def test_adapters_and_kv_trade_pages(fillers):
     """A 24-page arena: six rank-8 adapters (18 pages) and their short prompts' KV fill it; a long base-model
     prompt (17 pages of KV) then pushes adapters out (at most 2 can stay); the six adapters' requests then push the
@@ -171,6 +172,7 @@ def test_changed_files_fail_their_requests_alone(fillers, tmp_path):
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_staged_copies_are_bounded_and_pins_are_kept(fillers):
     engine = _engine(40, max_cpu_loras=2, max_loras=2)
     engine.add_adapter("pin", fillers[0], pinned=True)
@@ -216,6 +218,7 @@ def test_pins_are_refused_beyond_half_the_arena(fillers):
     engine.add_adapter("p3", fillers[3], pinned=True)  # ... makes room for another
 
 
+@pytest.mark.slow
 def test_max_loras_bounds_the_adapters_of_one_batch(fillers):
     engine = _engine(40, max_loras=2)
     for i in range(4):

@@ -261,6 +261,7 @@ def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
     assert sizes["auto"] < sizes["int8"], sizes
 
 
+@pytest.mark.slow
 def test_cpu_head_copy(engine_fp32):
     """SmolLM2 ties its head to the embedding. On the CPU a quantized tied head gets its own copy (float32 for the
     GGUF's Q8_0 embedding: 49152 x 576 x 4 bytes) unless --no-cpu-head-copy; a float32 model needs none. The copy

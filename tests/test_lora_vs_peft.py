@@ -42,6 +42,7 @@ def _peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[
     return ids[len(prompt) :]
 
 
+@pytest.mark.slow
 def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
     engine = Engine(
         EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=5, show_progress=False)

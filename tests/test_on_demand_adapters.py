@@ -70,6 +70,7 @@ def test_a_tenant_allow_list_is_checked_first(server):
     assert _ask(client, "fresh").usage.completion_tokens == 3
 
 
+@pytest.mark.slow
 def test_without_the_flag_nothing_is_looked_up(roots, tmp_path):
     (tmp_path / "data").mkdir()
     s = Server(tmp_path / "data", [roots / "adapters"], ["--allow-anonymous"])

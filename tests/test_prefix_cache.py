@@ -38,6 +38,7 @@ def _cached(engine: Engine, prompt: list[int], adapter: str | None = None, salt:
     return out.num_cached_tokens
 
 
+@pytest.mark.slow
 def test_hits_only_under_the_same_adapter_weights_and_salt():
     demos = demo_adapters()
     engine = _engine()

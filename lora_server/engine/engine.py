@@ -22,6 +22,7 @@ from adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterHandle, UnknownAdapterError
 from lora_server.engine.core import EngineCore, Prompt
+from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
 from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
@@ -360,9 +361,13 @@ class Engine:
         done.result(timeout)
 
     def start(self) -> None:
-        """Start the engine thread (idempotent; submit starts it too)."""
+        """Start the engine thread (idempotent; submit starts it too). From here the engine thread runs the model:
+        the calling thread gives back its OpenMP workers (lora_server.engine.openmp), which would otherwise slow
+        every parallel op of the engine thread on a small CPU."""
         with self._thread_lock:
             if self._thread is None:
+                if self.core.runner.device.type == "cpu":
+                    release_openmp_workers()
                 self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
                 self._thread.start()
 

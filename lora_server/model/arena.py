@@ -70,7 +70,7 @@ class ResidentAdapter:
 
 class ResidentAdapters:
     """The adapters in the arena, by table page: what an ADAPTER_LOAD wrote and an ADAPTER_UNLOAD forgets. On the
-    CPU each also gets its LoRA terms: per layer and fused group, views of its A blocks as [K, in, r] (the group's
+    CPU each also gets its LoRA terms: per layer and fused group, views of its A blocks as [in, K * r] (the group's
     slices at once where they lie back to back with one rank) and of its B^T rows per slice."""
 
     def __init__(self, arena: Arena, geometry: PageGeometry, slice_starts: dict[str, list[int]]) -> None:
@@ -159,26 +159,26 @@ class ResidentAdapters:
         if all(len(p) == 1 for p in a_parts) and len({p[0][1].shape for p in a_parts}) == 1:
             first = a_parts[0][0][1]
             rank, width = first.shape
-            run = first.as_strided((len(modules), rank, width), (rank * width, width, 1))
-            if all(run[k].data_ptr() == p[0][1].data_ptr() for k, p in enumerate(a_parts)):
-                outputs = [o for k in range(len(modules)) for o in _outputs(k, 0, rank, k, starts, b_parts[k])]
-                return [LoraTerm(run.mT, outputs)]
+            run = first.as_strided((len(modules) * rank, width), (width, 1))  # every slice's A rows in a row
+            if all(run[k * rank].data_ptr() == p[0][1].data_ptr() for k, p in enumerate(a_parts)):
+                outputs = [o for k in range(len(modules)) for o in _outputs(k * rank, 0, rank, k, starts, b_parts[k])]
+                return [LoraTerm(run.T, outputs)]
         terms = []
         for k, a_list in enumerate(a_parts):
             for row0, a_rows in a_list:
                 outputs = _outputs(0, row0, row0 + a_rows.shape[0], k, starts, b_parts[k])
-                terms.append(LoraTerm(a_rows.T.unsqueeze(0), outputs))
+                terms.append(LoraTerm(a_rows.T, outputs))
         return terms
 
 
 def _outputs(
-    j: int, row0: int, row1: int, k: int, starts: list[int], b_list: list[tuple[int, torch.Tensor]]
-) -> list[tuple[int, int, int, int, int, torch.Tensor]]:
-    """The outputs of y's slice ``j`` holding rank rows [row0, row1) of slice k: for each B^T piece of slice k
-    that overlaps those rows, (j, y's first and end column, slice k's columns, the overlapping B^T rows)."""
+    y_base: int, row0: int, row1: int, k: int, starts: list[int], b_list: list[tuple[int, torch.Tensor]]
+) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """The outputs of y's columns from ``y_base`` on, holding rank rows [row0, row1) of slice k: for each B^T piece
+    of slice k that overlaps those rows, (y's first and end column, slice k's columns, the overlapping B^T rows)."""
     out = []
     for b0, bt in b_list:
         lo, hi = max(row0, b0), min(row1, b0 + bt.shape[0])
         if lo < hi:
-            out.append((j, lo - row0, hi - row0, starts[k], starts[k + 1], bt[lo - b0 : hi - b0]))
+            out.append((y_base + lo - row0, y_base + hi - row0, starts[k], starts[k + 1], bt[lo - b0 : hi - b0]))
     return out

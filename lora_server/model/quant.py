@@ -167,9 +167,12 @@ class Fp8Linear(nn.Module):
 
 
 # From this many rows (prefill) Int4CpuLinear dequantizes its weight to float32 and multiplies with the float32
-# matmul: measured on the 2-core AVX2 CPU, one thread (ms, int4 kernel vs dequantize + matmul): SmolLM2's 3072 x 576
-# gate|up at 24 rows 8.4 vs 10.7, at 64 rows 21.4 vs 16.1, at 384 rows 114 vs 53 (960 x 576 and 576 x 1536 alike);
-# the kernel re-dequantizes its weight for every 4 rows, the float32 matmul reuses it for all of them.
+# matmul, which also keeps the prefill's activations in float32. Chosen when every parallel op ran slowed by a
+# second OpenMP team (see lora_server.engine.openmp): then, one thread, 3072 x 576 gate|up at 64 rows 21.4 ms for
+# the kernel vs 16.1 for dequantize + matmul. Re-measured without that handicap on the 2-core machine, 2 threads:
+# the kernel is faster alone at every size up to 512 rows (gate|up at 384 rows 8.2 vs 10.6 ms), yet bench-engine
+# --peer at batch 24 (384 prefill rows) was not faster with it (4.3 s vs 3.8 s, in a noisy run): kept until measured
+# better.
 CPU_DEQUANT_MIN_ROWS = 48
 
 
