@@ -1,8 +1,8 @@
 """The device arena: one buffer of pages that holds the KV cache and the resident adapters' weights, S-LoRA's unified
 paging. A page is one KV block's bytes: as KV, every layer's K and V of block_size tokens; as part of an adapter,
 a run of its weight blocks (adapters.page_layout), its first page starting with its table (kernels/lora_table.py).
-Which page holds what is the pool's decision (kv_pool); this module holds the tensor and its views, and does what a
-copy operation says: moves KV pages to and from the host tier, writes an adapter's staged pages and table.
+Which page holds what is the pool's decision (kv_pool); this module holds the tensor and its views, and writes an
+adapter's staged pages and table where a load says (the runner moves KV pages to and from the host tier).
 
 Owned by the model runner. ``ResidentAdapters`` keeps, for each adapter in the arena (by its table page), its layout
 and, on the CPU, the views the CPU's LoRA path multiplies with (views into the arena: no second copy)."""
@@ -91,7 +91,7 @@ class ResidentAdapters:
         assert len(pages) >= layout.num_pages == image.shape[0], (len(pages), layout.num_pages, image.shape)
         arena = self.arena
         pages = pages[: layout.num_pages]
-        if arena.pages.device.type == "cpu":
+        if self._cpu:
             arena.pages.index_copy_(0, torch.tensor(pages, dtype=torch.int64), image)
         else:
             for i, page in enumerate(pages):
