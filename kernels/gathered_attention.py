@@ -36,9 +36,10 @@ def gathered_decode_attention(
     keep = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, length]
     # slots past a sequence's end hold whatever was there (another request's values, NaN after a failure):
     # zeroed, so that a masked NaN never meets a zero weight
-    keep_kv = keep[:, :, None, None]
-    k = torch.where(keep_kv, dequantize_kv(k, k_scale), 0.0)
-    v = torch.where(keep_kv, dequantize_kv(v, v_scale), 0.0)
+    past_end = (~keep).view(-1).nonzero().squeeze(1)  # rows of the flattened [B * length] gather
+    k = dequantize_kv(k, k_scale).view(batch * length, -1).index_fill_(0, past_end, 0.0)  # a fresh tensor: in place
+    v = dequantize_kv(v, v_scale).view(batch * length, -1).index_fill_(0, past_end, 0.0)
+    k, v = (t.view(batch, length, kv_heads, head_dim) for t in (k, v))
     out = F.scaled_dot_product_attention(
         q.float().unsqueeze(2),  # [B, H, 1, D]
         k.transpose(1, 2),  # [B, KVH, length, D]

@@ -4,6 +4,8 @@ hand-computed values; gguf.quants.dequantize is the independent reference for th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from lora_server.model.quant import (
     Int4Linear,
     Int8Linear,
     cat_linears,
+    cpu_prefill_dtype,
     int4pack_cpu_block,
     make_linear,
     quantize_int4,
@@ -363,32 +366,52 @@ def test_int4_cpu_linear_bound_is_tight_enough_to_catch_layout_errors():
     assert not ((cpu(x).double() - x.double() @ torch.from_numpy(w).t()).abs() <= 2 * bound + 1e-5).all()
 
 
-def test_int4_cpu_prefill_dequantizes_in_float32():
-    """From CPU_DEQUANT_MIN_ROWS rows Int4CpuLinear multiplies float32 x by its weight dequantized in float32 from
-    the kernel's own bfloat16 scale and zero, (q - 8) * bf16(s) + bf16(min + 8 s): against that weight built here
-    from the codes in float64, within float32 accumulation; in column chunks when the scratch is small (the same
-    values); below the threshold, or without a scratch, the bf16 kernel (its bound); the float32 path is tighter
-    than the kernel's bound by far. The layout probe finds torch's block (32 with AVX2, 64 with AVX512)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_int4_cpu_prefill_dequantizes_in_the_scratch_dtype(dtype: torch.dtype):
+    """From CPU_DEQUANT_MIN_ROWS rows Int4CpuLinear multiplies x by its weight dequantized in the scratch's dtype from
+    the kernel's own bfloat16 scale and zero, (q - 8) * bf16(s) + bf16(min + 8 s): in float32, against that weight
+    built here from the codes in float64 within float32 accumulation, and far tighter than the kernel's bound; in
+    bfloat16 (activations, weight and result rounded), within the kernel's own bound. In column chunks when the
+    scratch is small (the same values); below the threshold, or without a scratch, the bf16 kernel. The layout
+    probe finds torch's block (32 with AVX2, 64 with AVX512)."""
     block = int4pack_cpu_block()
     assert block in (32, 64)
-    m, _, codes, scales, mins = random_int4(128, 256, seed=14)
+    m, w_true, codes, scales, mins = random_int4(128, 256, seed=14)
     m.bias = nn.Parameter(torch.linspace(-1, 1, 128), requires_grad=False)
     s = torch.from_numpy(scales).to(torch.bfloat16).double().repeat_interleave(32, 1)
     z = torch.from_numpy(mins.astype(np.float32) + 8 * scales.astype(np.float32)).to(torch.bfloat16).double()
     w = (torch.from_numpy(codes).double() - 8) * s + z.repeat_interleave(32, 1)
     x = torch.randn(CPU_DEQUANT_MIN_ROWS + 3, 256, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ w.t() + m.bias.double()
-    tol = 1e-5 * (x.double().abs() @ w.abs().t() + 1)
-    whole = Int4CpuLinear(m, DequantScratch(), block)
-    chunked = Int4CpuLinear(m, DequantScratch(cap=256 * block), block)  # one row block per chunk
+    whole = Int4CpuLinear(m, DequantScratch(dtype=dtype), block)
+    chunked = Int4CpuLinear(m, DequantScratch(cap=256 * block, dtype=dtype), block)  # one row block per chunk
     y = whole(x)
-    assert ((y.double() - ref).abs() <= tol).all()
+    assert y.dtype == torch.float32
     assert torch.equal(chunked(x), y)
     kernel = Int4CpuLinear(m)  # no scratch: always the kernel
     err_kernel = (kernel(x).double() - ref).abs()
-    assert err_kernel.max() > 10 * (y.double() - ref).abs().max()
+    if dtype == torch.float32:
+        assert ((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.abs().t() + 1)).all()
+        assert err_kernel.max() > 10 * (y.double() - ref).abs().max()
+    else:
+        wt = torch.from_numpy(w_true)
+        bound = cpu_int4_bound(x, wt, torch.from_numpy(scales), torch.from_numpy(mins))
+        truth = x.double() @ wt.t() + m.bias.double()
+        assert ((y.double() - truth).abs() <= 2 * bound + 1e-5).all()
+        assert (y.double() - ref).abs().max() > 0  # rounded: not the float32 path's numbers
     few = x[: CPU_DEQUANT_MIN_ROWS - 1]
     assert torch.equal(whole(few), kernel(few))
+
+
+def test_cpu_prefill_dtype_follows_the_cpu_flags():
+    """bfloat16 exactly where the CPU's flags (the kernel's /proc/cpuinfo) say it multiplies it natively
+    (avx512_bf16 or amx_bf16), float32 elsewhere."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()}
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert cpu_prefill_dtype() == (torch.bfloat16 if native else torch.float32)
 
 
 def test_swap_for_cpu_replaces_every_int4_linear():

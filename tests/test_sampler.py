@@ -10,7 +10,7 @@ from collections import Counter
 import torch
 
 from lora_server.engine.request import Request
-from lora_server.model.sampler import Sampler
+from lora_server.model.sampler import Sampler, finite_rows
 from lora_server.sampling_params import SamplingParams
 
 V = 5
@@ -379,3 +379,25 @@ def test_mixed_batch_keeps_each_rows_semantics():
         req(SamplingParams(top_k=1, seed=11), rid="k"),
     ]
     assert Sampler(V)(logits, requests).token_ids == [4, 2, 2, 4]
+
+
+def test_finite_rows_in_both_layouts():
+    """A row is finite iff each of its values is: NaN, +inf, -inf and +inf with -inf are caught; a row of values
+    whose float32 sum would overflow (3e38 each) is still finite. Row-major and the column-major layout a CPU
+    matmul writes give the same answer."""
+    big = 3e38
+    rows = [
+        [0.0, 1.0, -2.0, 5.0],
+        [0.0, math.nan, 1.0, 2.0],
+        [math.inf, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, -math.inf],
+        [math.inf, -math.inf, 0.0, 0.0],
+        [big, big, big, big],
+        [-big, -big, -big, -big],
+    ]
+    expected = [True, False, False, False, False, True, True]
+    row_major = torch.tensor(rows, dtype=torch.float32)
+    column_major = row_major.t().contiguous().t()
+    assert column_major.stride(-1) != 1
+    for logits in (row_major, column_major):
+        assert finite_rows(logits).tolist() == expected

@@ -166,33 +166,39 @@ class Fp8Linear(nn.Module):
         return ops.fp8_matmul(x, self.qweight, self.scales, self.bias)
 
 
-# From this many rows (prefill) Int4CpuLinear dequantizes its weight to float32 and multiplies with the float32
-# matmul, which also keeps the prefill's activations in float32. Chosen when every parallel op ran slowed by a
-# second OpenMP team (see lora_server.engine.openmp): then, one thread, 3072 x 576 gate|up at 64 rows 21.4 ms for
-# the kernel vs 16.1 for dequantize + matmul. Re-measured without that handicap on the 2-core machine, 2 threads:
-# the kernel is faster alone at every size up to 512 rows (gate|up at 384 rows 8.2 vs 10.6 ms), yet bench-engine
-# --peer at batch 24 (384 prefill rows) was not faster with it (4.3 s vs 3.8 s, in a noisy run): kept until measured
-# better.
-CPU_DEQUANT_MIN_ROWS = 48
+# From this many rows (prefill) Int4CpuLinear dequantizes its weight (to cpu_prefill_dtype) and multiplies with
+# torch's dense matmul. Measured on the 2-core machine (AVX512-BF16), 2 threads, best of 20, kernel vs bfloat16
+# dequantize + matmul: gate|up 3072 x 576 at 24 rows 0.51 vs 1.19 ms, 48 rows 1.02 vs 1.67, 64 rows 1.58 vs 1.74,
+# 96 rows 2.02 vs 1.97; down 576 x 1536 at 96 rows 1.01 vs 1.02; at 384 rows gate|up 8.2 vs 4.6 ms. In float32
+# the dequantized path is slower than the kernel up to 384 rows (9.2 ms there) but keeps the prefill in float32.
+CPU_DEQUANT_MIN_ROWS = 96
 
 
 class DequantScratch:
     """Working memory for Int4CpuLinear's dequantized weights, shared by every module of one model (the engine
-    runs one forward pass at a time): one weight's uint8 codes and float32 values at a time, at most ``cap``
+    runs one forward pass at a time): one weight's uint8 codes and ``dtype`` values at a time, at most ``cap``
     elements (a larger weight is dequantized in column chunks). Not a parameter or buffer: it holds no weights
     between calls, and resident_bytes does not count it."""
 
-    def __init__(self, cap: int = 1 << 22) -> None:
-        self.cap = cap
+    def __init__(self, cap: int = 1 << 22, dtype: torch.dtype = torch.float32) -> None:
+        self.cap, self.dtype = cap, dtype
         self._codes = torch.empty(0, dtype=torch.uint8)
-        self._values = torch.empty(0, dtype=torch.float32)
+        self._values = torch.empty(0, dtype=dtype)
 
     def buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(uint8 [numel], float32 [numel]), grown on demand and reused."""
+        """(uint8 [numel], dtype [numel]), grown on demand and reused."""
         if self._codes.numel() < numel:
             self._codes = torch.empty(numel, dtype=torch.uint8)
-            self._values = torch.empty(numel, dtype=torch.float32)
+            self._values = torch.empty(numel, dtype=self.dtype)
         return self._codes[:numel], self._values[:numel]
+
+
+def cpu_prefill_dtype() -> torch.dtype:
+    """The dtype Int4CpuLinear's prefill dequantizes and multiplies in: bfloat16 where the CPU multiplies it natively
+    (AVX512-BF16 or AMX: 384 x 576 x 3072 in 4.9 ms against 19.2 in float32 on the 2-core machine), the numbers
+    of the int4 kernel's own bound (bf16 activations, weights and result); float32 elsewhere."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 def int4pack_cpu_block() -> int | None:
@@ -215,8 +221,9 @@ class Int4CpuLinear(nn.Module):
     module swap for Int4Linear, which would otherwise unpack every weight each step. Below CPU_DEQUANT_MIN_ROWS rows
     (decode) activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
     result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a known layout
-    (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in float32, (q - 8) * scale + zero
-    from the same bfloat16 scales and zeros as the kernel, and multiplied in float32."""
+    (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in its dtype, (q - 8) * scale + zero
+    from the same bfloat16 scales and zeros as the kernel, and multiplied in that dtype: in float32, or in
+    bfloat16 (activations, weight and result rounded to it, as in the kernel) where the CPU has bfloat16 matmuls."""
 
     cpu_packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -247,7 +254,7 @@ class Int4CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         if x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.scratch is not None:
-            y = self._dequantized_matmul(x.float()).to(x.dtype)
+            y = self._dequantized_matmul(x.to(self.scratch.dtype)).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.cpu_packed, self.group_size, self.scales_and_zeros
@@ -255,16 +262,17 @@ class Int4CpuLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 @ the weight dequantized to float32, in column chunks of whole row blocks that fit
-        the scratch: per chunk of the layout [blocks, K, B / 2] the nibbles go to codes [K, blocks * B] (the
+        """x [M, K] @ the weight dequantized to x's dtype (the scratch's), in column chunks of whole row blocks
+        that fit the scratch: per chunk of the layout [blocks, K, B / 2] the nibbles go to codes [K, blocks * B] (the
         weight transposed, row b * B + d low, b * B + B / 2 + d high), then (codes - 8) * scale + zero."""
         assert self.scratch is not None and self.block is not None
         n, k, b, g = self.out_features, self.in_features, self.block, self.group_size
         layout = self.cpu_packed.view(n // b, k, b // 2)
-        scales = self.scales_and_zeros[..., 0].float().unsqueeze(1)  # [groups, 1, N]
-        zeros = self.scales_and_zeros[..., 1].float().unsqueeze(1)
+        # [groups, 1, N], contiguous: addcmul over the strided views of [groups, N, 2] is 10x slower
+        scales = self.scales_and_zeros[..., 0].to(x.dtype).contiguous().unsqueeze(1)
+        zeros = self.scales_and_zeros[..., 1].to(x.dtype).contiguous().unsqueeze(1)
         blocks_per_chunk = max(1, self.scratch.cap // (k * b))
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
         for first in range(0, n // b, blocks_per_chunk):
             chunk = layout[first : first + blocks_per_chunk]  # [blocks, K, B / 2]
             cols = chunk.shape[0] * b
@@ -303,7 +311,7 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
     except children named in ``keep``; all of them share one DequantScratch for their prefill path."""
     if not Int4CpuLinear.available():
         return
-    scratch, block = DequantScratch(), int4pack_cpu_block()
+    scratch, block = DequantScratch(dtype=cpu_prefill_dtype()), int4pack_cpu_block()
 
     def swap(parent: nn.Module) -> None:
         for name, child in parent.named_children():

@@ -69,7 +69,7 @@ class Sampler:
         params = [r.params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        finite = torch.isfinite(logits).all(-1)  # [S]
+        finite = finite_rows(logits)  # [S]
         staged = self._stage(requests, logits.device)
         work = logits
         if staged is not None:
@@ -212,6 +212,13 @@ class Sampler:
                 gen.manual_seed(_mix(r.params.seed, r.num_output_tokens))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(-1)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[S] bool: every value of the row of logits [S, vocab] is finite, from its max and min (NaN carries through
+    both). Two row reductions and no [S, vocab] temporary: isfinite().all(-1) allocated two, about 5 ms a step at
+    batch 24 on the CPU."""
+    return logits.amax(-1).isfinite() & logits.amin(-1).isfinite()
 
 
 def _has_additive_terms(r: ScheduledSequence) -> bool:
