@@ -43,7 +43,6 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
             continue
         name = meta["flag"] or "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        value = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
         if kind is bool:
             if meta["negate"]:
                 group.add_argument(meta["negate"], dest=f.name, action="store_false", help=f"{meta['help']}: off")
@@ -57,7 +56,11 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
             )
             continue
         unit = meta["unit"]
-        shown = value if value is None or unit == 1 or isinstance(value, float) else value / unit
+        if f.name in defaults:  # this command's default, already in the flag's unit
+            shown = defaults[f.name]
+        else:  # the field's, in its own unit (bytes for a GiB flag)
+            value = f.default if f.default is not dataclasses.MISSING else None
+            shown = value if value is None or unit == 1 else value / unit
         unit_text = f" {meta['unit_name']}" if meta["unit_name"] else ""
         help_text = (
             meta["help"]
@@ -244,6 +247,49 @@ def _bench_engine(args: argparse.Namespace) -> int:
     args.quantization = args.quantization or "none"
     bench(args, config_from_flags(EngineConfig, args))
     return 0
+
+
+def _bench_gpu_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(
+        p, EngineConfig, load_format="dummy", model="llama-3-8b", max_num_batched_tokens=8192, kv_cache_bytes=24
+    )
+    p.add_argument(
+        "--modes",
+        type=lambda t: t.split(","),
+        default=["none", "int8", "int4", "fp8"],
+        help="quantization modes, one engine each; takes commas (default: none,int8,int4,fp8; none runs in the "
+        "engine's dtype, bfloat16 on CUDA)",
+    )
+    p.add_argument("--batch", type=_ints, default=[1, 16, 64, 128], help="batch sizes (default: 1,16,64,128)")
+    p.add_argument("--adapters", type=_ints, default=[0, 16, 64], help="distinct adapters (default: 0,16,64)")
+    p.add_argument("--prompt-len", type=_ints, default=[128, 1024], help="prompt lengths (default: 128,1024)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per request (default: 64, as the HF + PEFT peer)")
+    p.add_argument("--rank", type=int, default=16, help="the adapters' rank (default: 16)")
+    p.add_argument("--out", default="results", help="where the JSON, XML and PNG go (default: results)")
+    p.add_argument("--no-tests", dest="tests", action="store_false", help="skip the GPU test tier")
+    p.add_argument(
+        "--peer-script",
+        default=None,
+        help="the HF + PEFT peer (the shared bench/peer_hf_peft.py, copied into the checkout), run on CUDA as its "
+        "own process (default: none)",
+    )
+    p.add_argument("--quick", action="store_true", help="a tiny Llama, tiny shapes, no tests: runs on the CPU")
+
+
+@command(
+    "bench-gpu",
+    "issue 13's GPU acceptance: the GPU tests, bench-engine per mode, the HF + PEFT peer, goals as JSON and PNG",
+    _bench_gpu_args,
+)
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from lora_server.bench.gpu_suite import suite
+
+    args.json = None
+    if args.quick:
+        args.model, args.batch, args.adapters, args.prompt_len = "tiny-llama", [1, 4], [0, 2], [16, 32]
+        args.output_len, args.rank, args.kv_cache_bytes, args.tests = 4, 8, 0.05, False
+    summary = suite(args, config_from_flags(EngineConfig, args))
+    return 0 if summary["tests"].get("exit_code", 0) == 0 else 1
 
 
 def _embedded_model(args: argparse.Namespace) -> None:

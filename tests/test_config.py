@@ -58,6 +58,20 @@ def test_flags_without_values_give_the_configs_own_defaults():
     assert config_from_flags(ServerConfig, args, engine=EngineConfig()) == ServerConfig()
 
 
+def test_a_commands_own_default_is_in_the_flags_unit():
+    """bench-engine's KV budget defaults to 16 GiB and bench-gpu's to 24 GiB (once read as 16 bytes: a command's
+    integer default was divided by the unit); --kv-cache-gb overrides it."""
+    from lora_server.cli import config_from_flags, main_parser
+
+    def budget(*argv: str) -> int:  # bench-engine picks its quantization itself, after parsing
+        return config_from_flags(
+            EngineConfig, main_parser().parse_args([*argv, "--quantization", "none"])
+        ).kv_cache_bytes
+
+    assert budget("bench-engine") == 16 * 2**30 and budget("bench-gpu") == 24 * 2**30
+    assert budget("bench-engine", "--kv-cache-gb", "2") == 2 * 2**30
+
+
 def test_flags_convert_units_and_lists():
     from pathlib import Path
 

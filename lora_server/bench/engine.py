@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine, ModelInfo
+from lora_server.model.arch import ModelArch
 from lora_server.sampling_params import SamplingParams
 
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,6 +36,18 @@ class BenchPoint:
     floor_ms_per_step: float
     share_of_bandwidth: float  # floor / measured: 1.0 would read every byte once at copy speed
     prefill_tok_per_s: float
+    prefill_tflops: float  # prefill_tok_per_s x prefill_flops_per_token
+    total_tok_per_s: float  # output tokens over the whole run, prefill included (what HF's generate reports)
+
+
+def prefill_flops_per_token(arch: ModelArch, prompt_len: int) -> float:
+    """Multiply-adds x 2 per prompt token of a prefill of ``prompt_len`` tokens: the decoder's linears (q, k, v,
+    o, gate, up, down) and causal attention (QK^T and PV over (prompt_len + 1) / 2 keys on average); the head
+    runs on the last token alone and is left out, as are the adapters."""
+    h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    linears = h * q + 2 * h * kv + q * h + 3 * h * i
+    attention = 2 * q * (prompt_len + 1) / 2
+    return 2 * arch.num_layers * (linears + attention)
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int) -> float:
@@ -132,6 +145,7 @@ def run_point(
     mean_context = sum(contexts) / max(1, len(contexts))
     floor_bytes = info.weight_bytes + adapter_bytes * len(adapter_names) + info.kv_bytes_per_token * mean_context
     floor = floor_bytes / (bandwidth * 1e9)
+    prefill_rate = batch * prompt_len / prefill_time
     return BenchPoint(
         batch,
         len(adapter_names),
@@ -140,7 +154,9 @@ def run_point(
         round(batch / step, 1),
         round(floor * 1e3, 3),
         round(floor / step, 3),
-        round(batch * prompt_len / prefill_time, 1),
+        round(prefill_rate, 1),
+        round(prefill_rate * prefill_flops_per_token(info.arch, prompt_len) / 1e12, 4),
+        round(batch * output_len / (prefill_time + sum(decode_times)), 1),
     )
 
 
@@ -212,7 +228,7 @@ def _header(info: ModelInfo, config: EngineConfig, bandwidth: float, args) -> st
             "decode: mean time of the steps where every request decodes one token; floor: the bytes such a step "
             "must read once (weights + the batch's distinct adapters + every sequence's KV) / that bandwidth; share: "
             "floor / decode (1.0 = reading every byte once at copy speed); prefill: prompt tokens / time of the other "
-            "steps",
+            "steps, and its TFLOP/s (decoder linears and causal attention, the head and adapters left out)",
         ]
     )
 
@@ -222,5 +238,6 @@ def _row(p: BenchPoint) -> str:
         f"batch {p.batch:4d}  adapters {p.adapters:3d}  prompt {p.prompt_len:5d}  "
         f"decode {p.decode_ms_per_step:9.3f} ms/step  {p.output_tok_per_s:9.1f} tok/s  "
         f"floor {p.floor_ms_per_step:8.3f} ms  "
-        f"share {p.share_of_bandwidth:6.1%}  prefill {p.prefill_tok_per_s:9.1f} tok/s"
+        f"share {p.share_of_bandwidth:6.1%}  prefill {p.prefill_tok_per_s:9.1f} tok/s "
+        f"{p.prefill_tflops:8.3f} TFLOP/s"
     )
