@@ -408,7 +408,7 @@ def test_cpu_prefill_dtype_follows_the_cpu_flags():
     (avx512_bf16 or amx_bf16), float32 elsewhere."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+        pytest.skip("not Linux: no /proc/cpuinfo to read the CPU's flags from independently of torch")
     flags = {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()}
     native = bool(flags & {"avx512_bf16", "amx_bf16"})
     assert cpu_prefill_dtype() == (torch.bfloat16 if native else torch.float32)

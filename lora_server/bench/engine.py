@@ -56,16 +56,17 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int) -> float:
     b = torch.empty_like(a)
     for _ in range(2):
         b.copy_(a)
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     reps = 5
     for _ in range(reps):
         b.copy_(a)
-    _sync(device)
+    sync_device(device)
     return 2 * nbytes * reps / (time.perf_counter() - start) / 1e9
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), around a timed region."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -130,10 +131,10 @@ def run_point(
     prefill_time = 0.0
     while engine.has_work():
         before = engine.snapshot()
-        _sync(info.device)
+        sync_device(info.device)
         start = time.perf_counter()
         engine.step()
-        _sync(info.device)
+        sync_device(info.device)
         elapsed = time.perf_counter() - start
         if before.decoding:
             decode_times.append(elapsed)

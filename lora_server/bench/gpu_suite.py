@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 
-from lora_server.bench.engine import bench
+from lora_server.bench.engine import bench, sync_device
 from lora_server.config import EngineConfig
 
-MODES = ("none", "int8", "int4", "fp8")
 REPO = Path(__file__).resolve().parents[2]
 
-# The goals of issue 13, each evaluated at one point of one mode's figures: (name, mode, point key, figure, bound).
+# Issue 13's decode goals: (name, mode or None for every mode run, point key, bound on decode ms over floor ms).
 # A point key is (batch, distinct adapters, prompt length). "none" runs in the engine's dtype (bfloat16 on CUDA).
 DECODE_GOALS = (
     ("decode within 1.25x of the floor, batch 64, 16 adapters", None, (64, 16, 128), 1.25),
@@ -47,18 +46,13 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int) -> floa
     b = torch.randn(n, n, device=device).to(dtype)
     best = float("inf")
     for i in range(12):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         torch.mm(a, b)
-        _sync(device)
+        sync_device(device)
         if i >= 2:  # two warm-up runs
             best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e12
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def gpu_test_files(tests: Path) -> list[Path]:
