@@ -11,6 +11,17 @@ import torch
 import tests.kernel_env  # noqa: F401  (without CUDA: TRITON_INTERPRET=1 before any test module imports triton)
 
 
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    """Under ``-m gpu`` only the test modules that mark a test ``gpu`` are imported: the others need the server's
+    packages (FastAPI, uvicorn, the openai client, redis, gguf...), which a bare CUDA machine lacks, and every one
+    of their tests would be deselected anyway."""
+    if config.getoption("markexpr") != "gpu" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "pytest.mark.gpu" not in collection_path.read_text()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

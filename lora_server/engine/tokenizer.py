@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
-from gguf import GGUFReader
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -90,6 +89,8 @@ class Tokenizer:
         Control tokens become special tokens (matched whole in text, skipped by
         `decode(skip_special_tokens=True)`); user-defined tokens become non-special added tokens.
         """
+        from gguf import GGUFReader  # a GGUF model only: a bare CUDA machine has no gguf
+
         fields = GGUFReader(os.fspath(path)).fields
 
         def get(name: str, default: Any = None) -> Any:
