@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from adapters.peft_format import AdapterError
+from lora_server.bench.stream_recorder import record_copy_order
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
@@ -75,8 +76,10 @@ def test_an_adapter_takes_the_pages_of_its_ranks(fillers, tmp_path):
 @pytest.mark.slow
 def test_churn_through_a_small_arena_matches_peft(peft_dirs, peft_model, fillers):
     """Far more adapters registered (5 of HF + PEFT's and 16 fillers, 63+ pages of weights) than a 40-page arena
-    holds, and more than the host keeps staged (4): mixed batches of them churn through the device and are read
-    from disk again, and every request of the PEFT adapters still gets HF + PEFT's greedy tokens."""
+    holds, and more than the host keeps staged (4): mixed batches of them churn through the device (tree-cost, KV
+    swapped to the host tier and back) and are read from disk again, and every request of the PEFT adapters still
+    gets HF + PEFT's greedy tokens. The copies run as on CUDA, on the recording stand-in for its streams
+    (bench.stream_recorder): loads stay in flight for two forward passes, and no two accesses to a page race."""
     engine = _engine(40, max_loras=4, max_cpu_loras=4)
     for name in ADAPTERS:
         engine.add_adapter(name, peft_dirs / name)
@@ -86,21 +89,25 @@ def test_churn_through_a_small_arena_matches_peft(peft_dirs, peft_model, fillers
     prompts = [engine.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:3]]
     expected: dict[tuple[str, int], list[int]] = {}
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    for round_ in range(3):
-        plan = []
-        for i, name in enumerate(names):
-            plan += [(name, (i + round_) % 3), (f"filler-{(4 * round_ + i) % 16}", i % 3)]
-        outs = engine.generate([prompts[p] for _, p in plan], params, adapters=[a for a, _ in plan])
-        for (adapter, p), out in zip(plan, outs, strict=True):
-            assert out.finish_reason == "length", (adapter, out.finish_reason)
-            if adapter in ADAPTERS:
-                key = (adapter, p)
-                if key not in expected:
-                    expected[key] = _peft_greedy(peft_model, adapter, prompts[p], 5)
-                assert out.token_ids == expected[key], (round_, adapter)
-        engine.check_integrity()
+    with record_copy_order(engine, load_latency=2) as rec:
+        for round_ in range(3):
+            plan = []
+            for i, name in enumerate(names):
+                plan += [(name, (i + round_) % 3), (f"filler-{(4 * round_ + i) % 16}", i % 3)]
+            outs = engine.generate([prompts[p] for _, p in plan], params, adapters=[a for a, _ in plan])
+            for (adapter, p), out in zip(plan, outs, strict=True):
+                assert out.finish_reason == "length", (adapter, out.finish_reason)
+                if adapter in ADAPTERS:
+                    key = (adapter, p)
+                    if key not in expected:
+                        expected[key] = _peft_greedy(peft_model, adapter, prompts[p], 5)
+                    assert out.token_ids == expected[key], (round_, adapter)
+            engine.check_integrity()
     counters = engine.core.pool.tree.counters
     assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
+    assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)  # KV to the host and back
+    assert len(rec.accesses_of("adapter load")) > len(ADAPTERS) + 4
+    assert not rec.conflicts, [str(c) for c in rec.conflicts[:5]]
     assert len(engine.core.loader.staged_ids()) <= 4 + 0  # the host kept at most max_cpu_loras staged
 
 

@@ -127,7 +127,7 @@ class EngineCore:
             self.pool,
             self.adapters,
             self.loader,
-            adapter_loaded=runner.adapter_loaded if runner.device.type == "cuda" else None,
+            adapter_loaded=runner.adapter_loaded if runner.copy_order.asynchronous else None,
         )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -112,6 +112,10 @@ class ResidentAdapters:
         """Every page that holds an adapter's weights."""
         return {p for resident in self._by_page.values() for p in resident.pages}
 
+    def pages_of(self, table_page: int) -> list[int]:
+        """The arena pages of the adapter whose table is on ``table_page``, table page first."""
+        return self._by_page[table_page].pages
+
     def table_pages(self) -> set[int]:
         """The table pages of the adapters in the arena."""
         return set(self._by_page)

@@ -6,9 +6,8 @@ on CUDA) and samples."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch
@@ -22,6 +21,7 @@ from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
 from lora_server.model.batch import DraftPosition, ForwardBatch, ScheduledSequence
+from lora_server.model.copy_order import CopyOrder, CudaStreams
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
@@ -42,16 +42,6 @@ class StagedImage(Protocol):
 
     @property
     def image(self) -> torch.Tensor: ...  # uint8 [pages, page bytes]
-
-
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Within the block, CUDA work goes to ``stream`` (None: the current stream, or the CPU)."""
-    if stream is None:
-        yield
-        return
-    with torch.cuda.stream(stream):
-        yield
 
 
 class ModelRunner:
@@ -99,9 +89,7 @@ class ModelRunner:
         self.host_kv = torch.zeros(
             self.num_host_blocks, self.geometry.page_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
         )
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # KV swaps: the forward waits
-        self._load_stream = torch.cuda.Stream(self.device) if cuda else None  # adapter loads: requests wait
-        self._loads_in_flight: dict[int, torch.cuda.Event] = {}  # table page -> its load's event (CUDA)
+        self.copy_order = CopyOrder(CudaStreams(self.device) if cuda else None)
         self.sampler = Sampler(self.arch.vocab_size)
         self._init_step(max_model_len)
 
@@ -214,57 +202,42 @@ class ModelRunner:
     def apply_copy_ops(self, ops: list[CopyOp], staged: Callable[[AdapterKey], StagedImage]) -> float:
         """Execute the pool's moves in order, before this step's forward pass: KV pages between the device and the
         host tier, adapters into and out of the arena (``staged``: an adapter's staged layout and pinned image).
-        On CUDA the copies run on side streams that wait for the previous step's writes; the next forward waits
-        for the KV copies on the GPU, not for adapter loads (the scheduler holds back the requests of an adapter
-        until ``adapter_loaded`` says its copy ran): the host never blocks on a copy. Returns the seconds spent
-        issuing adapter loads (host clock)."""
+        On CUDA the copies run on side streams, ordered by the pages they touch (model.copy_order): the next
+        forward pass waits for the KV copies on the device, not for adapter loads (the scheduler holds back the
+        requests of an adapter until ``adapter_loaded`` says its copy ran); the host never blocks on a copy.
+        Returns the seconds spent issuing adapter loads (host clock)."""
         if not ops:
             return 0.0
-        copy, load = self._copy_stream, self._load_stream
-        current = torch.cuda.current_stream(self.device) if copy is not None else None
-        if current is not None:
-            for stream in (copy, load):
-                if stream is not None:
-                    stream.wait_stream(current)
+        order = self.copy_order
+        order.begin()
         adapter_s = 0.0
         pages, host = self.arena.pages, self.host_kv
         for op in ops:
             if op.kind is OpKind.KV_SWAP_OUT:
-                with _on(copy):
+                with order.kv_copy(op.src, (), "kv swap-out"):
                     for src, dst in zip(op.src, op.dst, strict=True):
                         host[dst].copy_(pages[src], non_blocking=True)
             elif op.kind is OpKind.KV_SWAP_IN:
-                with _on(copy):
+                with order.kv_copy((), op.dst, "kv swap-in"):
                     for src, dst in zip(op.src, op.dst, strict=True):
                         pages[dst].copy_(host[src], non_blocking=True)
             elif op.kind is OpKind.ADAPTER_LOAD:
                 assert op.adapter is not None
                 start = time.perf_counter()
                 image = staged(op.adapter)
-                with _on(load):
+                with order.adapter_load(list(op.dst), image.image):
                     self.adapters.load(list(op.dst), image.layout, image.image)
-                    if load is not None:
-                        event = torch.cuda.Event()
-                        event.record(load)
-                        self._loads_in_flight[op.dst[0]] = event
                 adapter_s += time.perf_counter() - start
             else:
                 self.adapters.unload(op.src[0])
-                self._loads_in_flight.pop(op.src[0], None)
-        if current is not None and copy is not None:
-            current.wait_stream(copy)
+                order.adapter_unload(op.src[0])
+        order.end()
         return adapter_s
 
     def adapter_loaded(self, table_page: int) -> bool:
         """Whether the copy of the adapter whose table is on ``table_page`` has run (always, off CUDA): a query of
         its event, no sync."""
-        event = self._loads_in_flight.get(table_page)
-        if event is None:
-            return True
-        if event.query():
-            del self._loads_in_flight[table_page]
-            return True
-        return False
+        return self.copy_order.loaded(table_page)
 
     def prepare(self, items: Sequence[tuple[S, int]]) -> tuple[ForwardBatch, list[S]]:
         """Build the batch for (request, number of tokens to compute) pairs; also returns the requests that
