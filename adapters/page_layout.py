@@ -34,8 +34,10 @@ class PageGeometry:
     shapes: BaseShapes
 
     def __post_init__(self) -> None:
-        if self.page_bytes % 8 or self.page_bytes % self.dtype.itemsize:
-            raise ValueError(f"a page of {self.page_bytes} bytes does not hold whole int64 and {self.dtype} values")
+        if self.page_bytes % 8 or self.page_bytes % (16 * self.dtype.itemsize):
+            # 16 values: every offset a table holds is then a multiple of 16 (blocks start at 128-byte boundaries
+            # and row groups are 16 rows), which the LoRA kernels rely on to load 16 bytes at a time
+            raise ValueError(f"a page of {self.page_bytes} bytes does not hold whole int64 and 16 {self.dtype} values")
 
     def check_fits(self) -> None:
         """AdapterError unless a page holds the table and a row group of the widest module (true of real models,
@@ -133,11 +135,16 @@ class PageLayout:
     def nbytes(self) -> int:
         return self.num_pages * self.geometry.page_bytes
 
-    def image(self, adapter: LoraAdapter, pin_memory: bool = False) -> torch.Tensor:
+    def image(self, adapter: LoraAdapter, out: torch.Tensor | None = None) -> torch.Tensor:
         """The adapter's pages as the device will hold them: uint8 [num_pages, page_bytes], the table left zero,
-        unused bytes zero; pinned when asked (a copy from it to CUDA does not wait for the host)."""
+        unused bytes zero; written into ``out`` when given (the caller's pinned memory, of that shape)."""
         g = self.geometry
-        pages = torch.zeros(self.num_pages, g.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        shape = (self.num_pages, g.page_bytes)
+        if out is None:
+            pages = torch.zeros(shape, dtype=torch.uint8)
+        else:
+            assert out.shape == shape and out.dtype == torch.uint8, (tuple(out.shape), out.dtype, shape)
+            pages = out.zero_()
         values = pages.view(-1).view(g.dtype).view(self.num_pages, g.page_elems)
         for block in self.blocks:
             a, b = adapter.weights[(block.layer, block.module)]

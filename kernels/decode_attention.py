@@ -20,7 +20,7 @@ MIN_KEYS_PER_SPLIT = 128
 DEFAULT_SMS = 132  # an H100's streaming multiprocessors: the default's guess where the device cannot say
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def _decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -49,8 +49,9 @@ def _decode_attention_kernel(
     stride_od,
     stride_tb,
     stride_ti,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -62,15 +63,16 @@ def _decode_attention_kernel(
     KV_FP8: tl.constexpr,
 ):
     """Program (b, kv_head, split): the GROUP query heads of kv_head (rows of a BLOCK_G tile) attend over keys
-    [split * chunk, min((split + 1) * chunk, L)) of sequence b, chunk = ceil(ceil(L / NUM_SPLITS) / BLOCK_N) *
-    BLOCK_N, with an online softmax in fp32 (base 2: qk_scale holds scale * log2(e)). NUM_SPLITS == 1: stores
-    acc / sum (0 where L == 0) times the value scale to out. Else stores the unnormalized acc [D] to
-    part_acc[b, head, split] and (max, sum) to part_ml[b, head, split]: (-inf, 0) for an empty chunk."""
+    [split * chunk, min((split + 1) * chunk, L)) of sequence b, chunk = ceil(ceil(L / num_splits) / BLOCK_N) *
+    BLOCK_N, with an online softmax in fp32 (base 2: qk_scale holds scale * log2(e)). Not SPLIT (num_splits 1):
+    stores acc / sum (0 where L == 0) times the value scale to out. SPLIT: stores the unnormalized acc [D] to
+    part_acc[b, head, split] and (max, sum) to part_ml[b, head, split]: (-inf, 0) for an empty chunk. The split
+    count is a runtime value (one compiled variant for every count: warm-up compiles two, split or not)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -129,7 +131,7 @@ def _decode_attention_kernel(
         m_i = m_new
 
     out_mask = row_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # L == 0: acc is 0, so is the output
         if KV_FP8:
             out = out * tl.load(v_scale_ptr + kv_head)
@@ -139,13 +141,13 @@ def _decode_attention_kernel(
             mask=out_mask,
         )
     else:
-        part = (b.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_G] rows of [B, H, S]
+        part = (b.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_G] rows of [B, H, S]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_attention_reduce_kernel(
     out_ptr,
     part_acc_ptr,
@@ -154,8 +156,8 @@ def _decode_attention_reduce_kernel(
     stride_ob,
     stride_oh,
     stride_od,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -163,14 +165,15 @@ def _decode_attention_reduce_kernel(
     KV_FP8: tl.constexpr,
 ):
     """Program (b, head): out[b, head] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s), the
-    splits' partials merged; 0 where every split is empty (L == 0); times the value scale for an fp8 cache."""
+    num_splits (<= BLOCK_S) partials merged; 0 where every split is empty (L == 0); times the value scale for an
+    fp8 cache."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    s_mask = s < NUM_SPLITS
+    s_mask = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    part = (b * NUM_HEADS + head) * NUM_SPLITS + s
+    part = (b * NUM_HEADS + head) * num_splits + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     total = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -281,8 +284,9 @@ def paged_decode_attention(
         *v_cache.stride(),
         *out.stride(),
         *block_tables.stride(),
+        num_splits,
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         GROUP=group,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
@@ -301,11 +305,11 @@ def paged_decode_attention(
             part_ml,
             scales[1],
             *out.stride(),
+            num_splits,
             NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
             GROUP=group,
             HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
             BLOCK_D=triton.next_power_of_2(head_dim),
             KV_FP8=kv_fp8,
         )

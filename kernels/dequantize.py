@@ -21,22 +21,24 @@ def _dequantize_int8_kernel(
     out_ptr,
     N,
     K,
-    group,
     stride_qn,
     stride_qk,
     stride_sn,
     stride_sg,
     stride_on,
     stride_ok,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (n_block, k_block): out[rows, cols] = q * scale of each element's group, in fp32, rounded once."""
+    """Program (n_block, k_block): out[rows, cols] = q * scale of each element's group, in fp32, rounded once. The
+    group size is fixed per weight: a constant, so that cols // GROUP is a shift (a runtime divisor costs registers
+    and spills)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # [BLOCK_N, 1]
     cols = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)[None, :]  # [1, BLOCK_K]
     mask = (rows < N) & (cols < K)
     q = tl.load(q_ptr + rows * stride_qn + cols * stride_qk, mask=mask, other=0).to(tl.float32)
-    s = tl.load(scales_ptr + rows * stride_sn + (cols // group) * stride_sg, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scales_ptr + rows * stride_sn + (cols // GROUP) * stride_sg, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows * stride_on + cols * stride_ok, (q * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -47,7 +49,6 @@ def _dequantize_int4_kernel(
     mins_ptr,
     out_ptr,
     N,
-    group,
     stride_pn,
     stride_pk,
     stride_sn,
@@ -56,6 +57,7 @@ def _dequantize_int4_kernel(
     stride_mg,
     stride_on,
     stride_ok,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PACK: tl.constexpr,
 ):
@@ -71,7 +73,7 @@ def _dequantize_int4_kernel(
     for part in tl.static_range(2):
         cols = (b * PACK + part * HALF + halves).to(tl.int64)  # [1, HALF]
         q = ((codes >> (4 * part)) & 0xF).to(tl.float32)
-        g = cols // group
+        g = cols // GROUP
         s = tl.load(scales_ptr + rows * stride_sn + g * stride_sg, mask=mask, other=0.0).to(tl.float32)
         mn = tl.load(mins_ptr + rows * stride_mn + g * stride_mg, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows * stride_on + cols * stride_ok, (q * s + mn).to(out_ptr.dtype.element_ty), mask=mask)
@@ -96,13 +98,13 @@ def dequantize_int8(
         out,
         n,
         k,
-        k // scales.shape[1],
         qweight.stride(0),
         qweight.stride(1),
         scales.stride(0),
         scales.stride(1),
         out.stride(0),
         out.stride(1),
+        GROUP=k // scales.shape[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
@@ -116,11 +118,12 @@ def dequantize_int4(
     dtype: torch.dtype,
     *,
     pack: int | None = None,
-    block_n: int = 64,
+    block_n: int = 32,
 ) -> torch.Tensor:
     """[N, K] in dtype, one launch: quant_reference.dequantize_int4(packed, scales, mins, torch.float32,
     pack).to(dtype). packed uint8 [N, K // 2] with nibbles paired within blocks of ``pack`` columns (None: the
-    group); scales, mins any float [N, K // group]; pack as int4_matmul.check_pack allows."""
+    group); scales, mins any float [N, K // group]; pack as int4_matmul.check_pack allows. block_n rows a program
+    (64 rows of a 128-column pack spilled 152-264 bytes on sm_90a / sm_80)."""
     n, num_bytes = packed.shape
     k = num_bytes * 2
     assert packed.dtype == torch.uint8, packed.dtype
@@ -140,7 +143,6 @@ def dequantize_int4(
         mins,
         out,
         n,
-        group,
         packed.stride(0),
         packed.stride(1),
         scales.stride(0),
@@ -149,6 +151,7 @@ def dequantize_int4(
         mins.stride(1),
         out.stride(0),
         out.stride(1),
+        GROUP=group,
         BLOCK_N=block_n,
         PACK=pack,
     )

@@ -28,7 +28,7 @@ def _dequant_nibbles(codes, s, mn, GROUPS: tl.constexpr, ROWS: tl.constexpr, BLO
     return tl.reshape(w * s[:, None, :] + mn[:, None, :], (ROWS, BLOCK_N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int4_matmul_kernel(
     x_ptr,
     packed_ptr,

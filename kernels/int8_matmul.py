@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int8_matmul_kernel(
     x_ptr,
     qweight_ptr,

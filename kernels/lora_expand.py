@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_base", "num_splits"])
 def _lora_expand_kernel(
     y_ptr,
     w_ptr,
@@ -44,6 +44,7 @@ def _lora_expand_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    ALIGN: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -57,8 +58,10 @@ def _lora_expand_kernel(
     page = tl.load(tiles_ptr + tile * 3)
     if page < 0:
         return
-    col_begin = tl.load(slice_starts_ptr + k)
-    width = tl.load(slice_starts_ptr + k + 1) - col_begin  # also B^T's row stride
+    # B^T's offsets in the arena are multiples of 8 (the tables' contract), and with ALIGN 8 so are the slices'
+    # starts and widths: rows of B^T and of out then load 16 bytes at a time
+    col_begin = tl.multiple_of(tl.load(slice_starts_ptr + k), ALIGN)
+    width = tl.multiple_of(tl.load(slice_starts_ptr + k + 1) - col_begin, ALIGN)  # also B^T's row stride
     n0 = n_block * BLOCK_N
     if n0 >= width:
         return
@@ -87,7 +90,7 @@ def _lora_expand_kernel(
             y_tile += tl.load(y_ptrs + split * stride_ys, mask=y_mask, other=0.0)
         # y is rounded to the weights' dtype, as the tensor cores take it (the twin does the same)
         y_tile = y_tile.to(w_ptr.dtype.element_ty)
-        b_start = tl.load(table_ptr + row + 1 + num_groups + group)  # int64 element index of B^T's group rows
+        b_start = tl.multiple_of(tl.load(table_ptr + row + 1 + num_groups + group), 8)  # B^T's group rows
         b_tile = tl.load(
             w_ptr + b_start + b_offsets, mask=r_mask[:, None] & col_mask[None, :], other=0.0
         )  # [BLOCK_R, BLOCK_N]
@@ -118,6 +121,7 @@ def lora_expand(
     num_splits: int = 1,
     block_t: int = 16,
     block_n: int = 64,
+    align: int = 1,
 ) -> None:
     """Adds the LoRA B product of K = slice_starts.shape[0] - 1 modules (module_base ... module_base + K - 1 of
     lora_table.MODULES) of one layer into out, in place, for every tile of the map, in one launch.
@@ -125,9 +129,10 @@ def lora_expand(
     y: [S', K', T', R'] float32, lora_shrink's workspace after a launch with the same num_splits; arena_w,
     arena_table, tiles as in lora_shrink; out: [T, out_total] in arena_w's dtype; slice_starts: [K + 1] int32 on
     out's device, slice k owning out columns slice_starts[k]:slice_starts[k + 1] (module k's B^T has that width as
-    its row stride); max_width: a host bound on the widest slice (the grid's column blocks; those past a slice's
-    end exit). For every tile (p, a, b) with p >= 0, slice k = columns c0:c1, r = the rank that p's table gives
-    (layer, module_base + k) and BT [r, c1 - c0] the rows its B^T offsets point at:
+    its row stride), each a multiple of ``align`` (8: rows load 16 bytes at a time; 1: no claim); max_width: a host
+    bound on the widest slice (the grid's column blocks; those past a slice's end exit). For every tile (p, a, b)
+    with p >= 0, slice k = columns c0:c1, r = the rank that p's table gives (layer, module_base + k) and BT [r, c1 -
+    c0] the rows its B^T offsets point at:
 
         out[a:b, c0:c1] = (out[a:b, c0:c1].float()
                            + y[:num_splits, k, a:b, :r].sum(0).to(out.dtype).float() @ BT.float()).to(out.dtype)
@@ -181,6 +186,7 @@ def lora_expand(
         BLOCK_T=block_t,
         BLOCK_N=block_n,
         BLOCK_R=ROW_GROUP,
+        ALIGN=align,
         DOT_IN_FP32=dot_in_fp32,
         PRECISION="ieee" if dot_in_fp32 or out.dtype == torch.float32 else "tf32",
     )

@@ -37,7 +37,7 @@ def choose_splits(
     return max(1, min(wanted, in_features // (4 * block_k), MAX_SPLITS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_base", "num_splits"])
 def _lora_shrink_kernel(
     x_ptr,
     w_ptr,
@@ -55,20 +55,20 @@ def _lora_shrink_kernel(
     stride_yk,
     stride_yt,
     stride_yr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Program (tile, k, group * NUM_SPLITS + split): y[split, k, tile's rows, 16 group .. 16 group + 15] = the
-    tile's x rows @ A[those rank rows].T over in-feature blocks split, split + NUM_SPLITS, ... (of BLOCK_K). Tiles
+    """Program (tile, k, group * num_splits + split): y[split, k, tile's rows, 16 group .. 16 group + 15] = the
+    tile's x rows @ A[those rank rows].T over in-feature blocks split, split + num_splits, ... (of BLOCK_K). Tiles
     with page -1, and groups at or past the module's rank, exit at once."""
     tile = tl.program_id(0)
     k = tl.program_id(1)
-    group = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    group = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     page = tl.load(tiles_ptr + tile * 3)
     if page < 0:
@@ -78,7 +78,9 @@ def _lora_shrink_kernel(
     r0 = group * BLOCK_R
     if r0 >= rank:
         return
-    a_start = tl.load(table_ptr + row + 1 + group)  # int64 element index of A's rows r0 .. r0 + 15
+    # int64 element index of A's rows r0 .. r0 + 15: a multiple of 8 (the tables' contract), which lets each row's
+    # load be 16 bytes wide
+    a_start = tl.multiple_of(tl.load(table_ptr + row + 1 + group), 8)
 
     first = tl.load(tiles_ptr + tile * 3 + 1)
     end = tl.load(tiles_ptr + tile * 3 + 2)
@@ -90,7 +92,7 @@ def _lora_shrink_kernel(
     x_rows = x_ptr + rows[:, None] * stride_xt  # [BLOCK_T, 1]
     a_rows = w_ptr + a_start + rr[None, :].to(tl.int64) * in_features  # [1, BLOCK_R]; A's row stride is in
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for i0 in range(split * BLOCK_K, in_features, NUM_SPLITS * BLOCK_K):
+    for i0 in range(split * BLOCK_K, in_features, num_splits * BLOCK_K):
         cols = i0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         col_mask = cols < in_features
         x_tile = tl.load(
@@ -132,9 +134,12 @@ def lora_shrink(
 
     x: [T, in]; arena_w: [E] in x's dtype and arena_table: [E'] int64, two flat views of the arena; tiles: [N, 3]
     int32 (table page, first row, end row), built by lora_table.tile_map with end - first <= block_t, page -1 =
-    nothing to do, rows of different tiles disjoint; y: [S', K', T', R'] float32, S' >= num_splits, K' >=
-    num_slices, T' >= T, R' >= 16 * lora_table.groups(max_rank). For every tile (p, a, b) with p >= 0, slice k,
-    r = the rank that p's table gives (layer, module_base + k), and A [r, in] the rows its A offsets point at:
+    nothing to do, rows of different tiles disjoint; every offset the tables hold a multiple of 8 elements (the
+    kernel loads 16 bytes at a time from there: adapters.page_layout's blocks start at 128 bytes within pages of a
+    multiple of 16 values, and row groups are 16 rows); y: [S', K', T', R'] float32,
+    S' >= num_splits, K' >= num_slices, T' >= T, R' >= 16 * lora_table.groups(max_rank). For every tile (p, a, b) with
+    p >= 0, slice k, r = the rank that p's table gives (layer, module_base + k), and A [r, in] the rows its A
+    offsets point at:
 
         y[:num_splits, k, a:b, :r].sum(0) == x[a:b].float() @ A.float().T
 
@@ -184,7 +189,7 @@ def lora_shrink(
         y.stride(1),
         y.stride(2),
         y.stride(3),
-        NUM_SPLITS=num_splits,
+        num_splits,
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         BLOCK_R=ROW_GROUP,

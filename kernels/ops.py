@@ -57,6 +57,7 @@ def apply_lora(
     y: torch.Tensor | None,
     block_t: int,
     host_segments: Callable[[], Sequence[tuple[int, int, Sequence[LoraTerm]]]] | None = None,
+    slice_align: int = 1,
 ) -> None:
     """out += LoRA(x), in place, for one fused linear of one layer (slice k is module module_base + k; its output
     columns slice_starts[k]:slice_starts[k + 1]). For every tile (page p, rows a:b) of the tile map ``tiles``
@@ -64,9 +65,10 @@ def apply_lora(
     out[a:b, slice k] += (x[a:b] @ A[:r].T) @ BT[:r], A and BT read through the table (kernels.lora_table).
 
     With the kernels: kernels.lora_shrink into the persistent float32 workspace ``y`` [splits, K, T, R], its
-    reduction split as lora_shrink.choose_splits says for these shapes, then kernels.lora_expand; nothing is
-    allocated. Without them, where the caller has the same mapping as host segments (start, end, terms) with the
-    adapters' views, the segment path (kernels.segment_lora: a few matmuls per adapter); else the twins."""
+    reduction split as lora_shrink.choose_splits says for these shapes, then kernels.lora_expand (``slice_align``:
+    what every slice start is a multiple of, 8 letting it load 16 bytes at a time); nothing is allocated. Without
+    them, where the caller has the same mapping as host segments (start, end, terms) with the adapters' views, the
+    segment path (kernels.segment_lora: a few matmuls per adapter); else the twins."""
     if use_kernels(x.device):
         from kernels.lora_expand import lora_expand
         from kernels.lora_shrink import choose_splits, lora_shrink
@@ -77,7 +79,9 @@ def apply_lora(
         common = {"layer": layer, "module_base": module_base, "table_stride": arena.table_stride}
         common |= {"max_rank": arena.max_rank, "num_splits": splits, "block_t": block_t}
         lora_shrink(x, arena.weights, arena.table, tiles, y, num_slices=num_slices, **common)
-        lora_expand(y, arena.weights, arena.table, tiles, slice_starts, out, max_width=max_width, **common)
+        lora_expand(
+            y, arena.weights, arena.table, tiles, slice_starts, out, max_width=max_width, align=slice_align, **common
+        )
         return
     if host_segments is not None:
         from kernels.segment_lora import apply_lora_segments
@@ -235,7 +239,7 @@ def int8_matmul(
         from kernels.int8_matmul import int8_matmul as kernel
 
         n, k = qweight.shape
-        tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device))
+        tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device), itemsize=x.dtype.itemsize)
         y = kernel(x, qweight, scales, **tiles.kwargs())
         return y if bias is None else y + bias
     return F.linear(x, quant_reference.dequantize_int8(qweight, scales, x.dtype), bias)
@@ -264,7 +268,7 @@ def int4_matmul(
 
         n, k = packed.shape[0], packed.shape[1] * 2
         block_k = k // scales.shape[1] if pack is None else pack
-        tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device), block_k=block_k)
+        tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device), block_k=block_k, itemsize=x.dtype.itemsize)
         y = kernel(x, packed, scales, mins, pack=pack, **tiles.kwargs(with_block_k=False))
         return y if bias is None else y + bias
     return F.linear(x, quant_reference.dequantize_int4(packed, scales, mins, x.dtype, pack), bias)

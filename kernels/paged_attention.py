@@ -15,7 +15,7 @@ import triton.language as tl
 from kernels.reference import FP8_KV_DTYPE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -133,6 +133,17 @@ def _paged_attention_kernel(
     )
 
 
+def default_tiles(query_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) for a step whose longest query holds ``query_rows`` (query, head) rows: 16
+    rows when they fit, else 64; 64 keys a step and 4 warps, except where that spills (compiled for sm_90a and
+    sm_80, tests/test_warmup.py): 32 keys for head_dim >= 128 at 64 rows (64 spilled 72 bytes on sm_80), and in
+    fp32 (the IEEE dot holds the tile in registers) 32 keys with 8 warps at 64 rows (else 35 KB spilled)."""
+    block_m = 16 if query_rows <= 16 else 64
+    if dtype == torch.float32:
+        return block_m, 32, 8 if block_m == 64 else 4
+    return block_m, 32 if block_m == 64 and head_dim >= 128 else 64, 4
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,8 +157,8 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Causal grouped-query attention of each sequence's new queries over its paged KV, in one launch and without
     a host sync: the same arguments and result as the twin ``kernels.reference.paged_attention``, plus
@@ -170,7 +181,7 @@ def paged_attention(
     outside every sequence's query range are left as torch.empty left them.
 
     block_m: (query, head) rows per program (None: 16 when max_query_len * H // KVH <= 16, else 64); block_n: keys
-    per loop step. Both powers of two >= 16."""
+    per loop step; both powers of two >= 16. None: default_tiles' choice."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
     batch = seq_lens.shape[0]
@@ -197,8 +208,10 @@ def paged_attention(
         assert t.device == q.device, (t.device, q.device)
     assert isinstance(max_query_len, int) and max_query_len >= 0, max_query_len
     group = num_heads // num_kv_heads
-    if block_m is None:
-        block_m = 16 if max_query_len * group <= 16 else 64
+    tiles = default_tiles(max_query_len * group, head_dim, q.dtype)
+    block_m = tiles[0] if block_m is None else block_m
+    block_n = tiles[1] if block_n is None else block_n
+    num_warps = tiles[2] if num_warps is None else num_warps
     assert all(x >= 16 and x & (x - 1) == 0 for x in (block_m, block_n)), "tl.dot needs powers of two >= 16"
 
     out = torch.empty_like(q)

@@ -101,8 +101,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = field(
         default=None,
         metadata=flag(
-            "on CUDA: the budget is this share of the memory left once the weights and adapter slots are loaded "
-            "(instead of --kv-cache-gb); leave room for activations"
+            "on CUDA, instead of --kv-cache-gb: the share of the device's whole memory the engine may have in use "
+            "once serving (vLLM's meaning); the arena gets what is left after the weights, buffers, everything "
+            "else on the device, the largest step's activations and the decode graphs, measured at start"
         ),
     )
     host_kv_bytes: int = field(

@@ -37,7 +37,7 @@ def _engine(**kw) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(smollm2_path):  # the embedded model (skipped, saying why, on a GPU machine without it)
     return _engine()
 
 

@@ -456,13 +456,16 @@ def test_int4_repacked_is_the_same_weight():
 
 
 def test_swap_for_cuda_repacks_int4_where_k_allows():
-    """The CUDA swap repacks each Int4Linear to quant_tiles.int4_pack_width (K = 256 -> 128, K = 96 -> the
-    group's own 32: left as it is) and leaves other modules alone; the weights stay the same."""
+    """The CUDA swap repacks each Int4Linear to quant_tiles.int4_pack_width for the activations' dtype (bf16: K =
+    256 -> 128, K = 96 -> the group's own 32, left as it is; fp32: 32 everywhere, left as it is) and leaves other
+    modules alone; the weights stay the same."""
     m1, *_ = random_int4(32, 256, seed=12)
     m2, *_ = random_int4(16, 96, seed=13)
     int8 = make_linear(torch.randn(16, 64), "int8")
     model = nn.ModuleDict({"a": m1, "inner": nn.Sequential(m2), "c": int8})
-    swap_for_cuda(model)
+    swap_for_cuda(model, torch.float32)
+    assert model["a"] is m1 and model["inner"][0] is m2 and model["c"] is int8
+    swap_for_cuda(model, torch.bfloat16)
     assert isinstance(model["a"], Int4Linear) and model["a"].pack == 128
     assert model["inner"][0] is m2 and model["c"] is int8
     assert torch.equal(model["a"].dequantize(torch.float32), m1.dequantize(torch.float32))

@@ -302,6 +302,9 @@ def test_int4_pack_width():
     assert int4_pack_width(4096, 4096) == 128  # per-channel: the block lies inside the one group
     assert int4_pack_width(4096, 64) == 128 and int4_pack_width(192, 96) == 32  # blocks of 32 inside groups of 96
     assert int4_pack_width(48, 48) == 48  # nothing fits: the group's own (Q4_1-like) layout
+    # fp32 activations: at most 32 (wider K steps spill)
+    assert int4_pack_width(4096, 32, 4) == 32 and int4_pack_width(4096, 4096, 4) == 32
+    assert int4_pack_width(48, 48, 4) == 48
 
 
 def test_choose_tiles_hand_values():
@@ -314,10 +317,14 @@ def test_choose_tiles_hand_values():
     assert choose_tiles(1, 4096, 4096).split_k == 4 and choose_tiles(1, 28672, 4096).split_k == 1
     assert choose_tiles(16, 4096, 14336).split_k == 4
     assert choose_tiles(1, 576, 576).split_k == 2
-    assert choose_tiles(17, 4096, 4096) == Tiles(32, 64, 128, 4, 4, 4)
+    assert choose_tiles(17, 4096, 4096) == Tiles(32, 64, 128, 4, 4, 3)
     assert choose_tiles(64, 4096, 4096) == Tiles(64, 64, 128, 4, 4, 3)
-    assert choose_tiles(128, 6144, 4096) == Tiles(64, 128, 128, 2, 4, 3)  # 2 x 48 tiles
-    assert choose_tiles(200, 4096, 4096) == Tiles(128, 128, 64, 4, 8, 3)  # 2 x 32 tiles
+    assert choose_tiles(128, 6144, 4096) == Tiles(64, 128, 128, 2, 8, 3)  # 2 x 48 tiles
+    assert choose_tiles(200, 4096, 4096) == Tiles(64, 128, 64, 2, 8, 3)  # 4 x 32 tiles
+    # fp32 activations: 16 x 32 x 32 up to 16 rows, 32 x 32 x 32 beyond (q|k|v at 17 rows: 192 tiles, no split)
+    assert choose_tiles(1, 6144, 4096, itemsize=4) == Tiles(16, 32, 32, 1, 4, 3)
+    assert choose_tiles(17, 6144, 4096, itemsize=4) == Tiles(32, 32, 32, 1, 4, 3)
+    assert choose_tiles(1, 576, 576, itemsize=4) == Tiles(16, 32, 32, 8, 4, 3)  # 18 tiles, 18 K blocks
     assert choose_tiles(1, 4096, 4096, block_k=64).block_k == 64 and choose_tiles(1, 64, 64, num_sms=1).split_k == 1
     assert all(t.split_k <= 16 for t in (choose_tiles(1, 64, 1 << 20), choose_tiles(1, 16, 1 << 16)))
 
@@ -398,7 +405,14 @@ def test_dispatch(fmt: str, pack: int | None, dtype: torch.dtype, monkeypatch: p
     dispatch = {"int8": ops.int8_matmul, "int4": ops.int4_matmul}[fmt]
     x = torch.randn(5, 128, generator=gen).to(DEVICE, dtype)
     bias = torch.randn(48, generator=gen).to(DEVICE, dtype)
-    tiles = choose_tiles(5, 48, 128, num_sms=ops._num_sms(x.device), block_k=pack or (32 if fmt == "int4" else None))
+    tiles = choose_tiles(
+        5,
+        48,
+        128,
+        num_sms=ops._num_sms(x.device),
+        block_k=pack or (32 if fmt == "int4" else None),
+        itemsize=dtype.itemsize,
+    )
     launch = {**layout, **tiles.kwargs(with_block_k=fmt == "int8")}
 
     default = dispatch(x, *weight, bias, **layout)

@@ -398,24 +398,25 @@ class _EmulatedPinning(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def stand_in_cuda() -> Iterator[torch.device]:
+def stand_in_cuda(triton_runs: bool = False) -> Iterator[torch.device]:
     """Within the block, the meta device takes the CUDA path: ``kernels.ops.use_kernels`` says yes to it, Triton
-    kernels are not launched (nothing can run on meta; a counter inside still counts them),
-    ``torch.Generator(device=...)`` gives a CPU generator, and pinned host memory is emulated (_EmulatedPinning).
-    Yields the device."""
-    with (
-        mock.patch("kernels.ops.use_kernels", _use_kernels),
-        mock.patch.object(torch, "Generator", _HostGenerator),
-        _triton_launches(None, run=False),
-        _EmulatedPinning(),
-    ):
+    kernels are not launched (nothing can run on meta; a counter inside still counts them) unless
+    ``triton_runs`` (then Triton's own launch path runs: for bench.kernel_aot, which catches each launch before it
+    compiles), ``torch.Generator(device=...)`` gives a CPU generator, and pinned host memory is emulated
+    (_EmulatedPinning). Yields the device."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("kernels.ops.use_kernels", _use_kernels))
+        stack.enter_context(mock.patch.object(torch, "Generator", _HostGenerator))
+        if not triton_runs:
+            stack.enter_context(_triton_launches(None, run=False))
+        stack.enter_context(_EmulatedPinning())
         yield STAND_IN
 
 
 # ---- the benchmark ----------------------------------------------------------------------------------------------
 
 
-class _StandInConfig(EngineConfig):
+class StandInConfig(EngineConfig):
     """The engine's config on the meta device (see STAND_IN); its device field says "cpu" to pass validation."""
 
     __slots__ = ()
@@ -480,7 +481,7 @@ def stand_in_engine(
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(tiny_llama_config(layers)))
-        config = _StandInConfig(
+        config = StandInConfig(
             model=str(cfg_path),
             load_format="dummy",
             quantization="none",

@@ -26,6 +26,7 @@ import torch
 from adapters.page_layout import PageGeometry, PageLayout
 from adapters.peft_format import AdapterError, load_peft_adapter
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
+from lora_server.model.pinned import pinned_empty
 
 log = logging.getLogger("lora_server")
 
@@ -50,10 +51,10 @@ class AdapterLoader:
     """Stages registered adapters' pages on the host (see the module). ``request`` and ``take_events`` are for the
     engine thread; the work is the loader thread's."""
 
-    def __init__(self, registry: AdapterRegistry, geometry: PageGeometry, pin_memory: bool, capacity: int) -> None:
+    def __init__(self, registry: AdapterRegistry, geometry: PageGeometry, device: torch.device, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"the loader must be able to stage at least one adapter, got capacity {capacity}")
-        self.registry, self.geometry, self.pin_memory, self.capacity = registry, geometry, pin_memory, capacity
+        self.registry, self.geometry, self.device, self.capacity = registry, geometry, device, capacity
         self._staged: OrderedDict[int, StagedAdapter] = OrderedDict()  # least recently used first
         self._in_flight: set[int] = set()
         self._protected: set[int] = set()  # never evicted: pinned adapters
@@ -185,4 +186,7 @@ class AdapterLoader:
                 "register it again"
             )
         layout = PageLayout(g, content.rank_map)
-        return StagedAdapter(adapter_id, layout, layout.image(adapter, pin_memory=self.pin_memory))
+        image = None  # pinned on CUDA, to its size (lora_server.model.pinned)
+        if self.device.type == "cuda":
+            image = pinned_empty((layout.num_pages, g.page_bytes), torch.uint8, self.device)
+        return StagedAdapter(adapter_id, layout, layout.image(adapter, image))

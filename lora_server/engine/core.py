@@ -103,9 +103,7 @@ class EngineCore:
             )
         )
         self.adapters = AdapterRegistry(geometry, roots, self.pool.config)
-        self.loader = AdapterLoader(
-            self.adapters, geometry, pin_memory=runner.device.type == "cuda", capacity=config.max_cpu_loras
-        )
+        self.loader = AdapterLoader(self.adapters, geometry, runner.device, capacity=config.max_cpu_loras)
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:

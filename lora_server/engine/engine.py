@@ -53,6 +53,9 @@ class ModelInfo:
     weight_bytes: int  # resident base weights, quantized as they are held
     kv_bytes_per_token: int  # K and V of one token in every layer
     max_model_len: int
+    startup_s: dict[str, float]  # seconds per start-up phase: weights, warm-up (where kernels compile), graphs
+    activation_bytes: int  # device memory of the largest step's activations, measured at warm-up (CUDA; else 0)
+    graph_bytes: int  # the decode graphs' share, estimated at warm-up (CUDA with graphs; else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +152,9 @@ class Engine:
             resident_bytes(runner.model),
             runner.kv_bytes_per_block // runner.block_size,
             self.max_model_len,
+            dict(runner.startup_s),
+            runner.memory.activations,
+            runner.memory.graphs,
         )
 
     @property

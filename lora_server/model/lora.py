@@ -48,6 +48,7 @@ class LoraLinear(nn.Module):
         for width in slice_widths:
             self.slice_starts.append(self.slice_starts[-1] + width)
         self.max_width = max(slice_widths)
+        self.slice_align = 8 if all(s % 8 == 0 for s in self.slice_starts) else 1  # the LoRA kernels' load width
         self.workspace: LoraWorkspace | None = None  # set by attach
         self.device_slice_starts: torch.Tensor | None = None  # [K + 1] int32 on the device, where the kernels run
 
@@ -75,6 +76,7 @@ class LoraLinear(nn.Module):
             max_width=self.max_width,
             y=workspace.y,
             block_t=lora.block_t,
+            slice_align=self.slice_align,
             host_segments=lambda: [(s, e, terms(page, layer, group)) for s, e, page in lora.host_segments],
         )
         return out

@@ -325,19 +325,19 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
     swap(module)
 
 
-def swap_for_cuda(module: nn.Module) -> None:
-    """The CUDA module swap: every Int4Linear below ``module`` repacked to the GPU kernel's pack width
-    (kernels.quant_tiles.int4_pack_width: each K step's activations load as two contiguous runs), where K allows
-    a wider pack than its own."""
+def swap_for_cuda(module: nn.Module, dtype: torch.dtype) -> None:
+    """The CUDA module swap: every Int4Linear below ``module`` repacked to the GPU kernel's pack width for ``dtype``
+    activations (kernels.quant_tiles.int4_pack_width: each K step's activations load as two contiguous runs), where
+    K allows another pack than its own."""
     from kernels.quant_tiles import int4_pack_width
 
     for name, child in module.named_children():
         if isinstance(child, Int4Linear):
-            pack = int4_pack_width(child.packed.shape[1] * 2, child.group_size)
+            pack = int4_pack_width(child.packed.shape[1] * 2, child.group_size, dtype.itemsize)
             if pack != (child.pack or child.group_size):
                 setattr(module, name, child.repacked(pack))
         else:
-            swap_for_cuda(child)
+            swap_for_cuda(child, dtype)
 
 
 def cpu_head(embed: QuantLinear, dtype: torch.dtype) -> QuantLinear | None:

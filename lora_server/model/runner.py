@@ -6,6 +6,7 @@ on CUDA) and samples."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -13,9 +14,9 @@ from typing import Protocol, TypeVar
 import torch
 
 from adapters.page_layout import PageGeometry, PageLayout
-from adapters.peft_format import BaseShapes
+from adapters.peft_format import AdapterError, BaseShapes
 from kernels import ops
-from kernels.lora_table import max_tiles, tile_map
+from kernels.lora_table import MODULES, max_tiles, tile_map
 from kernels.reference import FP8_KV_DTYPE
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
@@ -27,8 +28,12 @@ from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraWorkspace, workspace_shape
+from lora_server.model.pinned import pinned_zeros
 from lora_server.model.sampler import Sampler, SampleResult
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
+from lora_server.model.warmup import MemoryProfile, WarmupShapes, arena_bytes, measure_peak, warmup_sequences
+from lora_server.model.warmup import plan as warmup_plan
+from lora_server.sampling_params import SamplingParams
 
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
 DECODE_BLOCK_T, PREFILL_BLOCK_T = 16, 64  # token rows per LoRA tile: a decode step's few rows per adapter, a chunk's
@@ -45,6 +50,11 @@ class StagedImage(Protocol):
 
 
 class ModelRunner:
+    """Start-up, in order (``startup_s`` keeps each phase's seconds): the weights; the step's persistent buffers;
+    where the Triton kernels run, warm-up (model.warmup: every kernel variant the engine's steps can reach is
+    compiled, on a small arena of its own, and the largest step's memory is measured); the arena, sized from the
+    memory really left; the decode CUDA graphs, captured on it."""
+
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
         self.config = config
         self.device = config.torch_device
@@ -57,6 +67,8 @@ class ModelRunner:
             )
         self.arch = checkpoint.arch
         self.block_size = config.block_size
+        self.startup_s: dict[str, float] = {}
+        start = time.perf_counter()
         with torch.no_grad():
             self.model: LlamaModel = build_llama(
                 checkpoint,
@@ -81,21 +93,29 @@ class ModelRunner:
             if self.kv_dtype == FP8_KV_DTYPE
             else None
         )
-        self.num_blocks = config.num_kv_blocks or max(1, self._kv_budget_bytes() // self.geometry.page_bytes)
-        self.arena = Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device)
         # The host tier, one page per index, so that a block moves in one copy: [host blocks, page bytes], pinned
-        # on CUDA
+        # on CUDA (to its size)
         self.num_host_blocks = config.host_kv_bytes // self.geometry.page_bytes
-        self.host_kv = torch.zeros(
-            self.num_host_blocks, self.geometry.page_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
-        )
+        self.host_kv = pinned_zeros((self.num_host_blocks, self.geometry.page_bytes), torch.uint8, self.device)
         self.copy_order = CopyOrder(CudaStreams(self.device) if cuda else None)
         self.sampler = Sampler(self.arch.vocab_size)
         self._init_step(max_model_len)
+        self.startup_s["weights"] = time.perf_counter() - start
+        self.memory = MemoryProfile(0, 0)
+        self.graphs: DecodeGraphs | None = None
+        if ops.use_kernels(self.device):
+            start = time.perf_counter()
+            self.memory = self._warm_up(max_model_len)
+            self.startup_s["warm-up"] = time.perf_counter() - start
+        self.num_blocks = config.num_kv_blocks or max(1, self._arena_bytes() // self.geometry.page_bytes)
+        self._use_arena(Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device))
+        if self.graph_layout:
+            start = time.perf_counter()
+            self.graphs = self._capture_decode_graphs()
+            self.startup_s["graphs"] = time.perf_counter() - start
 
     def _init_step(self, max_model_len: int) -> None:
-        """The step's persistent buffers, the LoRA wrappers' workspace, the decode buckets and, on CUDA unless
-        --enforce-eager, the decode graphs (captured now that the arena exists: graphs read it where it is).
+        """The step's persistent buffers, the LoRA kernels' workspace and the decode buckets.
 
         Decode steps are padded to their bucket wherever the CUDA code path runs (CUDA, or the meta device that
         stands for it in bench-engine --host-work); on the CPU they are not (padding is pure cost there), unless a
@@ -107,48 +127,87 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, max_seqs)
         if not config.enable_chunked_prefill:
             max_tokens = max(max_tokens, max_model_len)  # a whole prompt in one step
+        self.max_step_tokens = max_tokens
         self.block_tables = BlockTables(max_seqs, width, self.device)
         self.max_tiles = max_tiles(max_tokens, DECODE_BLOCK_T, config.max_loras)
         # per token: ids, positions, slots, logits rows (int64); per sequence: five int32 arrays; block table
-        # updates (int64 index, int32 value): at most every entry of every row in one step; the LoRA tile map
-        capacity = max_tokens * 32 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 8
+        # updates (int64 index, int32 value): at most every entry of every row in one step; the LoRA tile map; and
+        # up to 15 bytes of alignment after each of the 10 arrays
+        capacity = max_tokens * 32 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 16
         self.step_inputs = StepInputs(self.device, capacity)
-        self._init_lora(max_tokens)
+        self.lora_y = None  # the LoRA kernels' persistent float32 partial sums, where they run
+        if ops.use_kernels(self.device):
+            shape = workspace_shape(max_tokens, config.max_lora_rank)
+            self.lora_y = torch.empty(shape, dtype=torch.float32, device=self.device)
         eager = config.enforce_eager or self.device.type == "cpu"
         self.decode_buckets: list[int] = [] if eager else decode_buckets(max_seqs)
         self.graph_layout = self.device.type == "cuda" and not eager
-        self.graphs: DecodeGraphs | None = None
-        if self.graph_layout:
-            self.graphs = self._capture_decode_graphs()
 
-    def _init_lora(self, max_tokens: int) -> None:
-        """The adapters in the arena, and every LoRA wrapper pointed at them (and, where the kernels run, at one
-        persistent float32 workspace for their partial sums)."""
-        arena = self.arena
+    def _use_arena(self, arena: Arena) -> None:
+        """Serve from ``arena``: the adapters in it (none yet), and every LoRA wrapper pointed at it."""
+        self.arena = arena
         wrappers = self.model.lora_wrappers()
         self.adapters = ResidentAdapters(arena, self.geometry, {g: w.slice_starts for g, w in wrappers[0].items()})
-        y = None
-        if ops.use_kernels(self.device):
-            y = torch.empty(
-                workspace_shape(max_tokens, self.config.max_lora_rank), dtype=torch.float32, device=self.device
-            )
         workspace = LoraWorkspace(
             ops.LoraArena(arena.weights, arena.table, arena.table_stride, self.config.max_lora_rank),
             self.adapters.terms,
-            y,
+            self.lora_y,
         )
         for layer in wrappers:
             for wrapper in layer.values():
                 wrapper.attach(workspace)
 
+    @torch.inference_mode()
+    def _warm_up(self, max_model_len: int) -> MemoryProfile:
+        """Run every step of model.warmup's plan on a small arena of its own (one adapter of the largest rank on
+        every module, zeros), so that every kernel variant is compiled now; measure the profile step's and the
+        largest decode bucket's peak memory (CUDA)."""
+        try:
+            modules = {(i, m): self.config.max_lora_rank for i in range(self.arch.num_layers) for m in MODULES}
+            layout: PageLayout | None = PageLayout(self.geometry, modules)
+        except AdapterError:  # a model that cannot serve adapters: its steps never run the LoRA kernels
+            layout = None
+        shapes = WarmupShapes(
+            self.config.max_num_seqs,
+            self.max_step_tokens,
+            max_model_len,
+            self.arch.num_heads // self.arch.num_kv_heads,
+            tuple(self.decode_buckets),
+            lora=layout is not None,
+        )
+        steps = warmup_plan(shapes)
+        kv_pages = max(step.blocks(self.block_size) for step in steps)
+        adapter_pages = list(range(kv_pages, kv_pages + (layout.num_pages if layout else 0)))
+        arch, bs = self.arch, self.block_size
+        self._use_arena(Arena(kv_pages + len(adapter_pages), arch, bs, self.kv_dtype, self.dtype, self.device))
+        if layout is not None:
+            image = torch.zeros(layout.num_pages, self.geometry.page_bytes, dtype=torch.uint8)
+            self.adapters.load(adapter_pages, layout, image)
+        params = SamplingParams(max_tokens=1)
+        peaks: dict[str, int] = {}
+        for step in steps:
+            items = warmup_sequences(step, bs, adapter_pages[0] if adapter_pages else -1, params)
+            peaks[step.label] = measure_peak(self.device, functools.partial(self._forward_and_logits, items))
+        self.block_tables = BlockTables(self.config.max_num_seqs, self.block_tables.width, self.device)
+        largest_decode = f"decode x{max(self.decode_buckets)} + LoRA" if self.decode_buckets else None
+        profile = MemoryProfile(peaks["profile"], peaks.get(largest_decode, 0) if largest_decode else 0)
+        del self.arena, self.adapters
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return profile
+
+    def _forward_and_logits(self, items: Sequence[tuple[ScheduledSequence, int]]) -> torch.Tensor:
+        """A step's forward pass and logits, without sampling (nothing is read back: the meta stand-in runs it)."""
+        batch, _ = self.prepare(items)
+        return self.model.compute_logits(self._eager_forward(batch)[batch.logits_indices])
+
     @property
     def workspace_bytes(self) -> int:
         """Device bytes beside the weights and the arena held for good: the LoRA workspace, the step's buffers, the
         block tables."""
-        wrapper = self.model.lora_wrappers()[0]["qkv"]
-        y = wrapper.workspace.y if wrapper.workspace is not None else None
         held = [self.block_tables.store, self.block_tables.gathered]
-        return (0 if y is None else y.nbytes) + sum(t.nbytes for t in held) + self.step_inputs.capacity_bytes
+        y = 0 if self.lora_y is None else self.lora_y.nbytes
+        return y + sum(t.nbytes for t in held) + self.step_inputs.capacity_bytes
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> DecodeGraphs:
@@ -162,14 +221,24 @@ class ModelRunner:
     def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch, self._kv_caches())
 
-    def _kv_budget_bytes(self) -> int:
-        """The arena's size: gpu_memory_utilization x the CUDA memory still free once the weights are loaded, or
-        kv_cache_bytes (always on the CPU)."""
+    def _arena_bytes(self) -> int:
+        """The arena's size: on CUDA with --gpu-memory-utilization, what model.warmup.arena_bytes leaves (a
+        ValueError when that is not one page); else kv_cache_bytes."""
         share = self.config.gpu_memory_utilization
         if share is None or self.device.type != "cuda":
             return self.config.kv_cache_bytes
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * share)
+        free, total = torch.cuda.mem_get_info(self.device)
+        size = arena_bytes(total, free, share, self.memory)
+        if size < self.geometry.page_bytes:
+            gib = 2**30
+            raise ValueError(
+                f"--gpu-memory-utilization {share} leaves no room for the arena: {share * total / gib:.2f} GiB of the "
+                f"device's {total / gib:.2f} GiB, of which {(total - free) / gib:.2f} GiB are in use (weights, "
+                f"buffers, CUDA context, other processes), {self.memory.activations / gib:.2f} GiB go to the largest "
+                f"step's activations and {self.memory.graphs / gib:.2f} GiB to the decode graphs: raise the share, "
+                "or lower --max-num-batched-tokens / --max-num-seqs"
+            )
+        return size
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_ALIGN = 8  # every array starts at a multiple of 8 bytes, so that an int64 view of the byte buffer is aligned
+from lora_server.model.pinned import pinned_empty
+
+_ALIGN = 16  # every array starts at a multiple of 16 bytes: an int64 view is aligned, and Triton, which compiles
+# a variant per pointer alignment (16 bytes or not), meets one alignment whatever the step
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
 
 # name -> (values, dtype): one array of a step's inputs, in the order they are laid out
@@ -49,7 +52,7 @@ class StepInputs:
 
     def _allocate(self, nbytes: int) -> None:
         on_host = self.device.type == "cpu"
-        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=not on_host)
+        self._host = pinned_empty((nbytes,), torch.uint8, self.device)  # pinned off the CPU, to its size
         self._host_np = self._host.numpy()
         self._device = self._host if on_host else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 

@@ -147,6 +147,14 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
             "one batch); host tier "
             f"{pool['host_blocks']} pages ({memory['host_tier_bytes'] / gib:.2f} GiB), up to "
             f"{config.engine.max_cpu_loras} adapters staged in host memory",
+            "  start-up: "
+            + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in info.startup_s.items())
+            + (
+                f" (warm-up compiled every kernel variant the steps can reach; the largest step's activations "
+                f"{info.activation_bytes / gib:.2f} GiB, decode graphs {info.graph_bytes / gib:.2f} GiB)"
+                if "warm-up" in info.startup_s
+                else ""
+            ),
             "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
             f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
             f"  registry: {store.backend} at {place}; changes by other {followed}",
