@@ -227,14 +227,14 @@ def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str]
     rslora = _flag(config, "use_rslora")
     layers = _layers(config, base.num_layers)
     targets = config.get("target_modules")
+    if isinstance(targets, str) and config.get("layers_to_transform") is not None:
+        raise AdapterError("layers_to_transform cannot be used with a regex target_modules (PEFT refuses it too)")
     if targets == ALL_LINEAR:
         targets = list(TARGETS)
     candidates = {
         (layer, module): f"model.layers.{layer}.{_HF_PATH[module]}" for layer in layers for module in _HF_PATH
     }
     if isinstance(targets, str):
-        if config.get("layers_to_transform") is not None:
-            raise AdapterError("layers_to_transform cannot be used with a regex target_modules (PEFT refuses it too)")
         regex = _regex(targets, f"target_modules {targets!r}")
         chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
         if not chosen:

@@ -168,3 +168,73 @@ def test_every_loraconfig_key_is_classified():
     groups = (READ_KEYS, NO_EFFECT_KEYS, set(UNSUPPORTED_KEYS))
     assert not (READ_KEYS & NO_EFFECT_KEYS) and not (set(UNSUPPORTED_KEYS) & (READ_KEYS | NO_EFFECT_KEYS))
     assert fields - set().union(*groups) == set()
+
+
+def _accepted_configs():
+    from peft import LoraConfig
+
+    return {
+        "metadata, dropout, fan_in_fan_out, Megatron and QA-LoRA group size": LoraConfig(
+            target_modules=QV,
+            task_type="CAUSAL_LM",
+            lora_dropout=0.1,
+            fan_in_fan_out=True,
+            qalora_group_size=32,
+            revision="main",
+        ),
+        "all-linear": LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"),
+        "layers_pattern with layers_to_transform": LoraConfig(
+            target_modules=["v_proj", "down_proj"], layers_to_transform=[1], layers_pattern="layers"
+        ),
+        "gaussian init, rsLoRA": LoraConfig(
+            target_modules=["k_proj", "o_proj"], init_lora_weights="gaussian", use_rslora=True
+        ),
+        "orthogonal init": LoraConfig(r=4, target_modules=["gate_proj", "down_proj"], init_lora_weights="orthogonal"),
+        "MiCA init": LoraConfig(target_modules=["up_proj"], init_lora_weights="mica"),
+    }
+
+
+@pytest.mark.slow
+def test_accepted_keys_compute_what_peft_computes(tiny, tmp_path):
+    """Adapters whose configs carry keys without effect (each saved by PEFT) give, in one batch with the base model,
+    PEFT's log-probabilities (fp32, within 2e-3) on every prompt position; each adapter moves the model."""
+    from peft import PeftModel
+
+    from lora_server.config import EngineConfig
+    from lora_server.engine import Engine
+    from lora_server.sampling_params import SamplingParams
+
+    path, model = tiny
+    configs = _accepted_configs()
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            quantization="none",
+            kv_cache_bytes=16 << 20,
+            block_size=64,
+            max_loras=8,
+            show_progress=False,
+        )
+    )
+    names = [f"a{i}" for i in range(len(configs))]
+    for name, config in zip(names, configs.values(), strict=True):
+        save_peft(model, config, tmp_path / name)
+        engine.add_adapter(name, tmp_path / name)
+    prompt = [int(t) for t in torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(1))]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    plan = [None, *names]
+    outs = engine.generate([prompt] * len(plan), params, adapters=plan)
+    with torch.no_grad():
+        base_ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+    for adapter, out in zip(plan, outs, strict=True):
+        if adapter is None:
+            ref = base_ref
+        else:
+            peft_model = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / adapter).eval()
+            with torch.no_grad():
+                ref = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0], -1)
+            assert (ref - base_ref).abs().max() > 0.05, adapter  # it moves the model
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        ours = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+        expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        torch.testing.assert_close(ours, expected, atol=2e-3, rtol=0)

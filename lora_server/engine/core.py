@@ -33,7 +33,7 @@ from lora_server.errors import (
 )
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.runner import ModelRunner
-from lora_server.model.sampler import NON_FINITE, SampleResult, verify_drafts
+from lora_server.model.sampler import NON_FINITE, SampleResult, TokenScores, verify_drafts
 from lora_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -314,11 +314,15 @@ class EngineCore:
                 tokens = request.token_ids[lengths[request.request_id] :]  # those kept: a stop drops the rest
                 if request.grammar is not None:  # never speculated: one new token
                     self._advance_grammar(request)
-                if request.num_output_tokens == len(tokens):
+                first = request.num_output_tokens == len(tokens)
+                if first:
                     self.ttft.add(request)
                 text, tokens = self._detokenize(request, tokens)
-                logprobs = sampled[request.request_id][1]
-                outputs.append(_output(request, text, tokens, None if logprobs is None else logprobs[: len(tokens)]))
+                logprobs = sampled[request.request_id][1] if tokens else None
+                out = _output(request, text, tokens, None if logprobs is None else logprobs[: len(tokens)])
+                if first and request.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None, *request.prompt_logprobs]
+                outputs.append(out)
             except Exception as exc:  # noqa: BLE001 (this request's detokenizing or stop handling: it alone fails)
                 if is_device_fault(exc):
                     raise
@@ -366,7 +370,9 @@ class EngineCore:
     def _run(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
         structured = self._structured
         mask = structured.mask_logits if structured and any(r.grammar is not None for r, _ in items) else None
-        sampling, result = self.runner.execute(items, mask)
+        sampling, result, scores = self.runner.execute(items, mask)
+        if scores:
+            _store_prompt_logprobs([r for r, _ in items], scores)
         if result is None:
             return {}, {}
         logprobs = _logprobs_by_request(sampling, result)
@@ -512,6 +518,22 @@ def _output(request: Request, text: str, token_ids: list[int], logprobs: list[To
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
     )
+
+
+def _store_prompt_logprobs(requests: list[Request], scores: dict[str, tuple[int, TokenScores]]) -> None:
+    """Append the prompt tokens a step scored to their requests' prompt_logprobs (the runner scores each token once,
+    from the first one a request lacks)."""
+    for request in requests:
+        scored = scores.get(request.request_id)
+        if scored is None:
+            continue
+        first, rows = scored
+        assert first == request.num_prompt_logprobs + 1, "prompt tokens are scored in order, each once"
+        prompt = request.prompt_token_ids
+        request.prompt_logprobs.extend(
+            TokenLogprob(prompt[first + j], lp, top, rank)
+            for j, (lp, rank, top) in enumerate(zip(rows.logprobs, rows.ranks, rows.top_logprobs, strict=True))
+        )
 
 
 def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:

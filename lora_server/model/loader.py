@@ -102,15 +102,33 @@ class Checkpoint:
 
 
 def open_checkpoint(config: EngineConfig) -> Checkpoint:
-    fmt = config.load_format
-    if fmt == "dummy":
+    if config.load_format == "dummy":
         return _dummy_checkpoint(config)
+    path, fmt = model_files(config)
+    return _gguf_checkpoint(path) if fmt == "gguf" else _hf_checkpoint(path)
+
+
+def model_files(config: EngineConfig) -> tuple[Path, str]:
+    """Where a real checkpoint's files are and their format ("gguf" or "hf"), as the engine reads them."""
     path = Path(config.model) if config.model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    fmt = config.load_format
     if fmt == "auto":
         fmt = "gguf" if path.suffix == ".gguf" else "hf"
-    return _gguf_checkpoint(path) if fmt == "gguf" else _hf_checkpoint(path)
+    return path, fmt
+
+
+def read_arch(path: Path, fmt: str) -> ModelArch:
+    """A checkpoint's shape without reading its weights."""
+    if fmt == "gguf":
+        from gguf import GGUFReader
+
+        return gguf_arch(GGUFReader(str(path)))
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor an HF directory with config.json")
+    return ModelArch.from_hf_config(json.loads(config_file.read_text()))
 
 
 # ---- HF directories ---------------------------------------------------------------------------------------

@@ -21,13 +21,13 @@ from kernels.reference import FP8_KV_DTYPE
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
-from lora_server.model.batch import DraftPosition, ForwardBatch, ScheduledSequence
+from lora_server.model.batch import DraftPosition, ForwardBatch, PromptScoring, ScheduledSequence
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraWorkspace, workspace_shape
-from lora_server.model.sampler import Sampler, SampleResult
+from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
@@ -121,9 +121,10 @@ class ModelRunner:
             max_tokens = max(max_tokens, max_model_len)  # a whole prompt in one step
         self.block_tables = BlockTables(max_seqs, width, self.device)
         self.max_tiles = max_tiles(max_tokens, DECODE_BLOCK_T, config.max_loras)
-        # per token: ids, positions, slots, logits rows (int64); per sequence: five int32 arrays; block table
-        # updates (int64 index, int32 value): at most every entry of every row in one step; the LoRA tile map
-        capacity = max_tokens * 32 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 8
+        # per token: ids, positions, slots, logits rows, scored prompt rows and their targets (int64); per sequence:
+        # five int32 arrays; block table updates (int64 index, int32 value): at most every entry of every row in
+        # one step; the LoRA tile map
+        capacity = max_tokens * 48 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 8
         self.step_inputs = StepInputs(self.device, capacity)
         self._init_lora(max_tokens)
         eager = config.enforce_eager or self.device.type == "cpu"
@@ -289,6 +290,9 @@ class ModelRunner:
         starts = [0]
         logits_rows: list[int] = []
         sampling: list[S] = []
+        scored_rows: list[int] = []  # prompt logprobs: hidden rows that score the next prompt token
+        scored_targets: list[int] = []
+        owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
         for request, n in items:
             drafts = request.draft_token_ids
@@ -301,8 +305,17 @@ class ModelRunner:
             table = request.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
+            first_row = starts[-1] - start  # the row of position 0, were it in this step
             starts.append(starts[-1] + n)
-            if end == len(tokens):
+            params = request.params
+            if params.prompt_logprobs is not None:  # position p scores prompt token p + 1, each once
+                num_prompt = request.num_tokens - request.num_output_tokens
+                scored = range(max(start, request.num_prompt_logprobs), min(end, num_prompt - 1))
+                if scored:
+                    scored_rows.extend(first_row + p for p in scored)
+                    scored_targets.extend(tokens[scored.start + 1 : scored.stop + 1])
+                    owners.append((request.request_id, params.prompt_logprobs, scored.start + 1, len(scored)))
+            if end == len(tokens) and not params.scores_prompt:
                 logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
                 sampling.append(request)
         padding = 0 if bucket is None else bucket - len(items)
@@ -333,6 +346,8 @@ class ModelRunner:
             "logits_indices": (logits_rows, torch.int64),
             "table_update_index": (plan.update_index, torch.int64),
             "table_update_value": (plan.update_value, torch.int32),
+            "scored_rows": (scored_rows, torch.int64),
+            "scored_targets": (scored_targets, torch.int64),
         }
         dev = self.step_inputs.upload(arrays)
         block_tables = self.block_tables.apply(
@@ -353,6 +368,7 @@ class ModelRunner:
             query_start_loc=dev["query_start_loc"],
             logits_indices=dev["logits_indices"],
             num_padding=padding,
+            prompt_scoring=PromptScoring(dev["scored_rows"], dev["scored_targets"], owners) if owners else None,
         )
         return batch, sampling
 
@@ -383,21 +399,39 @@ class ModelRunner:
         self,
         items: Sequence[tuple[S, int]],
         mask: Callable[[torch.Tensor, Sequence[ScheduledSequence]], None] | None = None,
-    ) -> tuple[list[S], SampleResult | None]:
-        """Run one step; returns the requests that sampled and their tokens (None when nobody sampled). ``mask``
-        (structured output) gets the [R, vocab] logits and their rows' sequences once the forward pass is queued
-        (on a GPU its host work overlaps the device's) and forbids tokens in place. The result has
-        one row per verified position: 1 + d consecutive rows for a request with d draft tokens (row
-        j sampled as if drafts[:j] were accepted; see verify_drafts), one row for the others."""
+    ) -> tuple[list[S], SampleResult | None, dict[str, tuple[int, TokenScores]]]:
+        """Run one step; returns the requests that sampled and their tokens (None when nobody sampled), and the
+        prompt tokens scored for requests that ask for prompt logprobs (request id -> (index in its prompt of the
+        first token scored, one row per token scored in order), each scored once). ``mask`` (structured output)
+        gets the [R, vocab] logits and their rows' sequences once the forward pass is queued (on a GPU its host
+        work overlaps the device's) and forbids tokens in place. The sample result has one row per verified
+        position: 1 + d consecutive rows for a request with d draft tokens (row j sampled as if drafts[:j] were
+        accepted; see verify_drafts), one row for the others."""
         batch, sampling = self.prepare(items)
         hidden = self.graphs.replay(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self._eager_forward(batch)
+        scores = self._score_prompts(hidden, batch.prompt_scoring)
         if not sampling:
-            return sampling, None
+            return sampling, None, scores
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows: list[ScheduledSequence] = []
         for request in sampling:
             drafts = request.draft_token_ids
             rows.extend([request, *(DraftPosition.of(request, j) for j in range(1, len(drafts) + 1))])
-        return sampling, self.sampler(logits, rows, None if mask is None else lambda logits_: mask(logits_, rows))
+        sampled = self.sampler(logits, rows, None if mask is None else lambda logits_: mask(logits_, rows))
+        return sampling, sampled, scores
+
+    def _score_prompts(self, hidden: torch.Tensor, scoring: PromptScoring | None) -> dict[str, tuple[int, TokenScores]]:
+        """Each owner's scored prompt tokens (see execute), its top-k cut from the step's largest k."""
+        if scoring is None:
+            return {}
+        k = max(owner_k for _, owner_k, _, _ in scoring.owners)
+        scores = score_tokens(hidden[scoring.rows], scoring.targets, k, self.model.compute_logits, self.arch.vocab_size)
+        by_request, row = {}, 0
+        for request_id, owner_k, first, count in scoring.owners:
+            end = row + count
+            top = [t[:owner_k] for t in scores.top_logprobs[row:end]]
+            by_request[request_id] = (first, TokenScores(scores.logprobs[row:end], scores.ranks[row:end], top))
+            row = end
+        return by_request
