@@ -308,6 +308,22 @@ class ServerConfig:
         default=30.0,
         metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
     )
+    allowed_origins: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "origins whose web pages may call the API (CORS; * for any); takes commas, may repeat (default: none: "
+            "CORS is off)"
+        ),
+    )
+    allowed_methods: tuple[str, ...] | None = field(
+        default=None, metadata=flag("with --allowed-origins: the HTTP methods they may use (default: all)")
+    )
+    allowed_headers: tuple[str, ...] | None = field(
+        default=None, metadata=flag("with --allowed-origins: the request headers they may send (default: all)")
+    )
+    allow_credentials: bool = field(
+        default=False, metadata=flag("with --allowed-origins: let them send cookies and authorization headers")
+    )
 
     ray_replicas: int = field(
         default=0,
@@ -337,6 +353,8 @@ class ServerConfig:
         if self.ray_replicas < 0:
             raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
+        if not self.allowed_origins and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
+            raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
