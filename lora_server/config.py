@@ -308,6 +308,14 @@ class ServerConfig:
         default=30.0,
         metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
     )
+    max_lora_metric_labels: int = field(
+        default=16,
+        metadata=flag(
+            "/metrics' per-adapter latency series: the adapters with the most requests over the last 5 minutes (the "
+            "first ones seen before that) get their own lora_name label, at most this many; the rest share "
+            'lora_name="<other>"'
+        ),
+    )
     allowed_origins: tuple[str, ...] | None = field(
         default=None,
         metadata=flag(
@@ -350,6 +358,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
             raise ValueError("max_request_bytes must be >= 1 and shutdown_timeout >= 0")
+        if self.max_lora_metric_labels < 0:
+            raise ValueError(f"max_lora_metric_labels must be >= 0, got {self.max_lora_metric_labels}")
         if self.ray_replicas < 0:
             raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)

@@ -18,10 +18,12 @@ import torch
 from adapters.page_layout import PageLayout
 from kernels.lora_table import MODULES
 from kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from kv_pool.tree import OpKind
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_loader import AdapterLoader, StagedAdapter
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
+from lora_server.engine.load_times import LatencyHistogram
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
 from lora_server.engine.request import MAX_PRIORITY, MIN_PRIORITY, NO_TENANT, FinishReason, Request, TenantShare
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -132,6 +134,8 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
+        self.activate_times = LatencyHistogram()  # adapters' host -> device copies (see _copy)
+        self._activating: dict[int, float] = {}  # table page -> when its load was issued, until it has run
         self._structured: StructuredOutputs | None = None  # built by the first structured request (xgrammar loads)
         self._structured_lock = threading.Lock()
 
@@ -281,7 +285,25 @@ class EngineCore:
         """What an idle engine still does: let the pool act on adapter changes and its policy, and execute the
         copies it decides (pinned adapters loading, host KV coming back)."""
         self.scheduler.tick()
-        self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._staged)
+        self._copy()
+
+    def _copy(self) -> float:
+        """Execute the pool's copy operations (runner.apply_copy_ops; returns its seconds of adapter loads) and time
+        adapter activations: from issuing a load to the step that learns its copy ran (at once off CUDA)."""
+        ops = self.pool.take_copy_ops()
+        issued = time.perf_counter()
+        adapter_s = self.runner.apply_copy_ops(ops, self._staged)
+        for op in ops:
+            if op.kind is OpKind.ADAPTER_LOAD:
+                self._activating[op.dst[0]] = issued
+            elif op.kind is OpKind.ADAPTER_UNLOAD:
+                self._activating.pop(op.src[0], None)
+        now = time.perf_counter()
+        for page, start in list(self._activating.items()):
+            if self.runner.adapter_loaded(page):
+                self.activate_times.observe(now - start)
+                del self._activating[page]
+        return adapter_s
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -291,7 +313,7 @@ class EngineCore:
         carrying RequestFailedError; its blocks are freed, the rest of the batch goes on); a device fault, or a
         fault in the scheduler or the pool (shared state), propagates and stops the engine."""
         work = self.scheduler.schedule()
-        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._staged)
+        adapter_s = self._copy()
         failed_early = [self._fail(request, reason) for request, reason in work.failed]
         if not work.items:
             if not failed_early and self.scheduler.has_work() and self.loader.busy():
@@ -448,6 +470,7 @@ class EngineCore:
                 "table_page": p.table_page,
                 "staged": p.staged,
                 "pinned": p.pinned,
+                "rank": self._rank(p.key.adapter_id),
                 "weight_blocks": p.weight_blocks,
                 "kv_blocks_gpu": p.kv_blocks_gpu,
                 "kv_blocks_host": p.kv_blocks_host,
@@ -473,7 +496,13 @@ class EngineCore:
             **figures,
             "adapters": placement,
             "ttft": self.ttft.figures(),
+            "adapter_load_seconds": {"load": self.loader.load_times(), "activate": self.activate_times.figures()},
         }
+
+    def _rank(self, adapter_id: int) -> int | None:
+        """An adapter's largest rank over its modules (None: the base model, or weights no longer registered)."""
+        content = None if adapter_id == BASE_ADAPTER_ID else self.adapters.content(adapter_id)
+        return None if content is None else max(r for _, _, r in content.ranks)
 
 
 @dataclass(slots=True)
@@ -517,6 +546,7 @@ def _output(request: Request, text: str, token_ids: list[int], logprobs: list[To
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        queue_time_s=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
     )
 
 

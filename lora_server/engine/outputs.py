@@ -30,6 +30,7 @@ class RequestOutput:
     num_output_tokens: int  # all output tokens so far
     num_cached_tokens: int = 0
     error: LoraServerError | None = None  # set on the last output of a request whose serving failed
+    queue_time_s: float | None = None  # from its arrival to its first admission (None while it has not been admitted)
     # with SamplingParams.prompt_logprobs, on the request's first output: one entry per prompt token, None for the
     # first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -193,7 +193,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         description="Many LoRA adapters of one base model behind an OpenAI-compatible "
         "API, with an admin API for adapters and tenants.",
     )
-    metrics = Metrics(model_id, engine)
+    metrics = Metrics(model_id, engine, settings.max_lora_metric_labels)
     serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
     tenants = TenantPresence(store)

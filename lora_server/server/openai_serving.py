@@ -22,7 +22,7 @@ from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.errors import LoraServerError
 from lora_server.sampling_params import SamplingParams
 from lora_server.server.logprobs import LogprobsFormatter
-from lora_server.server.metrics import Metrics
+from lora_server.server.metrics import Metrics, RequestSeries
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -192,7 +192,7 @@ class OpenAIServing:
         if prepared.stream:
             return self._sse(prepared, request_id, created, model, streams, meter)
         choices: dict[int, _Choice] = {}
-        collect = asyncio.ensure_future(self._collect(streams, choices))
+        collect = asyncio.ensure_future(self._collect(prepared, streams, choices))
         gone = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -207,28 +207,36 @@ class OpenAIServing:
         collect.result()  # re-raises an engine error
         return self._final(prepared, request_id, created, model, [choices[i] for i in sorted(choices)])
 
-    async def _tracked(self, index: int, stream) -> AsyncIterator[tuple[int, RequestOutput]]:
-        start = last = time.monotonic()
+    async def _tracked(self, index: int, stream, series: RequestSeries) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The stream's outputs, its latencies observed in ``series`` (its adapter's)."""
+        start = last = first_token = time.monotonic()
         first = True
         async for out in stream:
             now = time.monotonic()
             if out.token_ids:
-                (self.metrics.ttft if first else self.metrics.itl).observe(now - (start if first else last))
+                (series.ttft if first else series.itl).observe(now - (start if first else last))
+                if first:
+                    first_token = now
                 first, last = False, now
             if out.finished:
-                self.metrics.e2e.observe(now - start)
+                series.e2e.observe(now - start)
+                if out.num_output_tokens > 1:
+                    series.tpot.observe((last - first_token) / (out.num_output_tokens - 1))
+                if out.queue_time_s is not None:
+                    series.queue.observe(out.queue_time_s)
                 self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
                 self.metrics.generation_tokens.inc(out.num_output_tokens)
                 self.metrics.request_success.inc()
             yield index, out
 
-    async def _merged(self, streams: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    async def _merged(self, prepared: Prepared, streams: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of several streams as they come; closing this aborts whatever is still running."""
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        series = [self.metrics.series(None if r.adapter is None else r.adapter.name) for r in prepared.requests]
 
         async def pump(index: int, stream) -> None:
             try:
-                async for item in self._tracked(index, stream):
+                async for item in self._tracked(index, stream, series[index]):
                     await queue.put(item)
                 await queue.put(None)
             except BaseException as exc:  # handed to the consumer, which re-raises it
@@ -251,8 +259,8 @@ class OpenAIServing:
             for s in streams:
                 await s.aclose()
 
-    async def _collect(self, streams: list, choices: dict[int, _Choice]) -> None:
-        merged = self._merged(streams)
+    async def _collect(self, prepared: Prepared, streams: list, choices: dict[int, _Choice]) -> None:
+        merged = self._merged(prepared, streams)
         try:
             async for index, out in merged:
                 c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
@@ -267,7 +275,7 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         choices: dict[int, _Choice] = {}
         base = {"id": request_id, "object": obj, "created": created, "model": model}
-        merged = self._merged(streams)
+        merged = self._merged(prepared, streams)
         try:
             if kind == "chat":
                 for i in range(len(streams)):
