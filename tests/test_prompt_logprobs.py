@@ -49,13 +49,15 @@ def engine(peft_dirs):
     return e
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def few_rows_at_a_time(engine, monkeypatch):
     monkeypatch.setattr(sampler, "SCORING_LOGITS_BYTES", 5 * 4 * engine.vocab_size)
+    return engine
 
 
 @pytest.mark.slow
-def test_prompt_logprobs_match_peft_in_a_mixed_chunked_batch(engine, peft_model):
+def test_prompt_logprobs_match_peft_in_a_mixed_chunked_batch(few_rows_at_a_time, peft_model):
+    engine = few_rows_at_a_time
     prompts = [engine.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:4]]
     prompts.append(engine.encode(" ".join(CHAT_PROMPTS)))  # about 60 tokens: three chunks
     plan = [  # (prompt, adapter, params)
@@ -81,7 +83,8 @@ def test_prompt_logprobs_match_peft_in_a_mixed_chunked_batch(engine, peft_model)
 
 
 @pytest.mark.slow
-def test_prompt_logprobs_skip_the_prefix_cache_and_leave_it_to_others(engine, peft_model):
+def test_prompt_logprobs_skip_the_prefix_cache_and_leave_it_to_others(few_rows_at_a_time, peft_model):
+    engine = few_rows_at_a_time
     prompt = engine.chat_prompt([{"role": "user", "content": "Tell me about the sea, the sky and the stars."}] * 3)
     [first] = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # caches the prompt's KV
     [scored] = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=K))
