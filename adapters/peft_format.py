@@ -50,6 +50,73 @@ _KEY = re.compile(
 )
 
 
+ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand: every linear layer but the output head
+# Every key of PEFT's LoraConfig (peft 0.21) is in one of three groups (README, "Adapter files"). Keys whose values
+# this loader computes with (_plan):
+READ_KEYS = frozenset(
+    {
+        "peft_type",  # LORA only
+        "r",
+        "lora_alpha",
+        "target_modules",
+        "layers_to_transform",
+        "layers_pattern",  # "layers" only: Llama's list of decoder layers
+        "rank_pattern",
+        "alpha_pattern",
+        "use_rslora",
+        "bias",  # "none" only
+        "init_lora_weights",  # the inits that only set the first weights (see _INIT_REWRITES_BASE)
+    }
+)
+# Keys that never change what a loaded adapter computes on a Llama model: metadata, training-only settings, and the
+# configurations of inits that leave no trace beyond the saved weights.
+NO_EFFECT_KEYS = frozenset(
+    {
+        "task_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "lora_dropout",  # training only
+        "fan_in_fan_out",  # PEFT sets it back to false for torch.nn.Linear, which every Llama projection is
+        "megatron_config",  # Megatron's parallel linears only; an HF Llama has none
+        "megatron_core",
+        "loftq_config",  # an init's configuration: init_lora_weights says whether it matters
+        "eva_config",
+        "corda_config",
+        "lora_ga_config",
+        "velora_config",  # VeLoRA changes the backward pass only
+        "qalora_group_size",  # read only with use_qalora (refused)
+        "runtime_config",
+        "ensure_weight_tying",  # ties modules_to_save and trainable tokens (both refused)
+    }
+)
+# Keys that change what PEFT computes and that this loader does not implement: refused when set (anything but
+# null, false or empty), the key named.
+UNSUPPORTED_KEYS = {
+    "use_dora": "DoRA (a learned magnitude per output channel)",
+    "alora_invocation_tokens": "Activated LoRA (aLoRA: the adapter applies only from its invocation tokens on)",
+    "trainable_token_indices": "trainable token embeddings",
+    "exclude_modules": "modules excluded from the targets",
+    "layer_replication": "layers replicated into a deeper model",
+    "target_parameters": "LoRA on parameters instead of modules",
+    "use_qalora": "QA-LoRA (inputs pooled in groups before lora_A)",
+    "modules_to_save": "whole base modules replaced by trained copies",
+    "lora_bias": "a bias on lora_B",
+    "use_bdlora": "block-diagonal LoRA factors",
+    "arrow_config": "Arrow routing between adapters",
+    "kasa_config": "KaSA (truncated base singular values and a learned diagonal)",
+    "monteclora_config": "Monte Carlo LoRA (sampled perturbations of lora_A)",
+}
+# init_lora_weights values with which PEFT rewrites the base model's weights when it loads the adapter (the base
+# becomes the residual of the init), so the adapter does not compute base + B A; the others (and true, false) only
+# set the first weights, which the saved ones replace.
+_INIT_REWRITES_BASE = ("pissa", "corda", "olora", "loftq")
+_INIT_WEIGHTS_ONLY = ("gaussian", "eva", "orthogonal", "lora_ga", "mica")
+_LAYERS_PATTERNS: tuple[object, ...] = (None, "layers", ["layers"], [])
+
+
 class AdapterError(ValueError):
     """An adapter that cannot be served, and why."""
 
@@ -153,26 +220,21 @@ def _within(path: Path, roots: list[Path]) -> bool:
 def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str], tuple[int, float]]:
     """(layer, module) -> (rank, scaling) for every module the config targets, after every config check; PEFT's
     semantics, and its defaults (r 8, lora_alpha 8)."""
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"peft_type {config.get('peft_type')!r} is not LORA")
-    if _flag(config, "use_dora"):
-        raise AdapterError("DoRA adapters (use_dora) are not supported")
-    if config.get("modules_to_save"):
-        raise AdapterError("modules_to_save is not supported (it replaces whole base modules)")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"bias={config['bias']!r} is not supported: only bias='none'")
+    _check_keys(config)
     rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
     rank_patterns = _patterns(config, "rank_pattern", _rank)
     alpha_patterns = _patterns(config, "alpha_pattern", _alpha)
     rslora = _flag(config, "use_rslora")
     layers = _layers(config, base.num_layers)
     targets = config.get("target_modules")
+    if isinstance(targets, str) and config.get("layers_to_transform") is not None:
+        raise AdapterError("layers_to_transform cannot be used with a regex target_modules (PEFT refuses it too)")
+    if targets == ALL_LINEAR:
+        targets = list(TARGETS)
     candidates = {
         (layer, module): f"model.layers.{layer}.{_HF_PATH[module]}" for layer in layers for module in _HF_PATH
     }
     if isinstance(targets, str):
-        if config.get("layers_to_transform") is not None:
-            raise AdapterError("layers_to_transform cannot be used with a regex target_modules (PEFT refuses it too)")
         regex = _regex(targets, f"target_modules {targets!r}")
         chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
         if not chosen:
@@ -196,6 +258,49 @@ def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str]
             raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
         plan[key] = (r, a / math.sqrt(r) if rslora else a / r)
     return plan
+
+
+def _check_keys(config: dict) -> None:
+    """Refuse a config that asks PEFT for anything but plain LoRA on the base's own layers, naming the key: another
+    peft_type, a key of UNSUPPORTED_KEYS set, a bias, an init that rewrites the base weights, another layers_pattern,
+    or a key unknown to this loader set to anything but null, false or empty (it may change what PEFT computes)."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"peft_type {config.get('peft_type')!r} is not supported: only LORA adapters are served")
+    for key in ("use_dora", "use_qalora", "lora_bias"):
+        _flag(config, key)
+    for key, what in UNSUPPORTED_KEYS.items():
+        if _set(config.get(key)):
+            raise AdapterError(
+                f"adapter_config.json sets {key} ({what}): this server does not implement it, and serving the "
+                "adapter without it would not compute what PEFT computes"
+            )
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"bias={config['bias']!r} is not supported: only bias='none'")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_INIT_REWRITES_BASE):
+        raise AdapterError(
+            f"init_lora_weights {init!r}: PEFT rewrites the base model's weights when it loads this adapter, which "
+            "this server does not; convert it to a plain LoRA (PEFT's save_pretrained with "
+            "path_initial_model_for_weight_conversion)"
+        )
+    if not isinstance(init, bool) and init not in _INIT_WEIGHTS_ONLY:
+        raise AdapterError(f"init_lora_weights {init!r} is not an initialization this server knows")
+    if config.get("layers_pattern") not in _LAYERS_PATTERNS:
+        raise AdapterError(
+            f"layers_pattern {config['layers_pattern']!r} is not supported: the base model's layers are 'layers'"
+        )
+    known = READ_KEYS | NO_EFFECT_KEYS | UNSUPPORTED_KEYS.keys()
+    unknown = sorted(k for k, v in config.items() if k not in known and _set(v))
+    if unknown:
+        raise AdapterError(
+            f"adapter_config.json sets {', '.join(unknown)}, unknown to this server: it may change what PEFT "
+            "computes, so the adapter is refused"
+        )
+
+
+def _set(value: object) -> bool:
+    """Whether a config value asks for something: anything but null, false, or an empty string, list or object."""
+    return value is not None and value is not False and value != "" and value != [] and value != {}
 
 
 def _flag(config: dict, key: str) -> bool:

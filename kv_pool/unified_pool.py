@@ -307,11 +307,17 @@ class UnifiedPool:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def admit(
-        self, key: PrefixKey, tokens: Sequence[int], now: float, token_budget: int | None = None, partial: bool = True
+        self,
+        key: PrefixKey,
+        tokens: Sequence[int],
+        now: float,
+        token_budget: int | None = None,
+        partial: bool = True,
+        reuse_prefix: bool = True,
     ) -> Admission | None:
         """Make key's adapter resident, match the longest cached prefix of `tokens` (leaving at least one token to
-        compute), swap in the host part the policy restores, lock the path and give the caller a reference on
-        each of its GPU blocks.
+        compute; none when not `reuse_prefix`), swap in the host part the policy restores, lock the path and give
+        the caller a reference on each of its GPU blocks.
 
         With `token_budget`, also allocate the blocks of the first chunk: the uncached tokens, at most
         token_budget of them (all of them or nothing when not `partial`). None: the adapter cannot be made
@@ -325,7 +331,7 @@ class UnifiedPool:
         if not self._make_resident(adapter, now):
             return None
         handle, bs = Handle(key, adapter), self.config.block_size
-        if self.policy.reuses_history_kv:
+        if self.policy.reuses_history_kv and reuse_prefix:
             usable = max(0, len(tokens) - 1) // bs * bs
             _, _, handle = self.tree.match_prefix(key, tokens[:usable], now, touch=False)
         handle = self._lock_and_restore(handle, now)

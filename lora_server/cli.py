@@ -122,6 +122,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_tokenizer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="the directory to write (created if missing)")
+    p.add_argument("--model", default=None, help="the model, as serve's --model (default: the embedded SmolLM2)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "hf", "gguf"), help="as serve's (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=None, help="as serve's: the model_max_length written")
+
+
+@command(
+    "export-tokenizer",
+    "write the served model's tokenizer as an HF tokenizer directory (GGUF models included), for clients that "
+    "tokenize locally (vllm bench serve, guidellm, lm-eval)",
+    _export_tokenizer_args,
+)
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from lora_server.engine.tokenizer import Tokenizer
+    from lora_server.errors import ModelLoadError
+    from lora_server.model.loader import model_files, read_arch
+
+    config = EngineConfig(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len)
+    if config.load_format == "dummy":
+        raise ModelLoadError("dummy weights have no tokenizer")
+    path, fmt = model_files(config)
+    if fmt == "hf" and not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    tokenizer = Tokenizer.from_gguf(path) if fmt == "gguf" else Tokenizer.from_hf_dir(path)
+    longest = read_arch(path, fmt).max_position_embeddings
+    files = tokenizer.save_pretrained(args.dir, min(config.max_model_len or longest, longest))
+    print("\n".join(str(f) for f in files))
+    return 0
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 

@@ -309,6 +309,30 @@ class ServerConfig:
         default=30.0,
         metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
     )
+    max_lora_metric_labels: int = field(
+        default=16,
+        metadata=flag(
+            "/metrics' per-adapter latency series: the adapters with the most requests over the last 5 minutes (the "
+            "first ones seen before that) get their own lora_name label, at most this many; the rest share "
+            'lora_name="<other>"'
+        ),
+    )
+    allowed_origins: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "origins whose web pages may call the API (CORS; * for any); takes commas, may repeat (default: none: "
+            "CORS is off)"
+        ),
+    )
+    allowed_methods: tuple[str, ...] | None = field(
+        default=None, metadata=flag("with --allowed-origins: the HTTP methods they may use (default: all)")
+    )
+    allowed_headers: tuple[str, ...] | None = field(
+        default=None, metadata=flag("with --allowed-origins: the request headers they may send (default: all)")
+    )
+    allow_credentials: bool = field(
+        default=False, metadata=flag("with --allowed-origins: let them send cookies and authorization headers")
+    )
 
     ray_replicas: int = field(
         default=0,
@@ -335,9 +359,13 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
             raise ValueError("max_request_bytes must be >= 1 and shutdown_timeout >= 0")
+        if self.max_lora_metric_labels < 0:
+            raise ValueError(f"max_lora_metric_labels must be >= 0, got {self.max_lora_metric_labels}")
         if self.ray_replicas < 0:
             raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
+        if not self.allowed_origins and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
+            raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -88,6 +88,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top-k
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it (the first has none), and the top-k
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the grammar its output must follow, if any
@@ -95,7 +97,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        _check(
+            isinstance(self.max_tokens, int) and (self.max_tokens >= 1 or self.scores_prompt),
+            "max_tokens",
+            "must be at least 1 (0 only to score the prompt: echo, or prompt_logprobs)",
+        )
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
@@ -132,6 +138,11 @@ class SamplingParams:
             "logprobs",
             f"must be between 0 and {MAX_LOGPROBS}",
         )
+        _check(
+            self.prompt_logprobs is None or (_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be between 0 and {MAX_LOGPROBS}",
+        )
         # the grammar alone decides when a constrained output may end; min_tokens could forbid the only allowed token
         _check(
             self.structured is None or self.min_tokens == 0,
@@ -142,6 +153,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """max_tokens 0 with prompt_logprobs: the request computes its prompt's logprobs and generates nothing."""
+        return self.max_tokens == 0 and self.prompt_logprobs is not None
 
 
 def _int(x: object) -> bool:

@@ -125,3 +125,16 @@ def peft_model(hf_smollm2, peft_dirs):
     for name in names[1:]:
         model.load_adapter(peft_dirs / name, adapter_name=name)
     return model.eval()
+
+
+def peft_log_softmax(peft_model, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    """[len, vocab] float32 log-softmax of HF + PEFT's logits over ``ids``, only ``adapter`` active (None: every
+    adapter disabled, the base model): row i scores the token after position i."""
+    with torch.no_grad():
+        if adapter is None:
+            with peft_model.disable_adapter():
+                logits = peft_model(input_ids=torch.tensor([ids])).logits[0]
+        else:
+            peft_model.set_adapter(adapter)
+            logits = peft_model(input_ids=torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

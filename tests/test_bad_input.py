@@ -11,7 +11,6 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -19,8 +18,7 @@ import pytest
 from admin.sqlite_store import SQLiteStore
 from admin.store import AdapterRecord
 from lora_server.engine.outputs import TokenLogprob
-from lora_server.server.metrics import Metrics
-from lora_server.server.openai_serving import OpenAIServing
+from lora_server.server.logprobs import LogprobsFormatter
 from tests.servers import ADMIN, BASE, Server, write_adapter
 
 GOOD_CHAT = {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
@@ -585,9 +583,12 @@ def test_adapter_whose_files_vanished_can_be_deleted(server, roots):
 
 def test_infinite_logprobs_are_written_as_finite_numbers():
     """JSON has no infinities: -inf and NaN logprobs become -9999.0 (vLLM's choice), so the body is strict JSON."""
-    engine = SimpleNamespace(tokenizer=None)
-    serving = OpenAIServing(engine, Metrics(BASE, engine))
-    entries = [TokenLogprob(5, float("-inf"), [(5, float("-inf")), (6, float("nan"))]), TokenLogprob(7, -0.5, [])]
-    for kind in ("chat", "completion"):
-        text = json.dumps(serving._logprobs(kind, entries), allow_nan=False)
+    formatter = LogprobsFormatter(None)
+    entries = [TokenLogprob(5, float("-inf"), [(5, float("-inf")), (6, float("nan"))], 2), TokenLogprob(7, -0.5, [])]
+    for body in (
+        formatter.chat(entries),
+        formatter.completion([(e.token_id, e) for e in entries], 2),
+        formatter.prompt([None, *entries], 2),
+    ):
+        text = json.dumps(body, allow_nan=False)
         assert "-9999.0" in text and "-0.5" in text

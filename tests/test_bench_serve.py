@@ -9,16 +9,26 @@ import importlib.util
 import json
 import math
 import random
+import re
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_server.bench.serve import Client, plot, tenant_keys
-from lora_server.bench.serve_data import TraceSpec, arrival_times, make_trace, sample_len
-from lora_server.bench.serve_metrics import RequestResult, parse_goodput, summarize
+from lora_server.bench.serve_data import (
+    TraceSpec,
+    arrival_times,
+    custom_trace,
+    make_trace,
+    prefix_repetition_trace,
+    ramp_rates,
+    sample_len,
+)
+from lora_server.bench.serve_metrics import RequestResult, parse_goodput, peaks, summarize
 from lora_server.cli import main, main_parser
 from tests.servers import Server
 
@@ -81,6 +91,25 @@ def test_multi_turn_conversations_share_their_adapters_system_prompt(tok):
     assert {len(s) for s in systems.values()} == {1} and len(set.union(*systems.values())) == 2
 
 
+def test_prefix_repetition_and_custom_datasets(tmp_path):
+    prompts = prefix_repetition_trace(12, 5, 3, 4, 7, seed=1)
+    assert len(prompts) == 12 and {out for _, out in prompts} == {7}
+    prefixes = [tuple(p.split()[:5]) for p, _ in prompts]
+    assert len(set(prefixes)) == 4 and all(prefixes.count(x) == 3 for x in set(prefixes))
+    assert all(len(p.split()) == 8 for p, _ in prompts) and len({p for p, _ in prompts}) == 12
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"p{i}", "extra": 1}) for i in range(5)) + "\n\n")
+    assert custom_trace(str(path), 3, 9, shuffle=False, oversample=True, seed=0) == [("p0", 9), ("p1", 9), ("p2", 9)]
+    shuffled = [p for p, _ in custom_trace(str(path), 5, 9, shuffle=True, oversample=True, seed=0)]
+    assert sorted(shuffled) == [f"p{i}" for i in range(5)]
+    assert len(custom_trace(str(path), 8, 9, shuffle=False, oversample=True, seed=0)) == 8  # drawn again to fill up
+    assert len(custom_trace(str(path), 8, 9, shuffle=False, oversample=False, seed=0)) == 5
+    path.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        custom_trace(str(path), 1, 9, shuffle=False, oversample=True, seed=0)
+    assert ramp_rates(3, "linear", 2, 6) == [2, 4, 6] and ramp_rates(3, "exponential", 1, 9) == [1, 3, 9]
+
+
 # --- the figures -------------------------------------------------------------------------------------------------
 
 
@@ -115,6 +144,17 @@ def test_summary_matches_hand_computed_figures():
     for bad in (["ttft"], ["itl:3"], ["e2el:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_peak_figures_match_hand_computed_ones():
+    """Tokens arrive at start + ttft + the gaps before them; seconds count from the first start."""
+    a = RequestResult(
+        "a", "-", start=10.0, ttft=0.2, itl=[0.3, 0.3, 0.9], latency=1.7, success=True
+    )  # 10.2 10.5 10.8 11.7
+    b = RequestResult("a", "-", start=10.5, ttft=0.1, itl=[0.1], latency=0.5, success=True)  # 10.6 10.7; ends 11.0
+    c = RequestResult("a", "-", start=11.0, ttft=0.5, itl=[], latency=0.5, success=True)  # 11.5; starts as b ends
+    assert peaks([a, b, c]) == {"max_output_tokens_per_s": 5.0, "max_concurrent_requests": 2}
+    assert peaks([]) == {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
 
 
 # --- the client, on hand-written streams --------------------------------------------------------------------------
@@ -205,6 +245,98 @@ def test_plot_draws_a_png(tmp_path):
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# --- parity with vllm bench serve: the README's tables ------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_table(header: str) -> list[list[str]]:
+    """The rows (cells) of the README table whose header line is ``header``."""
+    lines = README.read_text().splitlines()
+    start = lines.index(header) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def serve_parser():
+    bench = main_parser()._subparsers._group_actions[0].choices["bench"]
+    return bench._subparsers._group_actions[0].choices["serve"]
+
+
+def test_every_vllm_flag_is_known_as_the_readme_says(capsys):
+    table = {row[0].strip("`"): row[1] for row in readme_table("| flag | status | note |")}
+    assert set(table.values()) == {"supported", "no effect", "refused", "ours"}
+    options = {o for a in serve_parser()._actions for o in a.option_strings} - {"-h", "--help"}
+    assert set(table) == options  # the README lists exactly the parser's flags
+    for flag, status in table.items():
+        if status == "refused":
+            with pytest.raises(SystemExit):
+                main_parser().parse_args(["bench", "serve", flag, "1"])
+            assert f"{flag} (vllm bench serve's) is not supported" in capsys.readouterr().err
+        elif status == "no effect":
+            assert getattr(main_parser().parse_args(["bench", "serve", flag]), flag[2:].replace("-", "_"))
+    for backend in ("vllm", "openai", "openai-chat"):
+        assert main_parser().parse_args(["bench", "serve", "--backend", backend]).backend == backend
+    assert main(["bench", "serve", "--port", "9", "--backend", "tgi"]) == 2
+    assert main(["bench", "serve", "--port", "9", "--dataset-name", "sharegpt"]) == 2
+    assert "not offered" in capsys.readouterr().err
+    assert main(["bench", "serve", "--port", "9", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1"]) == 2
+
+
+def expected_keys(percentiles: list[str]) -> tuple[set[str], set[str]]:
+    """The README's result keys: (those written in a run with every option on, those never written here)."""
+    written, never = set(), set()
+    for keys, when in readme_table("| keys | when |"):
+        if ": each as" in keys:
+            stems, templates = keys.split(": each as")
+            names = {
+                t.replace("X", stem).replace("NN", p)
+                for stem in re.findall(r"`(\w+)`", stems)
+                for t in re.findall(r"`(\w+)`", templates)
+                for p in (percentiles if "NN" in t else [""])
+            }
+        else:
+            names = set(re.findall(r"`(\w+)`", keys))
+        (never if when.startswith("never") else written).update(names)
+    return written, never
+
+
+@pytest.mark.slow
+def test_a_run_writes_every_key_of_vllms_result(server, tmp_path, smollm2_path):
+    """Every option that adds keys, against our server: the JSON holds every key the README lists (and none of
+    those it says are never written); the warm-up and the ready check are sent but not counted; requests carry
+    their x-request-id; prompts are exact in the exported tokenizer's tokens."""
+    from lora_server.engine.tokenizer import Tokenizer
+
+    Tokenizer.from_gguf(smollm2_path).save_pretrained(tmp_path / "tok", 8192)
+    before = counters(server)
+    r = bench(
+        server, tmp_path, "--num-prompts", "6", "--input-len", "8", "--output-len", "3", "--max-concurrency", "2",
+        "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "2", "--ramp-up-end-rps", "6",
+        "--probe-request-rate", "2", "--goodput", "e2el:3600000", "--num-warmups", "1",
+        "--ready-check-timeout-sec", "60", "--tokenizer", str(tmp_path / "tok"), "--logprobs", "1",
+        "--request-id-prefix", "parity-", "--metadata", "run=parity", "--metric-percentiles", "50,99",
+        "--lora-modules", "upper", "pirate", "--backend", "vllm",
+    )  # fmt: skip
+    after = counters(server)
+    written, never = expected_keys(["50", "99"])
+    assert written - set(r) == set() and never & set(r) == set()
+    assert r["endpoint_type"] == r["backend"] == "vllm" and r["tokenizer_id"] == str(tmp_path / "tok")
+    assert r["completed"] == 6 and r["input_lens"] == [8] * 6 and r["run"] == "parity"
+    assert len(r["latencies"]) == len(r["queue_times"]) == 6 and min(r["queue_times"]) >= 0
+    assert 1 <= r["max_concurrent_requests"] <= 2 and r["max_output_tokens_per_s"] >= 1
+    assert [e["rps"] for e in r["rps_change_events"]] == [2, 3, 4, 5, 6]
+    # the server answered the trace, the probes, one warm-up and the ready check's request
+    served = after["vllm:request_success_total"] - before["vllm:request_success_total"]
+    assert served == 6 + r["probe_completed"] + 1 + 1
+    time.sleep(0.5)
+    assert all(f"[parity-{i}]" in server.log_text() for i in range(6))
+
+
 # --- a real server ------------------------------------------------------------------------------------------------
 
 
@@ -239,7 +371,7 @@ def bench(server: Server, tmp_path, *flags: str) -> dict:
 def check_orderings(r: dict, percentiles: list[str]) -> None:
     ok = [i for i, e in enumerate(r["errors"]) if not e]
     for i in ok:
-        assert 0 < r["ttfts"][i] <= r["e2els"][i] and sum(r["itls"][i]) <= r["e2els"][i] - r["ttfts"][i] + 1e-6
+        assert 0 < r["ttfts"][i] <= r["latencies"][i] and sum(r["itls"][i]) <= r["latencies"][i] - r["ttfts"][i] + 1e-6
     for m in ("ttft", "tpot", "itl", "e2el"):
         values = [r[f"p{p}_{m}_ms"] for p in percentiles]
         assert values == sorted(values) and r[f"median_{m}_ms"] == pytest.approx(r[f"p50_{m}_ms"])

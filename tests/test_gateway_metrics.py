@@ -26,6 +26,7 @@ BLOCK_SIZE = 16
 BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK_SIZE
 NUM_GPU_BLOCKS = int(0.1 * 2**30) // BLOCK_BYTES  # --kv-cache-gb 0.1 (tests.servers)
 PROMPT = list(range(1000, 1040))  # 40 token ids: a prompt of known length
+RANKS = {"upper": 8, "pirate": 16, "emoji": 4, "keep": 4}  # r in the demo adapters' configs; "keep": write_adapter's
 MAX_TOKENS = 400
 
 
@@ -64,10 +65,23 @@ class Scrape:
         return sample.labels, sample.value
 
     def loaded(self) -> dict[str, tuple[str, str]]:
-        """vllm:lora_adapter_loaded as adapter -> (level, pinned); every value is 1."""
+        """vllm:lora_adapter_loaded as adapter -> (level, pinned); every value is 1, every rank the adapter's."""
         samples = self.families["vllm:lora_adapter_loaded"].samples
         assert all(s.value == 1 for s in samples)
+        assert all(s.labels["rank"] == str(RANKS[s.labels["adapter_name"]]) for s in samples)
         return {s.labels["adapter_name"]: (s.labels["level"], s.labels["pinned"]) for s in samples}
+
+    def loads(self) -> dict[str, tuple[int, float]]:
+        """vllm:lora_adapter_load_seconds: transition -> (count, sum); its buckets are cumulative up to the count."""
+        samples = self.families["vllm:lora_adapter_load_seconds"].samples
+        out = {}
+        for transition in ("load", "activate"):
+            mine = [s for s in samples if s.labels["transition"] == transition]
+            count = next(s.value for s in mine if s.name.endswith("_count"))
+            buckets = [s.value for s in mine if s.name.endswith("_bucket")]
+            assert buckets == sorted(buckets) and buckets[-1] == count
+            out[transition] = (int(count), next(s.value for s in mine if s.name.endswith("_sum")))
+        return out
 
     def check_residency(self, expected: dict[str, tuple[str, str]], waiting: str = "") -> None:
         """The residency gauges and lora_requests_info agree with ``expected`` (adapter -> (level, pinned))."""
@@ -113,13 +127,18 @@ def test_gateway_protocol_and_residency(server: Server, root):
     assert cache.value == 1
     assert idle(start) and start.value("vllm:kv_cache_usage_perc") == 0
     start.check_residency({"upper": cpu, "pirate": cpu, "emoji": cpu})
+    assert start.value("vllm:max_gpu_lora_adapters") == 2
+    loads = start.loads()  # the three demo adapters read from disk at start, none on the device yet
+    assert loads["load"][0] == 3 and 0 < loads["load"][1] < 30 and loads["activate"] == (0, 0)
 
     # a pinned adapter goes to the device on its own and stays there
     r = server.admin("POST", "/admin/adapters", json={"name": "keep", "path": str(root / "keep"), "pinned": True})
     assert r.status_code == 200, r.text
     pinned = ("gpu", "true")
     until(server, lambda s: s.loaded().get("keep") == pinned, "the pinned adapter on the device")
-    Scrape(server).check_residency({"keep": pinned, "upper": cpu, "pirate": cpu, "emoji": cpu})
+    pinned_on = Scrape(server)
+    pinned_on.check_residency({"keep": pinned, "upper": cpu, "pirate": cpu, "emoji": cpu})
+    assert pinned_on.loads()["load"][0] == 4 and pinned_on.loads()["activate"][0] == 1
 
     # one slot left for the others: the last one used holds it (LRU)
     for model in ("upper", "pirate"):
@@ -151,3 +170,6 @@ def test_gateway_protocol_and_residency(server: Server, root):
     end = until(server, idle, "idle")
     end.check_residency({"keep": pinned, "upper": gpu, "pirate": cpu, "emoji": cpu})
     assert end.value("vllm:kv_cache_usage_perc") == 0
+    # copies into the arena: keep, then upper, pirate, emoji and upper again in the one LRU slot; no disk read more
+    loads = end.loads()
+    assert loads["activate"][0] == 5 and 0 < loads["activate"][1] < 30 and loads["load"][0] == 4

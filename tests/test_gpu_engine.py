@@ -22,8 +22,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.outputs import Completion
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import ADAPTERS, CHAT_PROMPTS
-from tests.test_lora_vs_peft import _peft_logprobs
+from tests.conftest import ADAPTERS, CHAT_PROMPTS, peft_log_softmax
 from tests.test_model_vs_hf import LOGPROB_TOL, _hf_greedy, _hf_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -148,7 +147,7 @@ def test_cuda_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     outs = engine.generate(prompts, params, adapters=plan)
     for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
-        _follows(out, prompt, functools.partial(_peft_logprobs, peft_model, adapter), LOGPROB_TOL, NEAR_TIE)
+        _follows(out, prompt, functools.partial(peft_log_softmax, peft_model, adapter), LOGPROB_TOL, NEAR_TIE)
     engine.core.check_integrity()
 
 

@@ -10,21 +10,10 @@ import torch
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import ADAPTERS, CHAT_PROMPTS
+from tests.conftest import ADAPTERS, CHAT_PROMPTS, peft_log_softmax
 
 LOGPROB_TOL = 2e-3
 NEW_TOKENS = 12
-
-
-def _peft_logprobs(model, adapter: str | None, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        if adapter is None:
-            with model.disable_adapter():
-                logits = model(input_ids=torch.tensor([ids])).logits[0]
-        else:
-            model.set_adapter(adapter)
-            logits = model(input_ids=torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[int]:
@@ -62,7 +51,7 @@ def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
         assert (moved > 1e-2 or out.token_ids != ref.token_ids) == (adapter is not None), adapter
     for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
         assert out.token_ids == _peft_greedy(peft_model, adapter, prompt, NEW_TOKENS), adapter
-        ref = _peft_logprobs(peft_model, adapter, prompt + out.token_ids)
+        ref = peft_log_softmax(peft_model, adapter, prompt + out.token_ids)
         for step, lp in enumerate(out.logprobs):
             assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL, adapter
     # the adapters change the answers (otherwise the comparison above proves little)
@@ -91,7 +80,7 @@ def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
         for prompt, adapter, out, chat in zip(prompts, plan, outs, chats, strict=True):
             assert (out.num_cached_tokens > 0) == (turn > 0), (turn, adapter)
             assert out.token_ids == _peft_greedy(peft_model, adapter, prompt, NEW_TOKENS), (turn, adapter)
-            ref = _peft_logprobs(peft_model, adapter, prompt + out.token_ids)
+            ref = peft_log_softmax(peft_model, adapter, prompt + out.token_ids)
             for step, lp in enumerate(out.logprobs):
                 assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL
             chat.append({"role": "assistant", "content": out.text})

@@ -11,7 +11,52 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.servers import BASE, Server
 
-# copied from vLLM (vllm/v1/metrics/loggers.py), not from our module
+# copied from vLLM (vllm/v1/metrics/loggers.py: its TTFT edges, INTER_TOKEN_LATENCY_BUCKETS and
+# request_latency_buckets), not from our module
+INTER_TOKEN = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 VLLM_BUCKETS = {
     "vllm:time_to_first_token_seconds": [
         0.001,
@@ -37,50 +82,10 @@ VLLM_BUCKETS = {
         640.0,
         2560.0,
     ],
-    "vllm:inter_token_latency_seconds": [
-        0.01,
-        0.025,
-        0.05,
-        0.075,
-        0.1,
-        0.15,
-        0.2,
-        0.3,
-        0.4,
-        0.5,
-        0.75,
-        1.0,
-        2.5,
-        5.0,
-        7.5,
-        10.0,
-        20.0,
-        40.0,
-        80.0,
-    ],
-    "vllm:e2e_request_latency_seconds": [
-        0.3,
-        0.5,
-        0.8,
-        1.0,
-        1.5,
-        2.0,
-        2.5,
-        5.0,
-        10.0,
-        15.0,
-        20.0,
-        30.0,
-        40.0,
-        50.0,
-        60.0,
-        120.0,
-        240.0,
-        480.0,
-        960.0,
-        1920.0,
-        7680.0,
-    ],
+    "vllm:inter_token_latency_seconds": INTER_TOKEN,
+    "vllm:request_time_per_output_token_seconds": INTER_TOKEN,
+    "vllm:e2e_request_latency_seconds": REQUEST_LATENCY,
+    "vllm:request_queue_time_seconds": REQUEST_LATENCY,
 }
 COUNTERS = (
     "vllm:prompt_tokens",
@@ -94,7 +99,8 @@ COUNTERS = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("metrics"), [], ["--allow-anonymous"])
+    # one adapter gets its own lora_name series, the others share "<other>"
+    s = Server(tmp_path_factory.mktemp("metrics"), [], ["--allow-anonymous", "--max-lora-metric-labels", "1"])
     yield s
     s.stop()
 
@@ -106,12 +112,14 @@ def scrape(server: Server) -> dict[str, list]:
     return {f.name: f for f in text_string_to_metric_families(r.text)}
 
 
-def value(families, family: str, sample: str | None = None) -> float:
-    """The one sample called ``sample`` (default: the family's own name, or name_total for a counter)."""
+def value(families, family: str, sample: str | None = None, **labels: str) -> float:
+    """The samples called ``sample`` (default: the family's own name, or name_total for a counter) with these
+    labels, summed (a histogram's series per lora_name add up)."""
     f = families[family]
     name = sample or (family + "_total" if f.type == "counter" else family)
-    (found,) = [s for s in f.samples if s.name == name]
-    return found.value
+    found = [s for s in f.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert found or labels, (family, name)  # a series of a given lora_name may not exist yet: 0
+    return sum(s.value for s in found)
 
 
 def wait_idle(server: Server) -> dict:
@@ -180,7 +188,11 @@ def test_metrics_page(server):
         )
     )
     usages.append(chunks[-1].usage)
-    requests = 4
+    pirate = client.completions.create(
+        model="pirate", prompt="Ahoy", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    usages.append(pirate.usage)
+    requests = 5
     after = wait_idle(server)
 
     def delta(family: str, sample: str | None = None) -> float:
@@ -189,9 +201,24 @@ def test_metrics_page(server):
     prompt = sum(u.prompt_tokens for u in usages)
     generated = sum(u.completion_tokens for u in usages)
     cached = sum((u.prompt_tokens_details.cached_tokens or 0) if u.prompt_tokens_details else 0 for u in usages)
-    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
-        assert delta(name, name + "_count") == requests, name
+    decoding = sum(u.completion_tokens > 1 for u in usages)  # requests with a time per output token
+    per_request = {
+        "vllm:time_to_first_token_seconds": requests,
+        "vllm:e2e_request_latency_seconds": requests,
+        "vllm:request_queue_time_seconds": requests,
+        "vllm:request_time_per_output_token_seconds": decoding,
+    }
+    for name, count in per_request.items():
+        assert delta(name, name + "_count") == count, name
         assert delta(name, name + "_sum") > 0
+        # by adapter: the base model's 3 requests, "upper" (the first adapter seen: its own series) 1, "pirate"
+        # beyond the one labelled adapter: "<other>"
+        by_lora = {
+            lora: value(after, name, name + "_count", lora_name=lora)
+            - value(baseline, name, name + "_count", lora_name=lora)
+            for lora in ("", "upper", "<other>")
+        }
+        assert sum(by_lora.values()) == count and by_lora["<other>"] == 1 and by_lora["upper"] == 1, (name, by_lora)
     # one gap per output token after a request's first (the engine emits a token per step)
     assert delta("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == generated - requests
     assert delta("vllm:request_success") == requests

@@ -310,8 +310,8 @@ def stand_in_engine(shape: EngineShape, workdir: Path, sms: int) -> Iterator[Eng
 
 
 def serve_random(engine: Engine, requests: int, seed: int = 0) -> None:
-    """A random workload on a stand-in engine: prompts of 1 to 1,000 tokens, 1 to 40 new tokens, with either
-    adapter or none, added a few at a time between steps, then stepped until done."""
+    """A random workload on a stand-in engine: prompts of 1 to 1,000 tokens, 1 to 40 new tokens, some with prompt
+    logprobs, with either adapter or none, added a few at a time between steps, then stepped until done."""
     import random
 
     from lora_server.sampling_params import SamplingParams
@@ -322,7 +322,10 @@ def serve_random(engine: Engine, requests: int, seed: int = 0) -> None:
     for _ in range(requests):
         length = rng.choice([1, 2, 3, 5, 9, 16, 17, 33, 64, 65, 100, 129, 200, 255, 256, 300, 511, 700, 1000])
         prompt = [rng.randrange(3, vocab) for _ in range(length)]
-        params = SamplingParams(max_tokens=rng.choice([1, 2, 7, 40]), temperature=rng.choice([0.0, 1.0]))
+        prompt_logprobs = rng.choice([None, None, None, 0, 3])  # scoring sends prompt rows through the head
+        params = SamplingParams(
+            max_tokens=rng.choice([1, 2, 7, 40]), temperature=rng.choice([0.0, 1.0]), prompt_logprobs=prompt_logprobs
+        )
         engine.add(engine.make_request(prompt, params, rng.choice([*names, None])))
         for _ in range(rng.randrange(4)):
             engine.step()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -19,15 +20,30 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from tqdm import tqdm
 
-from lora_server.bench.serve_data import Conversation, TraceSpec, arrival_times, make_trace
+from lora_server.bench.serve_data import (
+    Conversation,
+    TraceSpec,
+    arrival_times,
+    custom_trace,
+    make_trace,
+    prefix_repetition_trace,
+    ramp_rates,
+    single_turns,
+    varying_arrival_times,
+)
+from lora_server.bench.serve_flags import SAMPLING_FLAGS, add_args, check_args
 from lora_server.bench.serve_metrics import (
+    CLIENT_QUEUE_METRICS,
     METRICS,
     RequestResult,
     breakdown,
@@ -35,167 +51,14 @@ from lora_server.bench.serve_metrics import (
     format_breakdown,
     format_summary,
     parse_goodput,
+    per_request,
     summarize,
 )
 
-SAMPLING_FLAGS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
+__all__ = ["add_args", "main"]  # the CLI's: the flags (serve_flags) and the command
+
 TIMEOUT_S = 6 * 3600.0  # one request's limit (vLLM's)
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    """The flags; their names and defaults are vLLM's where vLLM has them."""
-    target = p.add_argument_group("server")
-    target.add_argument(
-        "--base-url", default=None, help="the server's URL, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)"
-    )
-    target.add_argument("--host", default="127.0.0.1", help="the server's host without --base-url (default: 127.0.0.1)")
-    target.add_argument("--port", type=int, default=8000, help="the server's port without --base-url (default: 8000)")
-    target.add_argument(
-        "--endpoint",
-        default="/v1/completions",
-        help="the API path (default: /v1/completions; /v1/chat/completions sends messages)",
-    )
-    target.add_argument(
-        "--backend",
-        choices=["openai", "openai-chat"],
-        default=None,
-        help="the request shape (default: openai-chat when the endpoint ends in chat/completions)",
-    )
-    target.add_argument(
-        "--model",
-        default=None,
-        help="the model name sent when no --lora-modules are given (default: the first model the server lists)",
-    )
-    target.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        metavar="[NAME=]KEY",
-        help="a key sent as 'Authorization: Bearer KEY'; several spread requests over tenants",
-    )
-    target.add_argument(
-        "--tenant-keys",
-        default=None,
-        metavar="FILE|LIST",
-        help="tenants' keys, [NAME=]KEY, one a line in FILE or comma-separated (added to --api-key)",
-    )
-    target.add_argument("--header", nargs="*", default=None, metavar="KEY=VALUE", help="extra headers on every request")
-
-    load = p.add_argument_group("trace")
-    load.add_argument(
-        "--dataset-name",
-        choices=["random", "multi-turn"],
-        default="random",
-        help="random: one prompt of random words per request; multi-turn: conversations with a "
-        "system prompt per adapter, each turn carrying the previous ones (default: random)",
-    )
-    load.add_argument(
-        "--num-prompts", type=int, default=1000, help="requests (multi-turn: conversations) to send (default: 1000)"
-    )
-    load.add_argument(
-        "--random-input-len",
-        type=int,
-        default=1024,
-        help="words per prompt (multi-turn: per user turn), one token each on Llama vocabularies (default: 1024)",
-    )
-    load.add_argument("--random-output-len", type=int, default=128, help="max_tokens per request (default: 128)")
-    load.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [len * (1 - r), len * (1 + r)] (default: 0, fixed)",
-    )
-    load.add_argument("--random-prefix-len", type=int, default=0, help="words shared by every prompt (default: 0)")
-    load.add_argument("--turns", type=int, default=3, help="multi-turn: turns per conversation (default: 3)")
-    load.add_argument(
-        "--system-prompt-len",
-        type=int,
-        default=64,
-        help="multi-turn: words of each adapter's system prompt (default: 64)",
-    )
-    load.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="adapter names to spread requests over (default: none, --model only)",
-    )
-    load.add_argument(
-        "--lora-assignment",
-        choices=["random", "round-robin"],
-        default="random",
-        help="how each request (conversation) gets its adapter (default: random, as vLLM)",
-    )
-    load.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="arrivals per second; inf sends everything at once (default: inf)",
-    )
-    load.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="the gamma shape of the gaps between arrivals: "
-        "1 is a Poisson process, below 1 burstier, above 1 more even (default: 1)",
-    )
-    load.add_argument(
-        "--max-concurrency", type=int, default=None, help="the most requests in flight (default: no limit)"
-    )
-    load.add_argument("--seed", type=int, default=0, help="the trace's random seed (default: 0)")
-    load.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="ask the server to ignore EOS (always on with the random datasets, as in vLLM)",
-    )
-
-    sampling = p.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
-    for name in SAMPLING_FLAGS[1:]:
-        kind = int if name == "top_k" else float
-        sampling.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help="(default: the server's)")
-    sampling.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
-
-    report = p.add_argument_group("results")
-    report.add_argument(
-        "--percentile-metrics",
-        default=",".join(METRICS),
-        help="metrics to report, of ttft,tpot,itl,e2el (default: all four)",
-    )
-    report.add_argument("--metric-percentiles", default="99", help="percentiles to report, e.g. 50,90,99 (default: 99)")
-    report.add_argument(
-        "--goodput",
-        nargs="+",
-        default=None,
-        metavar="KEY:MS",
-        help="SLOs in ms (ttft, tpot, e2el) for the goodput: requests per second meeting all",
-    )
-    report.add_argument("--save-result", action="store_true", help="write the result JSON")
-    report.add_argument("--save-detailed", action="store_true", help="with per-request lists (lengths, times, texts)")
-    report.add_argument("--result-dir", default=None, help="where results go (default: the current directory)")
-    report.add_argument(
-        "--result-filename",
-        default=None,
-        help="the JSON's name (default: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json)",
-    )
-    report.add_argument("--label", default=None, help="the result's label (default: the backend)")
-    report.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="saved in the result JSON")
-    report.add_argument(
-        "--plot-rates",
-        default=None,
-        metavar="RATE[,RATE...]",
-        help="run once per request rate and draw latency against throughput (needs matplotlib)",
-    )
-    report.add_argument("--plot-file", default=None, help="the PNG (default: RESULT_DIR/bench-serve.png)")
-    report.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+PROBE_PROMPT = "Hi"  # --probe-request-rate: one-token requests beside the trace
 
 
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
@@ -226,22 +89,45 @@ def tenant_keys(args: argparse.Namespace) -> list[tuple[str, str]]:
 class Client:
     """Streams one request at a time per call; the endpoint's shape (completion or chat) fixed at construction."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str, chat: bool, headers: dict[str, str], body: dict[str, Any]):
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        url: str,
+        chat: bool,
+        headers: dict[str, str],
+        body: dict[str, Any],
+        logprobs: int | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+    ):
+        """``logprobs``: per output token (--logprobs); ``count_tokens``: counts the output of a stream that
+        reports no usage (a local tokenizer), else its content chunks are counted."""
         self.http, self.url, self.chat, self.headers, self.body = http, url, chat, headers, body
+        self.logprobs, self.count_tokens = logprobs, count_tokens
 
     async def send(
-        self, model: str, prompt: str | list[dict[str, str]], max_tokens: int, key: str | None, result: RequestResult
+        self,
+        model: str,
+        prompt: str | list[dict[str, str]],
+        max_tokens: int,
+        key: str | None,
+        result: RequestResult,
+        request_id: str | None = None,
     ) -> None:
-        """Stream one request into ``result`` (timings relative to ``result.start``, set here). An HTTP error, an
-        error event, a broken connection or a stream without content marks it failed, with the reason."""
+        """Stream one request into ``result`` (timings relative to ``result.start``, set here), ``request_id`` as
+        its x-request-id. An HTTP error, an error event, a broken connection or a stream without content marks it
+        failed, with the reason."""
         body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
         body.update(
             {"messages": prompt, "max_completion_tokens": max_tokens}
             if self.chat
             else {"prompt": prompt, "max_tokens": max_tokens}
         )
+        if self.logprobs is not None:
+            body.update({"logprobs": True, "top_logprobs": self.logprobs} if self.chat else {"logprobs": self.logprobs})
         body.update(self.body)
         headers = {**self.headers, **({"Authorization": f"Bearer {key}"} if key else {})}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
         chunks, text = 0, []
         result.start = last = time.perf_counter()
         try:
@@ -278,7 +164,7 @@ class Client:
         result.latency = last - result.start
         result.text = "".join(text)
         if not result.usage_reported:
-            result.output_tokens = chunks
+            result.output_tokens = self.count_tokens(result.text) if self.count_tokens else chunks
         result.success = bool(result.text)
         if not result.success:
             result.error = "the stream carried no content"
@@ -305,17 +191,30 @@ def _error_message(raw: bytes) -> str:
         return raw.decode(errors="replace")[:200]
 
 
-async def run_conversation(
-    client: Client,
-    conv: Conversation,
-    keys: list[tuple[str, str]],
-    limit: asyncio.Semaphore | None,
-    results: list[RequestResult],
-    bar: tqdm,
-) -> None:
+@dataclass
+class Run:
+    """What every request of a run shares: the client, the tenants' keys, the slot limit, the x-request-id prefix,
+    and the progress bar; ``sent`` counts the requests sent (each one's index in its x-request-id)."""
+
+    client: Client
+    keys: list[tuple[str, str]]
+    limit: asyncio.Semaphore | None
+    id_prefix: str
+    bar: tqdm
+    sent: int = 0
+
+    async def send(self, model: str, prompt, max_tokens: int, key: str | None, result: RequestResult) -> None:
+        """Send one request once a slot is free (its wait is its client queue time)."""
+        result.arrival = time.perf_counter()
+        index, self.sent = self.sent, self.sent + 1
+        async with self.limit if self.limit is not None else contextlib.nullcontext():
+            await self.client.send(model, prompt, max_tokens, key, result, f"{self.id_prefix}{index}")
+
+
+async def run_conversation(run: Run, conv: Conversation, results: list[RequestResult]) -> None:
     """Send the conversation's turns one after another, each with the history so far; after a failed turn the
     rest are not sent and count as failed."""
-    tenant, key = keys[conv.tenant] if conv.tenant >= 0 else ("-", None)
+    tenant, key = run.keys[conv.tenant] if conv.tenant >= 0 else ("-", None)
     messages: list[dict[str, str]] = [{"role": "system", "content": conv.system}] if conv.system else []
     failed = False
     for user, words, max_tokens in zip(conv.user, conv.words, conv.max_tokens, strict=True):
@@ -325,45 +224,71 @@ async def run_conversation(
             result.error = "not sent: an earlier turn of its conversation failed"
         else:
             messages.append({"role": "user", "content": user})
-            prompt = messages if client.chat else user
-            if limit is None:
-                await client.send(conv.adapter, prompt, max_tokens, key, result)
-            else:
-                async with limit:
-                    await client.send(conv.adapter, prompt, max_tokens, key, result)
+            await run.send(conv.adapter, messages if run.client.chat else user, max_tokens, key, result)
             messages.append({"role": "assistant", "content": result.text})
             failed = not result.success
-        bar.update(1)
+        run.bar.update(1)
+
+
+def arrivals(
+    trace: list[Conversation], rate: float, args: argparse.Namespace, seed: int
+) -> tuple[list[float], list[float] | None]:
+    """Each conversation's start offset: at ``rate`` (a gamma process of shape --burstiness), or along
+    --ramp-up-strategy (then also each one's rate)."""
+    rng = random.Random(seed)
+    if args.ramp_up_strategy is None:
+        return arrival_times(len(trace), rate, args.burstiness, rng), None
+    rates = ramp_rates(len(trace), args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps)
+    return varying_arrival_times(rates, args.burstiness, rng), rates
 
 
 async def benchmark(
-    client: Client,
+    run: Run,
     trace: list[Conversation],
-    keys: list[tuple[str, str]],
-    rate: float,
-    burstiness: float,
-    max_concurrency: int | None,
-    seed: int,
-    show_progress: bool,
-) -> tuple[list[RequestResult], float]:
-    """Run the trace: conversation i starts at its arrival time; returns every request's result (in the order
-    they were sent) and the run's duration in seconds (from the start, before the first arrival, to the last
-    answer: vLLM's)."""
-    starts = arrival_times(len(trace), rate, burstiness, random.Random(seed))
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    starts: list[float],
+    probe_rate: float = 0.0,
+    rates: list[float] | None = None,
+) -> tuple[list[RequestResult], float, list[RequestResult], list[dict[str, Any]]]:
+    """Run the trace: conversation i starts at ``starts[i]``. Returns every request's result (in the order they
+    were sent), the run's duration in seconds (from the start, before the first arrival, to the last answer:
+    vLLM's), the probes' results (one-token requests every 1 / ``probe_rate`` seconds beside the trace, outside
+    the slot limit), and, for a ramp (``rates``: each arrival's), vLLM's rps_change_events: each whole rate it
+    reached, with when."""
     results: list[RequestResult] = []
-    bar = tqdm(total=sum(len(c.user) for c in trace), disable=not show_progress, file=sys.stderr)
+    probes: list[RequestResult] = []
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        while not done.is_set():
+            result = RequestResult("-", "-")
+            probes.append(result)
+            model = trace[0].adapter
+            key = run.keys[0][1] if run.keys else None
+            prompt = [{"role": "user", "content": PROBE_PROMPT}] if run.client.chat else PROBE_PROMPT
+            await run.client.send(model, prompt, 1, key, result)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 1 / probe_rate)
+
+    prober = asyncio.create_task(probe()) if probe_rate > 0 else None
+    events: list[dict[str, Any]] = []
     begin = time.perf_counter()
     tasks = []
-    for conv, at in zip(trace, starts, strict=True):
+    for i, (conv, at) in enumerate(zip(trace, starts, strict=True)):
         delay = begin + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(run_conversation(client, conv, keys, limit, results, bar)))
+        if rates is not None and (not events or int(rates[i]) > events[-1]["rps"]):
+            now = datetime.now().isoformat()
+            first = events[-1]["rps"] + 1 if events else int(rates[i])
+            events += [{"rps": rps, "timestamp": now} for rps in range(first, int(rates[i]) + 1)]
+        tasks.append(asyncio.create_task(run_conversation(run, conv, results)))
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - begin
-    bar.close()
-    return results, duration
+    done.set()
+    if prober is not None:
+        await prober
+    run.bar.close()
+    return results, duration, probes, events
 
 
 async def first_model(http: httpx.AsyncClient, base: str, headers: dict[str, str]) -> str:
@@ -373,25 +298,53 @@ async def first_model(http: httpx.AsyncClient, base: str, headers: dict[str, str
     return resp.json()["data"][0]["id"]
 
 
-async def run_all(args: argparse.Namespace, rates: list[float]) -> list[dict[str, Any]]:
-    """One result (vLLM's fields, the breakdowns, the settings) per rate, printed as they finish."""
-    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    chat = args.backend == "openai-chat" or (
-        args.backend is None and args.endpoint.rstrip("/").endswith("chat/completions")
-    )
-    if args.dataset_name == "multi-turn" and not chat:
-        raise ValueError("--dataset-name multi-turn sends messages: use --endpoint /v1/chat/completions")
-    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
-    if unknown := [m for m in metrics if m not in METRICS]:
-        raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)} (known: {', '.join(METRICS)})")
-    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
-    goodput = parse_goodput(args.goodput)
-    keys = tenant_keys(args)
-    headers = _pairs(args.header, "--header")
-    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-    ignore_eos = args.ignore_eos or args.dataset_name == "random"
-    body = {**sampling, **({"ignore_eos": True} if ignore_eos else {}), **(args.extra_body or {})}
-    multi = args.dataset_name == "multi-turn"
+def load_tokenizer(args: argparse.Namespace):
+    """--tokenizer as a `tokenizers.Tokenizer` (a local directory with tokenizer.json, or the file), or None."""
+    if args.tokenizer is None or args.skip_tokenizer_init:
+        return None
+    from tokenizers import Tokenizer
+
+    path = Path(args.tokenizer)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there (only local files are read)")
+    return Tokenizer.from_file(str(file))
+
+
+def fit_to_tokens(tokenizer, conv: Conversation) -> Conversation:
+    """The conversation's user texts cut to their target lengths in the tokenizer's tokens (vLLM's random prompts
+    are exact in the model's tokens)."""
+    texts = []
+    for text, n in zip(conv.user, conv.words, strict=True):
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        texts.append(tokenizer.decode(ids[:n]) if len(ids) > n else text)
+    return dataclasses.replace(conv, user=tuple(texts))
+
+
+def make_conversations(args: argparse.Namespace, seed: int, adapters: list[str], num_tenants: int, tokenizer):
+    """The trace of --dataset-name, drawn from ``seed``."""
+    name = args.dataset_name
+    if name == "custom":
+        prompts = custom_trace(
+            args.dataset_path,
+            args.num_prompts,
+            args.custom_output_len,
+            not args.disable_shuffle,
+            not args.no_oversample,
+            seed,
+        )
+        return single_turns(prompts, adapters, args.lora_assignment, num_tenants, seed)
+    if name == "prefix_repetition":
+        prompts = prefix_repetition_trace(
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            seed,
+        )
+        return single_turns(prompts, adapters, args.lora_assignment, num_tenants, seed)
+    multi = name == "multi-turn"
     spec = TraceSpec(
         args.num_prompts,
         args.random_input_len,
@@ -400,29 +353,86 @@ async def run_all(args: argparse.Namespace, rates: list[float]) -> list[dict[str
         0 if multi else args.random_prefix_len,
         args.turns if multi else 1,
         args.system_prompt_len if multi else 0,
-        args.seed,
+        seed,
     )
+    trace = make_trace(spec, adapters, args.lora_assignment, num_tenants)
+    return trace if tokenizer is None or multi else [fit_to_tokens(tokenizer, c) for c in trace]
+
+
+async def prepare_server(run: Run, conv: Conversation, args: argparse.Namespace) -> None:
+    """vLLM's ready check (the first request sent until it succeeds, for --ready-check-timeout-sec) and
+    --num-warmups requests of it, none of them counted. ValueError when the server never answers it."""
+    key = run.keys[conv.tenant][1] if conv.tenant >= 0 else None
+    prompt = [{"role": "user", "content": conv.user[0]}] if run.client.chat else conv.user[0]
+    deadline = time.monotonic() + args.ready_check_timeout_sec
+    while args.ready_check_timeout_sec > 0:
+        test = RequestResult(conv.adapter, "-")
+        await run.client.send(conv.adapter, prompt, conv.max_tokens[0], key, test)
+        if test.success:
+            break
+        if time.monotonic() > deadline:
+            raise ValueError(f"the server did not answer the first request in time: {test.error}")
+        await asyncio.sleep(1)
+    if args.num_warmups:
+        warm = [RequestResult(conv.adapter, "-") for _ in range(args.num_warmups)]
+        await asyncio.gather(*(run.send(conv.adapter, prompt, conv.max_tokens[0], key, w) for w in warm))
+        run.sent = 0
+
+
+async def run_all(args: argparse.Namespace, rates: list[float]) -> list[dict[str, Any]]:
+    """One result (vLLM's fields, the breakdowns, the settings) per rate, printed as they finish."""
+    check_args(args)
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    chat = args.backend == "openai-chat" or (
+        args.backend is None and args.endpoint.rstrip("/").endswith("chat/completions")
+    )
+    backend = args.backend or ("openai-chat" if chat else "openai")
+    if args.dataset_name == "multi-turn" and not chat:
+        raise ValueError("--dataset-name multi-turn sends messages: use --endpoint /v1/chat/completions")
+    if args.dataset_name == "custom" and not chat and not args.skip_chat_template:
+        raise ValueError(
+            "the custom dataset's prompts go to a completions endpoint as they are only with --skip-chat-template "
+            "(no chat template is rendered on the client): give it, or use --backend openai-chat"
+        )
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    if unknown := [m for m in metrics if m not in (*METRICS, *CLIENT_QUEUE_METRICS)]:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)}")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    goodput = parse_goodput(args.goodput)
+    keys = tenant_keys(args)
+    headers = _pairs(args.header, "--header")
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    ignore_eos = args.ignore_eos or args.dataset_name == "random"
+    body = {**sampling, **({"ignore_eos": True} if ignore_eos else {}), **(args.extra_body or {})}
+    tokenizer = load_tokenizer(args)
+    count = None if tokenizer is None else (lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids))
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S, connect=30.0), limits=limits) as http:
-        model = args.model or await first_model(http, base, {**headers, **_auth(keys)})
-        client = Client(http, base + args.endpoint, chat, headers, body)
+    timeout = httpx.Timeout(TIMEOUT_S, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=not args.insecure) as http:
+        model = args.served_model_name or args.model or await first_model(http, base, {**headers, **_auth(keys)})
+        client = Client(http, base + args.endpoint, chat, headers, body, args.logprobs, count)
         out = []
         for i, rate in enumerate(rates):
             # each rate its own prompts (seed + i): a repeated trace would be served from the previous run's cache
-            trace = make_trace(
-                dataclasses.replace(spec, seed=args.seed + i),
-                args.lora_modules or [model],
-                args.lora_assignment,
-                len(keys),
-            )
-            results, duration = await benchmark(
-                client, trace, keys, rate, args.burstiness, args.max_concurrency, args.seed + i, not args.disable_tqdm
-            )
+            trace = make_conversations(args, args.seed + i, args.lora_modules or [model], len(keys), tokenizer)
+            limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+            bar = tqdm(total=sum(len(c.user) for c in trace), disable=args.disable_tqdm, file=sys.stderr)
+            run = Run(client, keys, limit, args.request_id_prefix, bar)
+            await prepare_server(run, trace[0], args)
+            starts, ramp = arrivals(trace, rate, args, args.seed + i)
+            results, duration, probes, rps_events = await benchmark(run, trace, starts, args.probe_request_rate, ramp)
+            chosen = [m for m in metrics if m in METRICS]
+            if args.max_concurrency is not None:  # vLLM reports the client queue only then
+                chosen += [m for m in metrics if m == CLIENT_QUEUE_METRICS[0]]
+                if math.isfinite(rate) or args.ramp_up_strategy is not None:
+                    chosen += [m for m in metrics if m == CLIENT_QUEUE_METRICS[1]]
             settings = {
                 "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-                "backend": "openai-chat" if chat else "openai",
-                "label": args.label or ("openai-chat" if chat else "openai"),
+                "endpoint_type": backend,  # vLLM's name for the backend, kept beside it
+                "backend": backend,
+                "label": args.label or backend,
                 "model_id": model,
+                "tokenizer_id": None if tokenizer is None else args.tokenizer,
                 "base_url": base,
                 "endpoint": args.endpoint,
                 "dataset_name": args.dataset_name,
@@ -433,26 +443,54 @@ async def run_all(args: argparse.Namespace, rates: list[float]) -> list[dict[str
                 "lora_modules": args.lora_modules,
                 "lora_assignment": args.lora_assignment,
                 "tenants": [name for name, _ in keys],
+                **_ramp(args),
                 **_pairs(args.metadata, "--metadata"),
             }
-            summary = summarize(results, duration, metrics, percentiles, goodput)
+            summary = summarize(results, duration, chosen, percentiles, goodput)
             result = {
                 **settings,
                 **summary,
-                "per_adapter": breakdown(results, "adapter", duration, metrics, percentiles),
-                "per_tenant": breakdown(results, "tenant", duration, metrics, percentiles),
+                **per_request(results),
+                **_probe_figures(probes),
+                **({"rps_change_events": rps_events} if args.ramp_up_strategy else {}),
+                "per_adapter": breakdown(results, "adapter", duration, chosen, percentiles),
+                "per_tenant": breakdown(results, "tenant", duration, chosen, percentiles),
                 "error_counts": _error_counts(results),
             }
             if args.save_detailed:
                 result.update(detailed(results))
-            print(format_summary(summary, metrics, percentiles, settings))
-            print(format_breakdown("adapter", result["per_adapter"], metrics))
+            print(format_summary(summary, chosen, percentiles, settings))
+            print(format_breakdown("adapter", result["per_adapter"], chosen))
             if keys:
-                print(format_breakdown("tenant", result["per_tenant"], metrics))
+                print(format_breakdown("tenant", result["per_tenant"], chosen))
             for error, n in result["error_counts"].items():
                 print(f"{n} x {error}")
             out.append(result)
     return out
+
+
+def _ramp(args: argparse.Namespace) -> dict[str, Any]:
+    if args.ramp_up_strategy is None:
+        return {}
+    return {
+        "ramp_up_strategy": args.ramp_up_strategy,
+        "ramp_up_start_rps": args.ramp_up_start_rps,
+        "ramp_up_end_rps": args.ramp_up_end_rps,
+    }
+
+
+def _probe_figures(probes: list[RequestResult]) -> dict[str, Any]:
+    """vLLM's probe_* figures (only when probes were sent and some succeeded)."""
+    latencies = [p.latency for p in probes if p.success]
+    if not latencies:
+        return {}
+    return {
+        "probe_completed": len(latencies),
+        "probe_failed": len(probes) - len(latencies),
+        "probe_median_e2el_ms": float(np.median(latencies)) * 1000,
+        "probe_p99_e2el_ms": float(np.percentile(latencies, 99)) * 1000,
+        "probe_max_e2el_ms": float(max(latencies)) * 1000,
+    }
 
 
 def _auth(keys: list[tuple[str, str]]) -> dict[str, str]:
@@ -521,19 +559,20 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
-        print("error: --num-prompts and --max-concurrency must be at least 1", file=sys.stderr)
-        return 2
     try:
         results = asyncio.run(run_all(args, rates))
     except (ValueError, OSError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.save_result:
+    if args.save_result or args.append_result:
         for result in results:
             path = result_path(args, result, len(results) > 1)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1))
+            if args.append_result and path.is_file() and path.stat().st_size:
+                with path.open("a") as file:  # vLLM's: one JSON document a line
+                    file.write("\n" + json.dumps(result))
+            else:
+                path.write_text(json.dumps(result, indent=None if args.append_result else 1))
             print(f"saved {path}")
     if args.plot_rates:
         path = Path(args.plot_file or Path(args.result_dir or ".") / "bench-serve.png")

@@ -8,6 +8,7 @@ these targets."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -100,6 +101,66 @@ def make_trace(spec: TraceSpec, adapters: list[str], assignment: str, num_tenant
     return trace
 
 
+def prefix_repetition_trace(
+    num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int
+) -> list[tuple[str, int]]:
+    """vLLM's prefix_repetition dataset in words: ``num_prefixes`` random prefixes of ``prefix_len`` words, each
+    followed by its own ``suffix_len`` random words in num_prompts // num_prefixes prompts, shuffled; (prompt,
+    max_tokens) each."""
+    if num_prefixes < 1 or num_prompts < num_prefixes:
+        raise ValueError("--prefix-repetition-num-prefixes must be between 1 and --num-prompts")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prefixes):
+        prefix = random_words(rng, prefix_len)
+        prompts += [prefix + random_words(rng, suffix_len) for _ in range(num_prompts // num_prefixes)]
+    rng.shuffle(prompts)
+    return [(p, output_len) for p in prompts]
+
+
+def custom_trace(
+    path: str, num_prompts: int, output_len: int, shuffle: bool, oversample: bool, seed: int
+) -> list[tuple[str, int]]:
+    """vLLM's custom dataset: the prompts of a JSONL file (one {"prompt": ...} a line), shuffled unless not
+    ``shuffle``, the first ``num_prompts``; fewer are drawn again to fill up when ``oversample``; (prompt,
+    max_tokens) each. ValueError for a line without a prompt."""
+    prompts = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+                raise ValueError(f'{path}:{number}: each line must be a JSON object with a "prompt" string')
+            prompts.append(entry["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt")
+    rng = random.Random(seed)
+    if shuffle:
+        rng.shuffle(prompts)
+    chosen = prompts[:num_prompts]
+    if oversample and len(chosen) < num_prompts:
+        chosen += rng.choices(prompts, k=num_prompts - len(chosen))
+    return [(p, output_len) for p in chosen]
+
+
+def single_turns(prompts: list[tuple[str, int]], adapters: list[str], assignment: str, num_tenants: int, seed: int):
+    """Conversations of one turn from (prompt, max_tokens) pairs, adapters and tenants assigned as in make_trace."""
+    picks = assign(random.Random(seed), len(prompts), adapters, assignment)
+    return [
+        Conversation(adapter, i % num_tenants if num_tenants else -1, None, (prompt,), (len(prompt.split()),), (out,))
+        for i, ((prompt, out), adapter) in enumerate(zip(prompts, picks, strict=True))
+    ]
+
+
+def ramp_rates(n: int, strategy: str, start: float, end: float) -> list[float]:
+    """vLLM's ramp-up: request i's rate, from ``start`` to ``end`` linearly or exponentially in i."""
+    progress = [i / max(n - 1, 1) for i in range(n)]
+    if strategy == "linear":
+        return [start + (end - start) * x for x in progress]
+    return [start * (end / start) ** x for x in progress]
+
+
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
     """Start offsets (seconds) of n arrivals. ``rate`` inf: all at 0. Otherwise the gaps are gamma distributed with
     shape ``burstiness`` and mean 1 / rate (burstiness 1: a Poisson process; below 1 burstier, above 1 more even,
@@ -109,9 +170,16 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) ->
         raise ValueError(f"burstiness must be positive, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
-    times, t = [], 0.0
-    for _ in range(n):
-        t += 1 / rate if math.isinf(burstiness) else rng.gammavariate(burstiness, 1 / (rate * burstiness))
-        times.append(t)
+    times = varying_arrival_times([rate] * n, burstiness, rng)
     scale = n / rate / times[-1] if times and times[-1] > 0 else 1.0
     return [x * scale for x in times]
+
+
+def varying_arrival_times(rates: list[float], burstiness: float, rng: random.Random) -> list[float]:
+    """Start offsets of arrivals whose gap before arrival i is gamma distributed with shape ``burstiness`` and mean
+    1 / rates[i] (a ramp; not rescaled)."""
+    times, t = [], 0.0
+    for rate in rates:
+        t += 1 / rate if math.isinf(burstiness) else rng.gammavariate(burstiness, 1 / (rate * burstiness))
+        times.append(t)
+    return times

@@ -13,11 +13,15 @@ from typing import Any
 import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+# vLLM's, reported with --max-concurrency (the second with a finite rate too): the wait for a slot, and E2EL with it
+CLIENT_QUEUE_METRICS = ("client_queue_time", "e2el_including_client_queue")
 TITLES = {
     "ttft": ("TTFT", "Time to First Token"),
     "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
+    "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
+    "e2el_including_client_queue": ("E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency"),
 }
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
@@ -30,6 +34,7 @@ class RequestResult:
     adapter: str
     tenant: str
     start: float = 0.0
+    arrival: float | None = None  # when it was due: start - arrival is its wait for a slot (--max-concurrency)
     success: bool = False
     error: str = ""
     prompt_tokens: int = 0  # usage.prompt_tokens, else the words sent
@@ -45,6 +50,11 @@ class RequestResult:
     def tpot(self) -> float:
         """0 for one output token (vLLM's convention for goodput)."""
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def queue_time(self) -> float:
+        """vLLM's client_queue_time: from when it was due to when it was sent."""
+        return 0.0 if self.arrival is None else self.start - self.arrival
 
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
@@ -80,6 +90,8 @@ def summarize(
         "tpot": [r.tpot for r in ok if r.output_tokens > 1],
         "itl": [gap for r in ok for gap in r.itl],
         "e2el": [r.latency for r in ok],
+        "client_queue_time": [r.queue_time for r in ok],
+        "e2el_including_client_queue": [r.latency + r.queue_time for r in ok],
     }
     good = sum(all(getattr(r, "latency" if m == "e2el" else m) * 1000 <= slo for m, slo in goodput.items()) for r in ok)
     total_in, total_out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
@@ -97,6 +109,8 @@ def summarize(
         "cached_tokens": cached,
         "cached_token_share": cached / total_in if total_in else 0.0,
         "usage_missing": sum(not r.usage_reported for r in ok),
+        **peaks(ok),
+        "rtfx": 0.0,  # vLLM's audio figure (input audio seconds per second): no audio here
     }
     for m in metrics:
         data = np.asarray(values[m] or [0.0]) * 1000  # ms; all zero when nothing completed, as vLLM reports
@@ -106,6 +120,26 @@ def summarize(
         for p in percentiles:
             out[f"p{_word(p)}_{m}_ms"] = float(np.percentile(data, p))
     return out
+
+
+def peaks(ok: list[RequestResult]) -> dict[str, Any]:
+    """vLLM's peak figures of the successful requests: ``max_output_tokens_per_s``, the most output tokens that
+    arrived within one second (seconds counted from the first start; a token arrives at start + ttft + the ITLs
+    before it), and ``max_concurrent_requests``, the most requests in flight at once (half-open [start, end))."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    first = min(r.start for r in ok)
+    seconds = np.zeros(int(np.ceil(max(r.start + r.latency for r in ok) - first)) + 1)
+    for r in ok:
+        for t in np.cumsum([r.start + r.ttft, *r.itl]):
+            if 0 <= int(t - first) < len(seconds):
+                seconds[int(t - first)] += 1
+    events = sorted([(r.start, 1) for r in ok] + [(r.start + r.latency, -1) for r in ok])
+    running, most = 0, 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return {"max_output_tokens_per_s": float(seconds.max()), "max_concurrent_requests": most}
 
 
 def breakdown(
@@ -119,14 +153,20 @@ def breakdown(
     return {name: summarize(rs, duration, metrics, percentiles, {}) for name, rs in sorted(groups.items())}
 
 
+def per_request(results: list[RequestResult]) -> dict[str, list[Any]]:
+    """vLLM's per-request lists that every result carries: ``latencies`` (E2EL) and ``queue_times`` (the wait for
+    a slot), in seconds."""
+    return {"latencies": [r.latency for r in results], "queue_times": [r.queue_time for r in results]}
+
+
 def detailed(results: list[RequestResult]) -> dict[str, list[Any]]:
-    """vLLM's per-request lists (--save-detailed), plus e2els and cached tokens."""
+    """vLLM's per-request lists of --save-detailed, plus cached tokens, adapters and tenants."""
     return {
         "input_lens": [r.prompt_tokens for r in results],
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
         "ttfts": [r.ttft for r in results],
         "itls": [r.itl for r in results],
-        "e2els": [r.latency for r in results],
+        "start_times": [r.start for r in results],
         "cached_lens": [r.cached_tokens for r in results],
         "generated_texts": [r.text for r in results],
         "errors": [r.error for r in results],
@@ -156,6 +196,8 @@ def format_summary(s: dict[str, Any], metrics: list[str], percentiles: list[floa
     if s["request_goodput"] is not None:
         row("Request goodput (req/s):", s["request_goodput"], ".2f")
     row("Output token throughput (tok/s):", s["output_throughput"], ".2f")
+    row("Peak output token throughput (tok/s):", s["max_output_tokens_per_s"], ".2f")
+    row("Peak concurrent requests:", s["max_concurrent_requests"])
     row("Total Token throughput (tok/s):", s["total_token_throughput"], ".2f")
     for m in metrics:
         short, title = TITLES[m]

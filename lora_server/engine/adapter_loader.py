@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from adapters.page_layout import PageGeometry, PageLayout
 from adapters.peft_format import AdapterError, load_peft_adapter
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
+from lora_server.engine.load_times import LatencyHistogram
 from lora_server.model.pinned import pinned_empty
 
 log = logging.getLogger("lora_server")
@@ -60,6 +63,7 @@ class AdapterLoader:
         self._protected: set[int] = set()  # never evicted: pinned adapters
         self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
         self.num_staged = 0  # stagings done since start (reads from disk)
+        self._load_times = LatencyHistogram()  # how long each staging took (disk -> host)
         self._events = LoaderEvents()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -133,6 +137,11 @@ class AdapterLoader:
             self._events = LoaderEvents()
         return events
 
+    def load_times(self) -> dict[str, Any]:
+        """How long the stagings took, disk to host memory (LatencyHistogram.figures)."""
+        with self._lock:
+            return self._load_times.figures()
+
     def staged_ids(self) -> list[int]:
         with self._lock:
             return list(self._staged)
@@ -155,6 +164,7 @@ class AdapterLoader:
                     self._thread = None  # under the lock: a request from now on starts a new thread
                     return
                 adapter_id = self._pending.popleft()
+            start = time.perf_counter()
             try:
                 staged = self._stage(adapter_id)
                 error = None
@@ -168,6 +178,7 @@ class AdapterLoader:
                 if staged is not None and self.registry.content(adapter_id) is not None:
                     self._staged[adapter_id] = staged
                     self.num_staged += 1
+                    self._load_times.observe(time.perf_counter() - start)
                     self._events.staged.append(adapter_id)
                 elif error is not None:
                     self._events.failed[adapter_id] = error

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ class AdapterHandle:
     device_nbytes: int  # the bytes of its pages in the arena: its share of the device budget
     pinned: bool = False  # kept on the device once loaded (see kv_pool)
     source: str = "api"  # where it was registered from: "demo", "command line" or "api"
+    registered_at: float = 0.0  # when this version was registered (seconds since the epoch)
 
     @property
     def key(self) -> AdapterKey:
@@ -108,12 +110,19 @@ class AdapterRegistry:
     # ---- names (any thread) ---------------------------------------------------------------------------------
 
     def register(
-        self, name: str, path: str | Path, pinned: bool = False, version: int | None = None, source: str = "api"
+        self,
+        name: str,
+        path: str | Path,
+        pinned: bool = False,
+        version: int | None = None,
+        source: str = "api",
+        registered_at: float | None = None,
     ) -> AdapterHandle:
         """Validate and read a PEFT directory (AdapterError with the reason), hash its weights and make it the
         current version of ``name``; the old version lives on until its requests end. ``version``: at least one
         above the name's latest (the registry store's version when reloading); default the next one. A pin that
-        would take the pinned adapters beyond the pool's share of the device is refused."""
+        would take the pinned adapters beyond the pool's share of the device is refused. ``registered_at``: when
+        it was registered (the registry store's time when reloading; default now)."""
         adapter = load_peft_adapter(name, path, self.geometry.shapes, self.geometry.max_rank, self.allowed_roots)
         digest = content_hash(adapter)
         ranks = adapter_ranks(adapter)
@@ -138,7 +147,15 @@ class AdapterRegistry:
             )
             self._paths[name] = adapter.path
             number = max(self._versions.get(name, 0) + 1, version or 0)
-            handle = AdapterHandle(name, adapter_id, number, num_pages * self.geometry.page_bytes, pinned, source)
+            handle = AdapterHandle(
+                name,
+                adapter_id,
+                number,
+                num_pages * self.geometry.page_bytes,
+                pinned,
+                source,
+                time.time() if registered_at is None else registered_at,
+            )
             self._versions[name] = number
             self._current[name] = handle
             self._changed = True

@@ -18,10 +18,12 @@ import torch
 from adapters.page_layout import PageLayout
 from kernels.lora_table import MODULES
 from kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from kv_pool.tree import OpKind
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_loader import AdapterLoader, StagedAdapter
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
+from lora_server.engine.load_times import LatencyHistogram
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
 from lora_server.engine.request import MAX_PRIORITY, MIN_PRIORITY, NO_TENANT, FinishReason, Request, TenantShare
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -33,7 +35,7 @@ from lora_server.errors import (
 )
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.runner import ModelRunner
-from lora_server.model.sampler import NON_FINITE, SampleResult, verify_drafts
+from lora_server.model.sampler import NON_FINITE, SampleResult, TokenScores, verify_drafts
 from lora_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -130,6 +132,8 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
+        self.activate_times = LatencyHistogram()  # adapters' host -> device copies (see _copy)
+        self._activating: dict[int, float] = {}  # table page -> when its load was issued, until it has run
         self._structured: StructuredOutputs | None = None  # built by the first structured request (xgrammar loads)
         self._structured_lock = threading.Lock()
 
@@ -279,7 +283,25 @@ class EngineCore:
         """What an idle engine still does: let the pool act on adapter changes and its policy, and execute the
         copies it decides (pinned adapters loading, host KV coming back)."""
         self.scheduler.tick()
-        self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._staged)
+        self._copy()
+
+    def _copy(self) -> float:
+        """Execute the pool's copy operations (runner.apply_copy_ops; returns its seconds of adapter loads) and time
+        adapter activations: from issuing a load to the step that learns its copy ran (at once off CUDA)."""
+        ops = self.pool.take_copy_ops()
+        issued = time.perf_counter()
+        adapter_s = self.runner.apply_copy_ops(ops, self._staged)
+        for op in ops:
+            if op.kind is OpKind.ADAPTER_LOAD:
+                self._activating[op.dst[0]] = issued
+            elif op.kind is OpKind.ADAPTER_UNLOAD:
+                self._activating.pop(op.src[0], None)
+        now = time.perf_counter()
+        for page, start in list(self._activating.items()):
+            if self.runner.adapter_loaded(page):
+                self.activate_times.observe(now - start)
+                del self._activating[page]
+        return adapter_s
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -289,7 +311,7 @@ class EngineCore:
         carrying RequestFailedError; its blocks are freed, the rest of the batch goes on); a device fault, or a
         fault in the scheduler or the pool (shared state), propagates and stops the engine."""
         work = self.scheduler.schedule()
-        adapter_s = self.runner.apply_copy_ops(self.pool.take_copy_ops(), self._staged)
+        adapter_s = self._copy()
         failed_early = [self._fail(request, reason) for request, reason in work.failed]
         if not work.items:
             if not failed_early and self.scheduler.has_work() and self.loader.busy():
@@ -312,11 +334,15 @@ class EngineCore:
                 tokens = request.token_ids[lengths[request.request_id] :]  # those kept: a stop drops the rest
                 if request.grammar is not None:  # never speculated: one new token
                     self._advance_grammar(request)
-                if request.num_output_tokens == len(tokens):
+                first = request.num_output_tokens == len(tokens)
+                if first:
                     self.ttft.add(request)
                 text, tokens = self._detokenize(request, tokens)
-                logprobs = sampled[request.request_id][1]
-                outputs.append(_output(request, text, tokens, None if logprobs is None else logprobs[: len(tokens)]))
+                logprobs = sampled[request.request_id][1] if tokens else None
+                out = _output(request, text, tokens, None if logprobs is None else logprobs[: len(tokens)])
+                if first and request.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None, *request.prompt_logprobs]
+                outputs.append(out)
             except Exception as exc:  # noqa: BLE001 (this request's detokenizing or stop handling: it alone fails)
                 if is_device_fault(exc):
                     raise
@@ -364,7 +390,9 @@ class EngineCore:
     def _run(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
         structured = self._structured
         mask = structured.mask_logits if structured and any(r.grammar is not None for r, _ in items) else None
-        sampling, result = self.runner.execute(items, mask)
+        sampling, result, scores = self.runner.execute(items, mask)
+        if scores:
+            _store_prompt_logprobs([r for r, _ in items], scores)
         if result is None:
             return {}, {}
         logprobs = _logprobs_by_request(sampling, result)
@@ -440,6 +468,7 @@ class EngineCore:
                 "table_page": p.table_page,
                 "staged": p.staged,
                 "pinned": p.pinned,
+                "rank": self._rank(p.key.adapter_id),
                 "weight_blocks": p.weight_blocks,
                 "kv_blocks_gpu": p.kv_blocks_gpu,
                 "kv_blocks_host": p.kv_blocks_host,
@@ -465,7 +494,13 @@ class EngineCore:
             **figures,
             "adapters": placement,
             "ttft": self.ttft.figures(),
+            "adapter_load_seconds": {"load": self.loader.load_times(), "activate": self.activate_times.figures()},
         }
+
+    def _rank(self, adapter_id: int) -> int | None:
+        """An adapter's largest rank over its modules (None: the base model, or weights no longer registered)."""
+        content = None if adapter_id == BASE_ADAPTER_ID else self.adapters.content(adapter_id)
+        return None if content is None else max(r for _, _, r in content.ranks)
 
 
 @dataclass(slots=True)
@@ -509,7 +544,24 @@ def _output(request: Request, text: str, token_ids: list[int], logprobs: list[To
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        queue_time_s=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
     )
+
+
+def _store_prompt_logprobs(requests: list[Request], scores: dict[str, tuple[int, TokenScores]]) -> None:
+    """Append the prompt tokens a step scored to their requests' prompt_logprobs (the runner scores each token once,
+    from the first one a request lacks)."""
+    for request in requests:
+        scored = scores.get(request.request_id)
+        if scored is None:
+            continue
+        first, rows = scored
+        assert first == request.num_prompt_logprobs + 1, "prompt tokens are scored in order, each once"
+        prompt = request.prompt_token_ids
+        request.prompt_logprobs.extend(
+            TokenLogprob(prompt[first + j], lp, top, rank)
+            for j, (lp, rank, top) in enumerate(zip(rows.logprobs, rows.ranks, rows.top_logprobs, strict=True))
+        )
 
 
 def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:

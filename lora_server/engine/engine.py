@@ -172,14 +172,20 @@ class Engine:
     # ---- adapters (any thread) -------------------------------------------------------------------------------
 
     def add_adapter(
-        self, name: str, path: str | Path, pinned: bool = False, version: int | None = None, source: str = "api"
+        self,
+        name: str,
+        path: str | Path,
+        pinned: bool = False,
+        version: int | None = None,
+        source: str = "api",
+        registered_at: float | None = None,
     ) -> AdapterHandle:
         """Register a PEFT LoRA directory under ``name`` (a new version if the name exists; ``version``: at least
         the one given); raises AdapterError with the reason when it cannot be served. A pinned adapter is loaded
         onto the device as soon as there is room and never evicted. Safe while serving: running requests are not
         stalled, and those that hold an older version keep it. ``source`` says where it came from ("demo",
-        "command line", "api")."""
-        return self.core.adapters.register(name, path, pinned, version, source)
+        "command line", "api"); ``registered_at`` when (the registry store's time; default now)."""
+        return self.core.adapters.register(name, path, pinned, version, source, registered_at)
 
     def stage_adapters(self, names: Sequence[str], timeout_s: float = 60.0) -> None:
         """Read these adapters' weights and stage them in host memory now, blocking until they are (or
@@ -217,6 +223,7 @@ class Engine:
             "source": handle.source,
             "version": handle.version,
             "pinned": handle.pinned,
+            "registered_at": handle.registered_at,
             "state": "resident" if page is not None else "registered",
             "table_page": page,
             "bytes": nbytes,
@@ -227,12 +234,18 @@ class Engine:
         """Token ids of a completion prompt (blocking; see EngineCore.encode)."""
         return self.core.encode(text)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat conversation under the model's chat template, ready for make_request/generate."""
+    def chat_prompt(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of a chat conversation under the model's chat template, ready for make_request/generate
+        (``add_special_tokens``: BOS before what the template writes, where the model adds one)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer or chat template", param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.core.encode(text, add_special_tokens=False, param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as exc:  # no template, or the template refuses the conversation (raise_exception)
+            raise InvalidRequestError(str(exc), param="messages") from exc
+        return self.core.encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     # ---- offline -------------------------------------------------------------------------------------------
 
@@ -501,3 +514,5 @@ def _accumulate(c: Completion, out: RequestOutput) -> None:
         c.logprobs = (c.logprobs or []) + out.logprobs
     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
     c.num_cached_tokens = out.num_cached_tokens
+    if out.prompt_logprobs is not None:
+        c.prompt_logprobs = out.prompt_logprobs

@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    rank: int | None = None  # 1 + how many tokens were likelier (known for prompt tokens)
 
 
 @dataclass(slots=True)
@@ -29,6 +30,10 @@ class RequestOutput:
     num_output_tokens: int  # all output tokens so far
     num_cached_tokens: int = 0
     error: LoraServerError | None = None  # set on the last output of a request whose serving failed
+    queue_time_s: float | None = None  # from its arrival to its first admission (None while it has not been admitted)
+    # with SamplingParams.prompt_logprobs, on the request's first output: one entry per prompt token, None for the
+    # first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -44,3 +49,4 @@ class Completion:
     stop_reason: str | int | None
     num_cached_tokens: int = 0  # prompt tokens served from cached KV
     error: str | None = None  # why it failed (finish_reason "error")
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # as in RequestOutput

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kv_pool.unified_pool import Admission
 from lora_server.engine.adapter_registry import AdapterHandle
+from lora_server.engine.outputs import TokenLogprob
 from lora_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class Request:
     adapter_load_s: float = 0.0  # time spent loading adapters in its steps before its first token
     first_token_time: float | None = None
     grammar: GrammarMatcher | None = None  # its structured output's state: the output so far, accepted token by token
+    # with params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... computed so far (token 0 has none)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -100,6 +103,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt tokens scored so far (prompt_logprobs): the runner scores the positions after them."""
+        return len(self.prompt_logprobs)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and some are not computed yet: its prompt cannot come from the
+        prefix cache (a cached prefix's logits were never computed)."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -248,6 +248,7 @@ class Scheduler:
             now,
             token_budget=budget,
             partial=self.config.enable_chunked_prefill,
+            reuse_prefix=not request.needs_prompt_logprobs,  # prompt logprobs need every prompt position computed
         )
         if admission is None:
             return None
@@ -343,9 +344,10 @@ class Scheduler:
         """After the forward pass: advance counters, append the new tokens (``sampled`` maps the ids of the
         requests that reached their last token to one token, or to the 1 + accepted drafts verify_drafts kept),
         checking the stop conditions after each (tokens after a stop are dropped), and finish requests whose stop
-        conditions hold. A request that computed drafts keeps the KV of the accepted ones only: its computed
+        conditions hold; a request that only scores its prompt (max_tokens 0) finishes, "length", once its prompt
+        is computed. A request that computed drafts keeps the KV of the accepted ones only: its computed
         tokens roll back to all but its new last token and the blocks beyond those it needs are given back.
-        Returns the requests that got new tokens."""
+        Returns the requests that got new tokens, or finished scoring their prompt."""
         advanced = []
         now = self.clock()
         for request, n in work.items:
@@ -353,6 +355,10 @@ class Scheduler:
             drafts, request.draft_token_ids = request.draft_token_ids, []
             tokens = sampled.get(request.request_id)
             if tokens is None:
+                if request.params.scores_prompt and request.num_uncomputed_tokens == 0:
+                    request.first_token_time = now  # scored: it generates nothing
+                    advanced.append(request)
+                    self.finish(request, FinishReason.LENGTH)
                 continue
             reason = None
             for token in tokens:

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 # `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
@@ -227,6 +227,40 @@ class Tokenizer:
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed: {error}") from error
+
+    def save_pretrained(self, directory: str | os.PathLike[str], model_max_length: int) -> list[Path]:
+        """Write this tokenizer as a Hugging Face tokenizer directory that `transformers.AutoTokenizer` loads as a
+        fast tokenizer giving the same ids, special tokens and chat template output (for clients that tokenize
+        locally: benchmark tools, lm-evaluation-harness): `tokenizer.json` (where BOS is prepended, a
+        post-processor prepends it), `tokenizer_config.json` (the chat template, special tokens, `add_bos_token`,
+        `model_max_length`) and `special_tokens_map.json`. Returns the files written."""
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        backend = _Backend.from_str(self._backend.to_str())  # a copy: the post-processor is the export's own
+        bos = self._token_text(self.bos_token_id) or None
+        eos = self._token_text(self.eos_token_ids[0]) if self.eos_token_ids else None
+        if self.add_bos and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_token_id)]
+            )
+        else:
+            backend.post_processor = None
+        special = {name: token for name, token in (("bos_token", bos), ("eos_token", eos)) if token is not None}
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        files = [root / "tokenizer.json", root / "tokenizer_config.json", root / "special_tokens_map.json"]
+        backend.save(os.fspath(files[0]))
+        for file, content in zip(files[1:], (config, special), strict=True):
+            file.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return files
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""

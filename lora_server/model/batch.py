@@ -36,6 +36,9 @@ class ScheduledSequence(Protocol):
     @property
     def lora_page(self) -> int: ...  # its adapter's table page in the arena, -1 = no adapter
 
+    @property
+    def num_prompt_logprobs(self) -> int: ...  # with params.prompt_logprobs: prompt tokens scored already
+
 
 @dataclass(slots=True)
 class DraftPosition:
@@ -53,6 +56,7 @@ class DraftPosition:
     eos_token_ids: tuple[int, ...]
     lora_page: int
     draft_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # a draft position scores no prompt token
 
     @classmethod
     def of(cls, seq: ScheduledSequence, accepted: int) -> DraftPosition:
@@ -81,6 +85,17 @@ class DraftPosition:
 
 
 @dataclass(slots=True)
+class PromptScoring:
+    """The prompt tokens a step scores (prompt logprobs): hidden row ``rows[j]`` (at position p of its sequence)
+    gives the logprob of ``targets[j]``, the prompt token at p + 1. ``owners`` splits the P rows by request, in row
+    order: (request id, its top-k, the index in its prompt of its first scored token, how many rows)."""
+
+    rows: torch.Tensor  # [P] int64
+    targets: torch.Tensor  # [P] int64
+    owners: list[tuple[str, int, int, int]]
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """One forward pass over the scheduled tokens of B sequences (T tokens in all, sequence b's tokens contiguous).
 
@@ -99,6 +114,7 @@ class ForwardBatch:
     max_query_len: int = 1  # the most tokens any one sequence has in this step (bounds the attention grid)
     lora: LoraBatch | None = None  # each token's adapter slot; None when no token has an adapter
     num_padding: int = 0  # the last num_padding of the B sequences are padding (see above)
+    prompt_scoring: PromptScoring | None = None  # prompt tokens whose logprobs this step computes, if any
 
     @property
     def num_tokens(self) -> int:

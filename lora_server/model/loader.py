@@ -102,15 +102,33 @@ class Checkpoint:
 
 
 def open_checkpoint(config: EngineConfig) -> Checkpoint:
-    fmt = config.load_format
-    if fmt == "dummy":
+    if config.load_format == "dummy":
         return _dummy_checkpoint(config)
+    path, fmt = model_files(config)
+    return _gguf_checkpoint(path) if fmt == "gguf" else _hf_checkpoint(path)
+
+
+def model_files(config: EngineConfig) -> tuple[Path, str]:
+    """Where a real checkpoint's files are and their format ("gguf" or "hf"), as the engine reads them."""
     path = Path(config.model) if config.model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    fmt = config.load_format
     if fmt == "auto":
         fmt = "gguf" if path.suffix == ".gguf" else "hf"
-    return _gguf_checkpoint(path) if fmt == "gguf" else _hf_checkpoint(path)
+    return path, fmt
+
+
+def read_arch(path: Path, fmt: str) -> ModelArch:
+    """A checkpoint's shape without reading its weights."""
+    if fmt == "gguf":
+        from gguf import GGUFReader
+
+        return gguf_arch(GGUFReader(str(path)))
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor an HF directory with config.json")
+    return ModelArch.from_hf_config(json.loads(config_file.read_text()))
 
 
 # ---- HF directories ---------------------------------------------------------------------------------------
@@ -140,7 +158,9 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is neither a .gguf file nor an HF directory with config.json")
-    arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    _refuse_quantized(config, path)
+    arch = ModelArch.from_hf_config(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
@@ -152,6 +172,21 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
             if canonical is not None:
                 weights[canonical] = FloatWeight(functools.partial(handle.get_tensor, name))
     return Checkpoint(arch, weights, "hf", path)
+
+
+def _refuse_quantized(config: dict, path: Path) -> None:
+    """A checkpoint stored in a quantized format (AWQ, GPTQ, bitsandbytes, FP8, compressed-tensors...: config.json's
+    quantization_config, or compression_config in older compressed-tensors files) is refused: its tensors are not
+    the model's weights without their scales, zero points or packing, which this loader does not read."""
+    for key in ("quantization_config", "compression_config"):
+        spec = config.get(key)
+        if spec:
+            method = spec.get("quant_method", spec.get("format", "unnamed")) if isinstance(spec, dict) else spec
+            raise ModelLoadError(
+                f"{path / 'config.json'} has a {key} (quant_method {method!r}): checkpoints stored quantized are not "
+                "read (their weights would load without their scales); use the unquantized checkpoint with "
+                "--quantization int8, int4 or fp8, or a GGUF file"
+            )
 
 
 def _tensor_copy(array: np.ndarray) -> torch.Tensor:
@@ -246,7 +281,12 @@ def _gguf_checkpoint(path: Path) -> Checkpoint:
             source: WeightSource = GGUFBlocksWeight(kind, unpermute_rope_rows(data, heads) if heads else data)
         else:
             if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                data = dequantize(data, t.tensor_type)
+                try:  # exact: gguf's own dequantization of the blocks to float32
+                    data = dequantize(data, t.tensor_type)
+                except NotImplementedError as exc:
+                    raise ModelLoadError(
+                        f"GGUF tensor {t.name} is of type {kind}, which cannot be read: {exc}"
+                    ) from exc
             array = np.asarray(data, dtype=np.float32)
             if heads:
                 array = unpermute_rope_rows(array, heads)

@@ -21,7 +21,7 @@ from kernels.reference import FP8_KV_DTYPE
 from kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.config import EngineConfig
 from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
-from lora_server.model.batch import DraftPosition, ForwardBatch, ScheduledSequence
+from lora_server.model.batch import DraftPosition, ForwardBatch, PromptScoring, ScheduledSequence
 from lora_server.model.copy_order import CopyOrder, CudaStreams
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
@@ -29,7 +29,7 @@ from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraWorkspace, workspace_shape
 from lora_server.model.pinned import pinned_zeros
-from lora_server.model.sampler import Sampler, SampleResult
+from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens, scoring_rows
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 from lora_server.model.warmup import MemoryProfile, WarmupShapes, arena_bytes, measure_peak, warmup_sequences
 from lora_server.model.warmup import plan as warmup_plan
@@ -130,10 +130,10 @@ class ModelRunner:
         self.max_step_tokens = max_tokens
         self.block_tables = BlockTables(max_seqs, width, self.device)
         self.max_tiles = max_tiles(max_tokens, DECODE_BLOCK_T, config.max_loras)
-        # per token: ids, positions, slots, logits rows (int64); per sequence: five int32 arrays; block table
-        # updates (int64 index, int32 value): at most every entry of every row in one step; the LoRA tile map; and
-        # up to 15 bytes of alignment after each of the 10 arrays
-        capacity = max_tokens * 32 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 16
+        # per token: ids, positions, slots, logits rows, scored prompt rows and their targets (int64); per sequence:
+        # five int32 arrays; block table updates (int64 index, int32 value): at most every entry of every row in
+        # one step; the LoRA tile map; and up to 15 bytes of alignment after each of the 12 arrays
+        capacity = max_tokens * 48 + (max_seqs + 2) * 20 + max_seqs * width * 12 + self.max_tiles * 12 + 16 * 16
         self.step_inputs = StepInputs(self.device, capacity)
         self.lora_y = None  # the LoRA kernels' persistent float32 partial sums, where they run
         if ops.use_kernels(self.device):
@@ -187,7 +187,9 @@ class ModelRunner:
         peaks: dict[str, int] = {}
         for step in steps:
             items = warmup_sequences(step, bs, adapter_pages[0] if adapter_pages else -1, params)
-            peaks[step.label] = measure_peak(self.device, functools.partial(self._forward_and_logits, items))
+            head_rows = min(step.num_tokens, scoring_rows(self.arch.vocab_size)) if step.scores_prompt else 0
+            run = functools.partial(self._forward_and_logits, items, head_rows)
+            peaks[step.label] = measure_peak(self.device, run)
         self.block_tables = BlockTables(self.config.max_num_seqs, self.block_tables.width, self.device)
         largest_decode = f"decode x{max(self.decode_buckets)} + LoRA" if self.decode_buckets else None
         profile = MemoryProfile(peaks["profile"], peaks.get(largest_decode, 0) if largest_decode else 0)
@@ -196,10 +198,14 @@ class ModelRunner:
             torch.cuda.empty_cache()
         return profile
 
-    def _forward_and_logits(self, items: Sequence[tuple[ScheduledSequence, int]]) -> torch.Tensor:
-        """A step's forward pass and logits, without sampling (nothing is read back: the meta stand-in runs it)."""
+    def _forward_and_logits(self, items: Sequence[tuple[ScheduledSequence, int]], head_rows: int) -> None:
+        """A step's forward pass and logits, and the head over its first ``head_rows`` hidden rows (the slices
+        prompt scoring sends through it), without sampling: nothing is read back (the meta stand-in runs it)."""
         batch, _ = self.prepare(items)
-        return self.model.compute_logits(self._eager_forward(batch)[batch.logits_indices])
+        hidden = self._eager_forward(batch)
+        self.model.compute_logits(hidden[batch.logits_indices])
+        if head_rows:
+            self.model.compute_logits(hidden[:head_rows])
 
     @property
     def workspace_bytes(self) -> int:
@@ -331,6 +337,9 @@ class ModelRunner:
         starts = [0]
         logits_rows: list[int] = []
         sampling: list[S] = []
+        scored_rows: list[int] = []  # prompt logprobs: hidden rows that score the next prompt token
+        scored_targets: list[int] = []
+        owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
         for request, n in items:
             drafts = request.draft_token_ids
@@ -343,8 +352,17 @@ class ModelRunner:
             table = request.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
+            first_row = starts[-1] - start  # the row of position 0, were it in this step
             starts.append(starts[-1] + n)
-            if end == len(tokens):
+            params = request.params
+            if params.prompt_logprobs is not None:  # position p scores prompt token p + 1, each once
+                num_prompt = request.num_tokens - request.num_output_tokens
+                scored = range(max(start, request.num_prompt_logprobs), min(end, num_prompt - 1))
+                if scored:
+                    scored_rows.extend(first_row + p for p in scored)
+                    scored_targets.extend(tokens[scored.start + 1 : scored.stop + 1])
+                    owners.append((request.request_id, params.prompt_logprobs, scored.start + 1, len(scored)))
+            if end == len(tokens) and not params.scores_prompt:
                 logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
                 sampling.append(request)
         padding = 0 if bucket is None else bucket - len(items)
@@ -375,6 +393,8 @@ class ModelRunner:
             "logits_indices": (logits_rows, torch.int64),
             "table_update_index": (plan.update_index, torch.int64),
             "table_update_value": (plan.update_value, torch.int32),
+            "scored_rows": (scored_rows, torch.int64),
+            "scored_targets": (scored_targets, torch.int64),
         }
         dev = self.step_inputs.upload(arrays)
         block_tables = self.block_tables.apply(
@@ -395,6 +415,7 @@ class ModelRunner:
             query_start_loc=dev["query_start_loc"],
             logits_indices=dev["logits_indices"],
             num_padding=padding,
+            prompt_scoring=PromptScoring(dev["scored_rows"], dev["scored_targets"], owners) if owners else None,
         )
         return batch, sampling
 
@@ -425,21 +446,39 @@ class ModelRunner:
         self,
         items: Sequence[tuple[S, int]],
         mask: Callable[[torch.Tensor, Sequence[ScheduledSequence]], None] | None = None,
-    ) -> tuple[list[S], SampleResult | None]:
-        """Run one step; returns the requests that sampled and their tokens (None when nobody sampled). ``mask``
-        (structured output) gets the [R, vocab] logits and their rows' sequences once the forward pass is queued
-        (on a GPU its host work overlaps the device's) and forbids tokens in place. The result has
-        one row per verified position: 1 + d consecutive rows for a request with d draft tokens (row
-        j sampled as if drafts[:j] were accepted; see verify_drafts), one row for the others."""
+    ) -> tuple[list[S], SampleResult | None, dict[str, tuple[int, TokenScores]]]:
+        """Run one step; returns the requests that sampled and their tokens (None when nobody sampled), and the
+        prompt tokens scored for requests that ask for prompt logprobs (request id -> (index in its prompt of the
+        first token scored, one row per token scored in order), each scored once). ``mask`` (structured output)
+        gets the [R, vocab] logits and their rows' sequences once the forward pass is queued (on a GPU its host
+        work overlaps the device's) and forbids tokens in place. The sample result has one row per verified
+        position: 1 + d consecutive rows for a request with d draft tokens (row j sampled as if drafts[:j] were
+        accepted; see verify_drafts), one row for the others."""
         batch, sampling = self.prepare(items)
         hidden = self.graphs.replay(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self._eager_forward(batch)
+        scores = self._score_prompts(hidden, batch.prompt_scoring)
         if not sampling:
-            return sampling, None
+            return sampling, None, scores
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows: list[ScheduledSequence] = []
         for request in sampling:
             drafts = request.draft_token_ids
             rows.extend([request, *(DraftPosition.of(request, j) for j in range(1, len(drafts) + 1))])
-        return sampling, self.sampler(logits, rows, None if mask is None else lambda logits_: mask(logits_, rows))
+        sampled = self.sampler(logits, rows, None if mask is None else lambda logits_: mask(logits_, rows))
+        return sampling, sampled, scores
+
+    def _score_prompts(self, hidden: torch.Tensor, scoring: PromptScoring | None) -> dict[str, tuple[int, TokenScores]]:
+        """Each owner's scored prompt tokens (see execute), its top-k cut from the step's largest k."""
+        if scoring is None:
+            return {}
+        k = max(owner_k for _, owner_k, _, _ in scoring.owners)
+        scores = score_tokens(hidden[scoring.rows], scoring.targets, k, self.model.compute_logits, self.arch.vocab_size)
+        by_request, row = {}, 0
+        for request_id, owner_k, first, count in scoring.owners:
+            end = row + count
+            top = [t[:owner_k] for t in scores.top_logprobs[row:end]]
+            by_request[request_id] = (first, TokenScores(scores.logprobs[row:end], scores.ranks[row:end], top))
+            row = end
+        return by_request

@@ -17,6 +17,7 @@ from lora_server.model.batch import ScheduledSequence
 _NEG_INF = float("-inf")
 NON_FINITE = -1  # the token id of a row whose logits were not finite
 LogitsMask = Callable[[torch.Tensor], None]  # sets disallowed tokens of [S, vocab] logits to -inf, in place
+SCORING_LOGITS_BYTES = 64 << 20  # the float32 logits that exist at once while score_tokens works through its rows
 
 
 @dataclass(slots=True)
@@ -24,6 +25,45 @@ class SampleResult:
     token_ids: list[int]  # [S]
     logprobs: list[float] | None  # [S] log-probability of each sampled token under the model
     top_logprobs: list[list[tuple[int, float]]] | None  # [S][k] the k most likely tokens and their logprobs
+
+
+@dataclass(slots=True)
+class TokenScores:
+    """Given tokens scored by the rows before them (prompt logprobs): for row j, the logprob of its token, that
+    token's rank and the row's k most likely tokens."""
+
+    logprobs: list[float]  # [P]
+    ranks: list[int]  # [P] 1 + how many tokens the row found likelier than its token
+    top_logprobs: list[list[tuple[int, float]]]  # [P][k] (token id, logprob), most likely first
+
+
+def scoring_rows(vocab: int) -> int:
+    """The rows score_tokens sends through the head at once."""
+    return max(1, SCORING_LOGITS_BYTES // (4 * vocab))
+
+
+def score_tokens(
+    hidden: torch.Tensor, targets: torch.Tensor, k: int, logits_of: Callable[[torch.Tensor], torch.Tensor], vocab: int
+) -> TokenScores:
+    """hidden: [P, H] final hidden states, targets: [P] int64 the token each row scores, ``logits_of`` the model's
+    head ([m, H] -> [m, >= vocab] float32). Row j's result is log_softmax(logits_of(hidden[j])[:vocab])[targets[j]],
+    its rank and topk(k). The rows go through the head a slice at a time, so that at most SCORING_LOGITS_BYTES of
+    logits exist at once however long the prompt (never a [P, vocab] tensor); the result comes back in one
+    transfer."""
+    step = scoring_rows(vocab)
+    packed = []
+    for start in range(0, hidden.shape[0], step):
+        logprobs = torch.log_softmax(logits_of(hidden[start : start + step])[:, :vocab], dim=-1)  # [m, vocab]
+        chosen = logprobs.gather(1, targets[start : start + step, None])  # [m, 1]
+        rank = (logprobs > chosen).sum(-1, keepdim=True) + 1  # [m, 1]
+        top_vals, top_ids = logprobs.topk(k, dim=-1)  # [m, k]
+        packed.append(torch.cat([chosen.double(), rank.double(), top_ids.double(), top_vals.double()], 1))
+    rows = torch.cat(packed).tolist()  # [P][2 + 2k]
+    return TokenScores(
+        [row[0] for row in rows],
+        [int(row[1]) for row in rows],
+        [[(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k :], strict=True)] for row in rows],
+    )
 
 
 # Columns of the per-row parameter block of the staging buffer.

@@ -12,7 +12,9 @@ cache dtype, the LoRA workspace):
   attention, whose query tile is 16 rows while the longest query times the query heads per KV head fits in 16,
   else 64; LoRA tiles of PREFILL_BLOCK_T rows);
 - whether decode attention splits a sequence's keys (more than one split) or not;
-- whether any token has an adapter (LoRA kernels run at all; a CUDA graph's layout always has them).
+- whether any token has an adapter (LoRA kernels run at all; a CUDA graph's layout always has them);
+- for the output head, the rows a step samples and, for prompt logprobs, the prompt rows it scores (a slice of them
+  at a time: model.sampler.score_tokens): the prefill steps score theirs.
 
 Everything else that changes from step to step is a runtime value that Triton does not specialize on (the kernels'
 ``do_not_specialize``: token counts, split counts, block-table widths, table rows) or is aligned the same way
@@ -47,6 +49,7 @@ class SyntheticSeq:
 class WarmupStep:
     label: str
     seqs: tuple[SyntheticSeq, ...]
+    scores_prompt: bool = False  # its new tokens' hidden rows also go through the head (prompt logprobs' scoring)
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +102,7 @@ def plan(shapes: WarmupShapes) -> list[WarmupStep]:
             continue
         for adapter in with_adapters:
             label = f"prefill {count}" + (" + LoRA" if adapter else "")
-            steps.append(WarmupStep(label, (SyntheticSeq(1, count, adapter),)))
+            steps.append(WarmupStep(label, (SyntheticSeq(1, count, adapter),), scores_prompt=True))
     if 2 * shapes.query_heads_per_kv_head <= 16:
         steps.append(WarmupStep("short query", (SyntheticSeq(1, 2, shapes.lora), SyntheticSeq(1, 1, False))))
     steps.append(profile_step(shapes))

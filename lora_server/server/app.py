@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.peft_format import AdapterError
@@ -38,11 +39,19 @@ from lora_server.errors import LoraServerError
 from lora_server.server.metrics import Metrics
 from lora_server.server.openai_serving import ClientDisconnected, OpenAIServing, Prepared
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validation_message
+from lora_server.server.request_id import RequestIds, install_log_filter, request_id
+from lora_server.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 log = logging.getLogger("lora_server")
 STATUS_PAGE = Path(__file__).with_name("status.html")
 STORE_RETRY_AFTER_S = 2
 TENANTS_CHECK_S = 1.0  # how long "are there tenants?" is trusted for anonymous /v1 access (other replicas)
+NOT_SERVED = {
+    "responses": "use /v1/chat/completions (the Responses API's stored conversations, built-in tools and "
+    "reasoning items are not implemented)",
+    "embeddings": "the served models are decoder-only chat models and their LoRA adapters, with no pooling head "
+    "that makes an embedding",
+}
 
 
 class EngineAdapters:
@@ -184,7 +193,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         description="Many LoRA adapters of one base model behind an OpenAI-compatible "
         "API, with an admin API for adapters and tenants.",
     )
-    metrics = Metrics(model_id, engine)
+    metrics = Metrics(model_id, engine, settings.max_lora_metric_labels)
     serving = OpenAIServing(engine, metrics)
     control = EngineAdapters(engine)
     tenants = TenantPresence(store)
@@ -192,6 +201,18 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     app.state.draining = False  # set when shutdown starts: new requests get 503, in-flight ones finish
     app.add_middleware(RefuseWhileDraining, state=app.state)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    if settings.allowed_origins:  # CORS: off unless origins are given
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=list(settings.allowed_methods or ("*",)),
+            allow_headers=list(settings.allowed_headers or ("*",)),
+            allow_credentials=settings.allow_credentials,
+            expose_headers=["x-request-id"],
+        )
+    app.add_middleware(RequestIds)  # outermost: every answer carries the request's id, refusals included
+    install_log_filter()
+    started = int(time.time())  # the base model's "created"
 
     # ---- errors in OpenAI's shape, from every layer -----------------------------------------------------------
 
@@ -249,32 +270,46 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
+    def model_card(name: str, show_paths: bool) -> dict[str, Any] | None:
+        """One model as /v1/models lists it: the base (created: the server's start) or a served adapter (created:
+        its registration); None when ``name`` is neither."""
+        if name == model_id:
+            return {
+                "id": model_id,
+                "object": "model",
+                "created": started,
+                "owned_by": "lora-server",
+                "root": model_id,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+        info = engine.adapter_info(name)
+        if info is None:
+            return None
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(info["registered_at"]),
+            "owned_by": "lora-server",
+            "root": info["path"] if show_paths else name,
+            "parent": model_id,
+            "max_model_len": engine.max_model_len,
+        }
+
     def models(allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
         served = engine.adapter_names()
         names = served if allowed is None else [a for a in allowed if a in served]
-        base = {
-            "id": model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "lora-server",
-            "root": model_id,
-            "parent": None,
-            "max_model_len": engine.max_model_len,
-        }
-        data = [base]
-        for name in names:
-            info = engine.adapter_info(name) if show_paths else None
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "lora-server",
-                    "root": info["path"] if info else name,
-                    "parent": model_id,
-                }
+        cards = (model_card(name, show_paths) for name in [model_id, *names])
+        return {"object": "list", "data": [card for card in cards if card is not None]}
+
+    def one_model(name: str, allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
+        """GET /v1/models/{id}: the model, or 404 in OpenAI's shape (also for an adapter the caller may not use)."""
+        card = model_card(name, show_paths) if allowed is None or name in (model_id, *allowed) else None
+        if card is None:
+            raise ApiError(
+                404, f"The model `{name}` does not exist.", "not_found_error", param="model", code="model_not_found"
             )
-        return {"object": "list", "data": data}
+        return card
 
     # ---- who is asking ------------------------------------------------------------------------------------
 
@@ -348,6 +383,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
             adapter,
             cache_salt(tenant),
             tenant_share(tenant),
+            request_id(request.scope),
         )
         try:
             meter = (
@@ -357,7 +393,9 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
             serving.discard(prepared.requests)
             raise
         try:
-            result = await serving.run(prepared, req.model or adapter or model_id, meter, _disconnected(request))
+            result = await serving.run(
+                prepared, req.model or adapter or model_id, meter, lambda: _disconnected(request)
+            )
         except ClientDisconnected:
             return Response(status_code=499)
         if isinstance(result, dict):
@@ -371,6 +409,40 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         tenant = await caller(request)
         return models(None if tenant is None else tenant.adapters, show_paths=False)
 
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, request: Request) -> dict[str, Any]:
+        if is_admin(request):
+            return one_model(name, None, show_paths=True)
+        tenant = await caller(request)
+        return one_model(name, None if tenant is None else tenant.adapters, show_paths=False)
+
+    async def tokenizer_route(request: Request, tenant: TenantRecord | None, detok: bool) -> dict[str, Any]:
+        """vLLM's /tokenize and /detokenize for a caller: ``model`` resolved as on the completion endpoints."""
+        raw = await request.body()
+        if detok:
+            body = await run_in_threadpool(parse_body, raw, DetokenizeRequest)
+            await resolve(body.model, tenant)
+            return await run_in_threadpool(detokenize, engine, body)
+        req = await run_in_threadpool(parse_body, raw, TokenizeRequest)
+        await resolve(req.model, tenant)
+        return await run_in_threadpool(tokenize, engine, req)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return await tokenizer_route(request, await caller(request), detok=False)
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return await tokenizer_route(request, await caller(request), detok=True)
+
+    @app.post("/t/{tenant}/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tenant_tokenize(tenant: str, request: Request) -> dict[str, Any]:
+        return await tokenizer_route(request, await tenant_of(tenant, request), detok=False)
+
+    @app.post("/t/{tenant}/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def tenant_detokenize(tenant: str, request: Request) -> dict[str, Any]:
+        return await tokenizer_route(request, await tenant_of(tenant, request), detok=True)
+
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await complete("chat", request, await caller(request))
@@ -383,6 +455,10 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     async def tenant_models(tenant: str, request: Request) -> dict[str, Any]:
         return models((await tenant_of(tenant, request)).adapters, show_paths=False)
 
+    @app.get("/t/{tenant}/v1/models/{name:path}")
+    async def tenant_model(tenant: str, name: str, request: Request) -> dict[str, Any]:
+        return one_model(name, (await tenant_of(tenant, request)).adapters, show_paths=False)
+
     @app.post("/t/{tenant}/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def tenant_chat(tenant: str, request: Request) -> Response:
         return await complete("chat", request, await tenant_of(tenant, request))
@@ -390,6 +466,16 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     @app.post("/t/{tenant}/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def tenant_completions(tenant: str, request: Request) -> Response:
         return await complete("completion", request, await tenant_of(tenant, request))
+
+    async def not_served(request: Request) -> JSONResponse:
+        """OpenAI routes this server does not serve: a 404 in OpenAI's shape that says so and what to use."""
+        route = request.url.path.rsplit("/v1/", 1)[-1]
+        why = NOT_SERVED[route]
+        return error(ApiError(404, f"/v1/{route} is not served by this server: {why}", "not_found_error"))
+
+    for route in NOT_SERVED:
+        for prefix in ("/v1", "/t/{tenant}/v1"):
+            app.add_api_route(f"{prefix}/{route}", not_served, methods=["GET", "POST"], include_in_schema=False)
 
     @app.get("/admin/ui", response_class=HTMLResponse)
     async def status_page(request: Request) -> HTMLResponse:
@@ -400,7 +486,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
 
     roots = [Path(r) for r in engine.config.adapter_roots or ()]
     app.include_router(admin_router(store, control, admin_key, roots, model_id, tenants.changed))
-    _add_body_schemas(app, (ChatCompletionRequest, CompletionRequest))
+    _add_body_schemas(app, (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest))
     return app
 
 

@@ -5,12 +5,15 @@ OpenAIServing on the event loop; the engine's state is read from its published s
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator
+from collections import Counter as CounterOf
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
@@ -86,6 +89,8 @@ E2E_BUCKETS = (
     7680.0,
 )
 BASE_PLACEMENT_NAME = "<base>"  # the base model's entry in the pool's placement (EngineCore.pool_figures)
+OTHER_ADAPTERS = "<other>"  # lora_name of the adapters beyond the labelled ones (no adapter name has < or >)
+LORA_LABEL_WINDOW_S = 300.0  # the labelled adapters are re-chosen by their requests over this window
 POOL_FIGURES = (
     "adapter_hit_rate",
     "kv_token_hit_rate",
@@ -100,32 +105,104 @@ POOL_FIGURES = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class RequestSeries:
+    """The latency series one request is observed in: its adapter's (see AdapterLabels)."""
+
+    ttft: Histogram
+    itl: Histogram  # one observation per output token after the first
+    tpot: Histogram  # one per request: its decode time over its output tokens after the first
+    e2e: Histogram
+    queue: Histogram  # one per admitted request: arrival to first admission
+
+
 class Metrics:
-    """One app's metrics. OpenAIServing calls ``ttft``/``itl``/``e2e``.observe and the counters' ``inc``; the
-    /metrics route serves ``render()`` as ``content_type``."""
+    """One app's metrics. OpenAIServing takes a request's ``series(adapter)`` when it starts and observes its
+    latencies there, and calls the counters' ``inc``; the /metrics route serves ``render()`` as ``content_type``.
+
+    The latency histograms carry ``lora_name`` beside ``model_name``: "" (no label) for the base model, the adapter's
+    name for at most ``max_lora_labels`` adapters, OTHER_ADAPTERS for the rest (AdapterLabels)."""
 
     content_type = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes; every Prometheus scraper reads it
 
-    def __init__(self, model_name: str, engine: Engine) -> None:
+    def __init__(self, model_name: str, engine: Engine, max_lora_labels: int = 16) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
-            family = Histogram(name, help_text, ["model_name"], registry=self.registry, buckets=buckets)
-            return family.labels(model_name)
+            family = Histogram(name, help_text, ["model_name", "lora_name"], registry=self.registry, buckets=buckets)
+            family.labels(model_name, "")  # the base model's series exist from the start
+            return family
 
         def counter(name: str, help_text: str) -> Counter:
             return Counter(name, help_text, ["model_name"], registry=self.registry).labels(model_name)
 
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens in seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS)
+        self._latencies = {
+            "ttft": histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
+            "itl": histogram("vllm:inter_token_latency_seconds", "Time between output tokens in seconds.", ITL_BUCKETS),
+            "tpot": histogram(
+                "vllm:request_time_per_output_token_seconds",
+                "Per request: time per output token after the first, in seconds.",
+                ITL_BUCKETS,
+            ),
+            "e2e": histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS),
+            "queue": histogram(
+                "vllm:request_queue_time_seconds", "Time from arrival to first admission in seconds.", E2E_BUCKETS
+            ),
+        }
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Output tokens of finished requests.")
         self.request_success = counter("vllm:request_success", "Finished requests.")
+        self.adapter_labels = AdapterLabels(max_lora_labels, self._drop)
         self.registry.register(EngineCollector(engine, model_name))
+
+    def series(self, adapter: str | None) -> RequestSeries:
+        """The series a request of ``adapter`` (None: the base model) is observed in, counted as one request."""
+        label = self.adapter_labels.label(adapter)
+        return RequestSeries(**{k: family.labels(self.model_name, label) for k, family in self._latencies.items()})
+
+    def _drop(self, names: set[str]) -> None:
+        """Remove the series of adapters that lost their label (their later requests count as OTHER_ADAPTERS)."""
+        for family in self._latencies.values():
+            for name in names:
+                family.remove(self.model_name, name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AdapterLabels:
+    """The bound on lora_name values: at most ``limit`` adapters have their own series. Until the first window of
+    LORA_LABEL_WINDOW_S ends, the first ``limit`` adapters requested get one; from then on, at the end of each
+    window, the ``limit`` adapters with the most requests in it (ties by name) keep or get theirs, and the series of
+    those that lose theirs are removed (``on_drop``). Requests of the others are observed under OTHER_ADAPTERS.
+    The base model is always "" (its own series). Used on the event loop only."""
+
+    def __init__(self, limit: int, on_drop: Callable[[set[str]], None], clock: Callable[[], float] = time.monotonic):
+        self.limit, self.on_drop, self.clock = limit, on_drop, clock
+        self.labelled: set[str] = set()
+        self._counts: CounterOf[str] = CounterOf()  # requests per adapter in the current window
+        self._window_start = clock()
+
+    def label(self, adapter: str | None) -> str:
+        """``adapter``'s lora_name for a request that starts now (counted in the window)."""
+        if adapter is None:
+            return ""
+        if self.clock() - self._window_start >= LORA_LABEL_WINDOW_S:
+            self._roll()
+        self._counts[adapter] += 1
+        if adapter not in self.labelled and len(self.labelled) < self.limit:
+            self.labelled.add(adapter)
+        return adapter if adapter in self.labelled else OTHER_ADAPTERS
+
+    def _roll(self) -> None:
+        top = set(sorted(self._counts, key=lambda a: (-self._counts[a], a))[: self.limit])
+        dropped = self.labelled - top
+        self.labelled = top
+        self._counts.clear()
+        self._window_start = self.clock()
+        if dropped:
+            self.on_drop(dropped)
 
 
 class EngineCollector(Collector):
@@ -146,7 +223,11 @@ class EngineCollector(Collector):
     {adapter_name, level, pinned}`` = 1 for each adapter whose weights are loaded somewhere, level "gpu" while they
     are on the device, "cpu" while they are only staged in host memory (a registered adapter on neither is read
     from disk when a request needs it: no series); ``vllm:num_gpu_loaded_lora_adapters`` counts those on the
-    device, ``vllm:num_cpu_loaded_lora_adapters`` those staged in host memory (some also on the device)."""
+    device, ``vllm:num_cpu_loaded_lora_adapters`` those staged in host memory (some also on the device), and
+    ``rank`` on each series (the adapter's largest rank). What llm-d's LoRA scorer reads beside them:
+    ``vllm:max_gpu_lora_adapters`` (the device's adapter slots: ``--max-loras``, the most distinct adapters one
+    batch serves) and ``vllm:lora_adapter_load_seconds{transition}``, how long adapters took to become servable:
+    ``load`` disk to host memory, ``activate`` host memory to the device (engine/load_times.py)."""
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -156,7 +237,7 @@ class EngineCollector(Collector):
         pool: dict[str, Any] = snap.pool
         salts = pool["kv_tokens_by_salt"].values()
         residency = adapter_residency(pool["adapters"])
-        on_device = sorted(name for name, (level, _, _) in residency.items() if level == "gpu")
+        on_device = sorted(name for name, r in residency.items() if r.level == "gpu")
         counters = {
             "vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
             "vllm:prefix_cache_queries": (
@@ -178,7 +259,11 @@ class EngineCollector(Collector):
             "vllm:num_gpu_loaded_lora_adapters": ("Adapters with weights on the device.", len(on_device)),
             "vllm:num_cpu_loaded_lora_adapters": (
                 "Adapters with weights staged in host memory (those also on the device included).",
-                sum(staged for _, _, staged in residency.values()),
+                sum(r.staged for r in residency.values()),
+            ),
+            "vllm:max_gpu_lora_adapters": (
+                "The most distinct adapters one batch serves (--max-loras), the device's adapter slots.",
+                self.engine.config.max_loras,
             ),
             "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
             "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
@@ -205,12 +290,24 @@ class EngineCollector(Collector):
                 yield family
         loaded = GaugeMetricFamily(
             "vllm:lora_adapter_loaded",
-            "1 per loaded adapter: level gpu while its weights are on the device, cpu while only in host memory.",
-            labels=["model_name", "adapter_name", "level", "pinned"],
+            "1 per loaded adapter: level gpu while its weights are on the device, cpu while only in host memory; "
+            "rank its largest LoRA rank.",
+            labels=["model_name", "adapter_name", "level", "pinned", "rank"],
         )
-        for name, (level, pinned, _) in sorted(residency.items()):
-            loaded.add_metric([self.model_name, name, level, str(pinned).lower()], 1)
+        for name, r in sorted(residency.items()):
+            loaded.add_metric([self.model_name, name, r.level, str(r.pinned).lower(), str(r.rank)], 1)
         yield loaded
+        load_seconds = HistogramMetricFamily(
+            "vllm:lora_adapter_load_seconds",
+            "Seconds an adapter took to become servable, by transition: load (disk to host memory), activate (host "
+            "memory to the device).",
+            labels=["model_name", "transition"],
+        )
+        for transition, h in pool["adapter_load_seconds"].items():
+            cumulative = list(itertools.accumulate(h["counts"]))
+            edges = [*(str(le) for le in h["buckets"]), "+Inf"]
+            load_seconds.add_metric([self.model_name, transition], list(zip(edges, cumulative, strict=True)), h["sum"])
+        yield load_seconds
         cache = GaugeMetricFamily(
             "vllm:cache_config_info", "KV cache configuration (value 1).", labels=["block_size", "num_gpu_blocks"]
         )
@@ -227,18 +324,25 @@ class EngineCollector(Collector):
         yield lora
 
 
-def adapter_residency(placement: list[dict[str, Any]]) -> dict[str, tuple[str, bool, bool]]:
-    """Adapter name -> (level, pinned, staged) from the pool's placement in a snapshot (``EngineCore.pool_figures``
-    "adapters"): level "gpu" while its weights are in the device's arena, "cpu" while they are only staged in host
-    memory; names whose weights are on neither (registered, read from disk when needed) are left out, as are the
-    base model and weights no name points to any more (kept while their last requests run). Names with equal
-    weights share one entry of the placement."""
-    residency: dict[str, tuple[str, bool, bool]] = {}
+@dataclass(frozen=True, slots=True)
+class Residency:
+    level: str  # "gpu": its weights are in the device's arena; "cpu": only staged in host memory
+    pinned: bool
+    staged: bool  # its weights are in host memory (some also on the device)
+    rank: int | None  # its largest LoRA rank
+
+
+def adapter_residency(placement: list[dict[str, Any]]) -> dict[str, Residency]:
+    """Adapter name -> its Residency from the pool's placement in a snapshot (``EngineCore.pool_figures``
+    "adapters"); names whose weights are on neither tier (registered, read from disk when needed) are left out, as
+    are the base model and weights no name points to any more (kept while their last requests run). Names with
+    equal weights share one entry of the placement."""
+    residency: dict[str, Residency] = {}
     for adapter in placement:
         level = "gpu" if adapter["tier"] == "gpu" else "cpu" if adapter["staged"] else None
         if level is None:
             continue
         for name in adapter["names"]:
             if name != BASE_PLACEMENT_NAME:
-                residency[name] = (level, bool(adapter["pinned"]), bool(adapter["staged"]))
+                residency[name] = Residency(level, bool(adapter["pinned"]), bool(adapter["staged"]), adapter["rank"])
     return residency

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -22,10 +21,9 @@ from lora_server.engine.outputs import RequestOutput, TokenLogprob
 from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.errors import LoraServerError
 from lora_server.sampling_params import SamplingParams
-from lora_server.server.metrics import Metrics
+from lora_server.server.logprobs import LogprobsFormatter
+from lora_server.server.metrics import Metrics, RequestSeries
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
-
-MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are written as (JSON has no infinities), as vLLM does
 
 
 class Meter(Protocol):
@@ -41,10 +39,14 @@ class Prepared:
     (each holds its adapter version until submitted or discarded)."""
 
     kind: str  # "chat" | "completion"
+    response_id: str  # the answer's id: "chatcmpl-" or "cmpl-" and the HTTP request's id
     requests: list[Request]
     n: int
     stream: bool
     include_usage: bool
+    echo: list[str] | None = None  # completions' echo: each prompt's text, which its choices' text starts with
+    echo_logprobs: bool = False  # the logprobs object starts with the prompt's tokens (echo with logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs shown, with their top-k; None: not shown
 
     @property
     def prompt_tokens(self) -> int:
@@ -67,6 +69,9 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
+    sent_chars: int = 0  # characters streamed so far (echoed prompt included): the next text_offset
+    echoed: bool = False  # its stream has sent the echoed prompt
 
 
 class ClientDisconnected(Exception):
@@ -76,27 +81,54 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine, self.metrics = engine, metrics
+        self.logprobs = LogprobsFormatter(engine.tokenizer)
 
     # ---- stage 1 (blocking, in a worker thread) -------------------------------------------------------------
 
     def prepare_chat(
-        self, req: ChatCompletionRequest, adapter: str | None, cache_salt: str, tenant: TenantShare = NO_TENANT
+        self,
+        req: ChatCompletionRequest,
+        adapter: str | None,
+        cache_salt: str,
+        tenant: TenantShare = NO_TENANT,
+        request_id: str | None = None,
     ) -> Prepared:
-        """``tenant``: whom it is served for, with the tenant's share of the engine (weight, cap)."""
+        """``tenant``: whom it is served for, with the tenant's share of the engine (weight, cap); ``request_id``:
+        the HTTP request's (x-request-id), which the answer's id carries (default: a new one)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompt = self.engine.chat_prompt(messages)
         params = req.to_params(self.engine.max_model_len - len(prompt))
-        return self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant)
+        prepared = self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant, request_id)
+        prepared.prompt_logprobs = req.prompt_logprobs
+        return prepared
 
     def prepare_completion(
-        self, req: CompletionRequest, adapter: str | None, cache_salt: str, tenant: TenantShare = NO_TENANT
+        self,
+        req: CompletionRequest,
+        adapter: str | None,
+        cache_salt: str,
+        tenant: TenantShare = NO_TENANT,
+        request_id: str | None = None,
     ) -> Prepared:
-        prompts: list[Prompt] = list(req.prompts())
+        given = req.prompts()
+        prompts: list[Prompt] = list(given)
         if self.engine.tokenizer is not None:  # tokenized once here; the engine takes the ids
             prompts = [self.engine.encode(p) if isinstance(p, str) and p else p for p in prompts]
         longest = max(len(p) for p in prompts)
         params = req.to_params(self.engine.max_model_len - longest)
-        return self._prepare("completion", prompts, params, req, adapter, cache_salt, tenant)
+        prepared = self._prepare("completion", prompts, params, req, adapter, cache_salt, tenant, request_id)
+        if req.echo:  # a text prompt as it was sent; token ids as their text
+            prepared.echo = [p if isinstance(p, str) else self._text(p) for p in given]
+        prepared.echo_logprobs = req.echoes_logprobs
+        # vLLM shows the prompt's logprobs on each choice when asked, and with echo and logprobs
+        prepared.prompt_logprobs = (
+            req.logprobs if req.prompt_logprobs is None and req.echoes_logprobs else req.prompt_logprobs
+        )
+        return prepared
+
+    def _text(self, token_ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return "" if tok is None else tok.decode(token_ids, skip_special_tokens=False)
 
     def _prepare(
         self,
@@ -107,9 +139,11 @@ class OpenAIServing:
         adapter: str | None,
         cache_salt: str,
         tenant: TenantShare,
+        request_id: str | None,
     ) -> Prepared:
         n = req.n
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id or uuid.uuid4().hex}"
+        unique = uuid.uuid4().hex[:8]  # engine ids stay unique when a client sends one x-request-id twice
         requests: list[Request] = []
         try:
             for p_index, prompt in enumerate(prompts):
@@ -121,7 +155,7 @@ class OpenAIServing:
                             sub,
                             adapter,
                             cache_salt,
-                            f"{request_id}-{p_index}-{i}",
+                            f"{response_id}-{unique}-{p_index}-{i}",
                             tenant=tenant,
                             priority=req.priority,
                         )
@@ -129,7 +163,7 @@ class OpenAIServing:
         except LoraServerError:
             self.discard(requests)
             raise
-        return Prepared(kind, requests, n, req.stream, _include_usage(req))
+        return Prepared(kind, response_id, requests, n, req.stream, _include_usage(req))
 
     def discard(self, requests: list[Request]) -> None:
         for r in requests:
@@ -138,11 +172,12 @@ class OpenAIServing:
     # ---- stage 2 (event loop) -------------------------------------------------------------------------------
 
     async def run(
-        self, prepared: Prepared, model: str, meter: Meter | None, disconnected: Awaitable[None]
+        self, prepared: Prepared, model: str, meter: Meter | None, disconnected: Callable[[], Awaitable[None]]
     ) -> dict[str, Any] | AsyncIterator[str]:
         """Submit every request (all or none: a full queue aborts those already in) and answer: a JSON body, or
-        for streams an iterator of server-sent events. ``disconnected`` completes when a non-streaming client goes
-        away: its requests are aborted at once and ClientDisconnected is raised."""
+        for streams an iterator of server-sent events. ``disconnected()`` is awaited only for a non-streaming
+        request (a stream learns of a gone client when its generator is closed); it completes when the client
+        goes away: its requests are aborted at once and ClientDisconnected is raised."""
         streams: list = []
         try:
             for r in prepared.requests:
@@ -152,13 +187,13 @@ class OpenAIServing:
                 await s.aclose()
             self.discard(prepared.requests[len(streams) + 1 :])  # submit discarded the one it refused
             raise
-        request_id = prepared.requests[0].request_id.rsplit("-", 2)[0]
+        request_id = prepared.response_id
         created = int(time.time())
         if prepared.stream:
             return self._sse(prepared, request_id, created, model, streams, meter)
         choices: dict[int, _Choice] = {}
-        collect = asyncio.ensure_future(self._collect(streams, choices))
-        gone = asyncio.ensure_future(disconnected)
+        collect = asyncio.ensure_future(self._collect(prepared, streams, choices))
+        gone = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -170,30 +205,38 @@ class OpenAIServing:
         if not collect.done() or collect.cancelled():
             raise ClientDisconnected
         collect.result()  # re-raises an engine error
-        return self._final(prepared.kind, request_id, created, model, [choices[i] for i in sorted(choices)], prepared.n)
+        return self._final(prepared, request_id, created, model, [choices[i] for i in sorted(choices)])
 
-    async def _tracked(self, index: int, stream) -> AsyncIterator[tuple[int, RequestOutput]]:
-        start = last = time.monotonic()
+    async def _tracked(self, index: int, stream, series: RequestSeries) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The stream's outputs, its latencies observed in ``series`` (its adapter's)."""
+        start = last = first_token = time.monotonic()
         first = True
         async for out in stream:
             now = time.monotonic()
             if out.token_ids:
-                (self.metrics.ttft if first else self.metrics.itl).observe(now - (start if first else last))
+                (series.ttft if first else series.itl).observe(now - (start if first else last))
+                if first:
+                    first_token = now
                 first, last = False, now
             if out.finished:
-                self.metrics.e2e.observe(now - start)
+                series.e2e.observe(now - start)
+                if out.num_output_tokens > 1:
+                    series.tpot.observe((last - first_token) / (out.num_output_tokens - 1))
+                if out.queue_time_s is not None:
+                    series.queue.observe(out.queue_time_s)
                 self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
                 self.metrics.generation_tokens.inc(out.num_output_tokens)
                 self.metrics.request_success.inc()
             yield index, out
 
-    async def _merged(self, streams: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    async def _merged(self, prepared: Prepared, streams: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Outputs of several streams as they come; closing this aborts whatever is still running."""
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        series = [self.metrics.series(None if r.adapter is None else r.adapter.name) for r in prepared.requests]
 
         async def pump(index: int, stream) -> None:
             try:
-                async for item in self._tracked(index, stream):
+                async for item in self._tracked(index, stream, series[index]):
                     await queue.put(item)
                 await queue.put(None)
             except BaseException as exc:  # handed to the consumer, which re-raises it
@@ -216,8 +259,8 @@ class OpenAIServing:
             for s in streams:
                 await s.aclose()
 
-    async def _collect(self, streams: list, choices: dict[int, _Choice]) -> None:
-        merged = self._merged(streams)
+    async def _collect(self, prepared: Prepared, streams: list, choices: dict[int, _Choice]) -> None:
+        merged = self._merged(prepared, streams)
         try:
             async for index, out in merged:
                 c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
@@ -232,7 +275,7 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         choices: dict[int, _Choice] = {}
         base = {"id": request_id, "object": obj, "created": created, "model": model}
-        merged = self._merged(streams)
+        merged = self._merged(prepared, streams)
         try:
             if kind == "chat":
                 for i in range(len(streams)):
@@ -251,19 +294,16 @@ class OpenAIServing:
                     )
             async for index, out in merged:
                 c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
+                echo = kind == "completion" and prepared.echo is not None and not c.echoed
                 _add(c, out)
-                if not out.text and not out.finished and not out.logprobs:
+                if not out.text and not out.finished and not out.logprobs and not echo:
                     continue
-                lp = self._logprobs(kind, out.logprobs) if out.logprobs else None
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None,
-                }
+                choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason if out.finished else None}
                 if kind == "chat":
+                    choice["logprobs"] = self.logprobs.chat(out.logprobs) if out.logprobs else None
                     choice["delta"] = {"content": out.text} if out.text else {}
                 else:
-                    choice["text"] = out.text
+                    choice["text"], choice["logprobs"] = self._completion_delta(prepared, c, out, echo)
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                 yield _event({**base, "choices": [choice]})
@@ -280,65 +320,71 @@ class OpenAIServing:
             _settle(meter, choices, prepared.n)
         yield "data: [DONE]\n\n"
 
+    def _completion_delta(
+        self, prepared: Prepared, c: _Choice, out: RequestOutput, echo: bool
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A streamed completions choice's text and logprobs for ``out``; the choice's first carries the echoed
+        prompt (and its tokens' logprobs with echo and logprobs)."""
+        text = out.text
+        entries: list[tuple[int, TokenLogprob | None]] = [(e.token_id, e) for e in out.logprobs or []]
+        if echo:
+            assert prepared.echo is not None
+            text = prepared.echo[c.index // prepared.n] + text
+            entries = self._prompt_entries(prepared, c) + entries
+            c.echoed = True
+        k = prepared.requests[c.index].params.logprobs
+        logprobs = None if k is None else self.logprobs.completion(entries, k, c.sent_chars)
+        c.sent_chars += len(text)
+        return text, logprobs
+
+    def _prompt_entries(self, prepared: Prepared, c: _Choice) -> list[tuple[int, TokenLogprob | None]]:
+        """The choice's prompt tokens with their logprobs, when the logprobs object echoes them."""
+        if not prepared.echo_logprobs:
+            return []
+        assert c.prompt_logprobs is not None, "echo with logprobs computes the prompt's logprobs"
+        return list(zip(prepared.requests[c.index].prompt_token_ids, c.prompt_logprobs, strict=True))
+
     def _final(
-        self, kind: str, request_id: str, created: int, model: str, choices: list[_Choice], n: int
+        self, prepared: Prepared, request_id: str, created: int, model: str, choices: list[_Choice]
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": request_id, "created": created, "model": model, "usage": _usage(choices, n)}
-        if kind == "chat":
+        body: dict[str, Any] = {
+            "id": request_id,
+            "created": created,
+            "model": model,
+            "usage": _usage(choices, prepared.n),
+        }
+        shown = prepared.prompt_logprobs
+        if prepared.kind == "chat":
             body["object"] = "chat.completion"
             body["choices"] = [
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
+                    "logprobs": self.logprobs.chat(c.logprobs) if c.logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
                 for c in choices
             ]
-        else:
-            body["object"] = "text_completion"
-            body["choices"] = [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ]
-        return body
-
-    def _token(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
-        return str(token_id) if tok is None else tok.decode([token_id], skip_special_tokens=False)
-
-    def _logprobs(self, kind: str, entries: list[TokenLogprob]) -> dict[str, Any]:
-        if kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": (t := self._token(e.token_id)),
-                        "logprob": _finite(e.logprob),
-                        "bytes": list(t.encode()),
-                        "top_logprobs": [
-                            {"token": (s := self._token(i)), "logprob": _finite(v), "bytes": list(s.encode())}
-                            for i, v in e.top
-                        ],
-                    }
-                    for e in entries
-                ]
+            if shown is not None:  # vLLM's: one list for the response (every choice has the same prompt)
+                body["prompt_logprobs"] = self.logprobs.prompt(choices[0].prompt_logprobs or [], shown)
+            return body
+        body["object"] = "text_completion"
+        body["choices"] = []
+        for c in choices:
+            k = prepared.requests[c.index].params.logprobs
+            entries = self._prompt_entries(prepared, c) + [(e.token_id, e) for e in c.logprobs]
+            choice = {
+                "index": c.index,
+                "text": c.text if prepared.echo is None else prepared.echo[c.index // prepared.n] + c.text,
+                "logprobs": None if k is None else self.logprobs.completion(entries, k),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
-        return {
-            "tokens": [self._token(e.token_id) for e in entries],
-            "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": [{self._token(i): _finite(v) for i, v in e.top} for e in entries],
-        }
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+            if shown is not None:
+                choice["prompt_logprobs"] = self.logprobs.prompt(c.prompt_logprobs or [], shown)
+            body["choices"].append(choice)
+        return body
 
 
 def _seed(seed: int) -> int:
@@ -354,6 +400,8 @@ def _add(c: _Choice, out: RequestOutput) -> None:
     c.text += out.text
     c.token_ids.extend(out.token_ids)
     c.logprobs.extend(out.logprobs or [])
+    if out.prompt_logprobs is not None:
+        c.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
 

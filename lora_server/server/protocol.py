@@ -62,6 +62,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: StrictInt = 0  # vLLM's: lower values are admitted first among the tenant's waiting requests
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob and the top-k (not streamed)
     # structured output: OpenAI's response_format, or one of vLLM's guided fields
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -94,8 +95,13 @@ class _Sampling(BaseModel):
             )
         return given[0] if given else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
-        """default_max: what max_tokens becomes when the request gives none (the room left in the context)."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, default_max: int, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        """default_max: what max_tokens becomes when the request gives none (the room left in the context);
+        prompt_logprobs: the top-k the engine computes for each prompt token (None: none)."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs cannot be streamed (as in vLLM)", param="prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         values: dict[str, Any] = dict(
             max_tokens=max(1, default_max) if max_tokens is None else max_tokens,
@@ -113,6 +119,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured=self.structured_output(),
@@ -153,7 +160,7 @@ class ChatCompletionRequest(_Sampling):
     def to_params(self, default_max: int) -> SamplingParams:
         k = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, k, default_max)
+        return self.sampling_params(max_tokens, k, default_max, self.prompt_logprobs)
 
 
 class CompletionRequest(_Sampling):
@@ -162,7 +169,21 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
     def to_params(self, default_max: int) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs, default_max)
+        """With echo, the prompt's logprobs are computed for the logprobs object (top ``logprobs``), and max_tokens
+        0 scores the prompt (lm-evaluation-harness's loglikelihood requests): then they are computed even when
+        not shown, since a request of no tokens exists only to score its prompt."""
+        k = self.prompt_logprobs
+        if self.echo:
+            if self.logprobs is not None:
+                k = max(k or 0, self.logprobs)
+            elif self.max_tokens == 0 and k is None:
+                k = 0
+        return self.sampling_params(self.max_tokens, self.logprobs, default_max, k)
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """The logprobs object starts with the prompt's tokens (echo with logprobs)."""
+        return self.echo and self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -59,7 +59,9 @@ class RegistrySync:
             for record in records.values():
                 if self._stale(record):
                     try:
-                        self.engine.add_adapter(record.name, record.path, record.pinned, record.version)
+                        self.engine.add_adapter(
+                            record.name, record.path, record.pinned, record.version, registered_at=record.created_at
+                        )
                     except AdapterError as exc:
                         log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
             for name in self.engine.adapter_names():
