@@ -50,6 +50,13 @@ class EngineConfig:
         ),
     )
     load_format: str = field(default="auto", metadata=flag("how to read --model", choices=LOAD_FORMATS))
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag(
+            "a Jinja chat template used instead of the model's own (vLLM's flag): a file, or the template itself; "
+            "one that reads `tools` shows the model its tools its own way"
+        ),
+    )
     quantization: str = field(
         default="auto",
         metadata=flag(
