@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kv_pool.policies import POLICIES
+from lora_server.tools.parsers import TOOL_PARSERS
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
@@ -311,6 +312,15 @@ class ServerConfig:
         default=None,
         metadata=flag("keep the registry in Redis instead, so that several replicas share it (redis://HOST:PORT/DB)"),
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "how the model writes tool calls, for tool_choice auto (vLLM's names): hermes (Qwen2.5/Qwen3, Hermes, "
+            "SmolLM2), llama3_json (Llama 3.x), mistral; default: the one its chat template shows (hermes for a "
+            "template that does not read tools: the tools are then rendered in the system prompt)",
+            choices=tuple(TOOL_PARSERS),
+        ),
+    )
     shutdown_timeout: float = field(
         default=30.0,
         metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
@@ -344,6 +354,8 @@ class ServerConfig:
         if self.ray_replicas < 0:
             raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
+        if self.tool_call_parser is not None:
+            _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_PARSERS))
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -20,10 +20,14 @@ from typing import Any, Protocol
 from lora_server.engine import Engine, Prompt
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
 from lora_server.engine.request import NO_TENANT, Request, TenantShare
-from lora_server.errors import LoraServerError
+from lora_server.engine.tokenizer import Tokenizer
+from lora_server.errors import InvalidRequestError, LoraServerError
 from lora_server.sampling_params import SamplingParams
 from lora_server.server.metrics import Metrics
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
+from lora_server.server.tool_calls import ChoiceToolCalls
+from lora_server.tools.calling import ToolCalling, plan_tool_calls
+from lora_server.tools.parsers import TOOL_PARSERS, ToolParser, parser_for_template
 
 MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are written as (JSON has no infinities), as vLLM does
 
@@ -45,6 +49,12 @@ class Prepared:
     n: int
     stream: bool
     include_usage: bool
+    tool_calling: ToolCalling | None = None  # how a chat request's output is read for tool calls
+
+    def choice(self, index: int, out: RequestOutput) -> _Choice:
+        """A choice's record, made at its first output."""
+        tools = None if self.tool_calling is None else ChoiceToolCalls(self.tool_calling.reader())
+        return _Choice(index, out.num_prompt_tokens, out.num_cached_tokens, tools=tools)
 
     @property
     def prompt_tokens(self) -> int:
@@ -67,6 +77,20 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    tools: ChoiceToolCalls | None = None  # its output read for tool calls
+
+    def chat_message(self) -> tuple[dict[str, Any], str | None]:
+        """A whole chat answer's message and finish reason (its tool calls read from its whole text: call once)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": self.text}, self.finish_reason
+        self.tools.deltas(self.text, finished=True)
+        return self.tools.message(), self.tools.finish_reason(self.finish_reason)
+
+    def chat_deltas(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The stream deltas of its next output."""
+        if self.tools is None:
+            return [{"content": out.text}] if out.text else []
+        return self.tools.deltas(out.text, out.finished)
 
 
 class ClientDisconnected(Exception):
@@ -74,8 +98,11 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: the model's tool-call format (lora_server.tools.parsers), else chosen from its chat
+        template."""
         self.engine, self.metrics = engine, metrics
+        self.tool_parser = model_tool_parser(engine.tokenizer, tool_call_parser)
 
     # ---- stage 1 (blocking, in a worker thread) -------------------------------------------------------------
 
@@ -83,10 +110,16 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, adapter: str | None, cache_salt: str, tenant: TenantShare = NO_TENANT
     ) -> Prepared:
         """``tenant``: whom it is served for, with the tenant's share of the engine (weight, cap)."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = self.engine.chat_prompt(messages)
+        tool_request = req.tool_request()
+        calling = None if tool_request is None else plan_tool_calls(tool_request, self.tool_parser)
+        tools = None if tool_request is None else tool_request.definitions()
+        prompt = self.engine.chat_prompt(req.template_messages(), tools)
         params = req.to_params(self.engine.max_model_len - len(prompt))
-        return self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant)
+        if calling is not None:
+            params = _with_tool_calling(params, calling)
+        prepared = self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant)
+        prepared.tool_calling = calling
+        return prepared
 
     def prepare_completion(
         self, req: CompletionRequest, adapter: str | None, cache_salt: str, tenant: TenantShare = NO_TENANT
@@ -157,7 +190,7 @@ class OpenAIServing:
         if prepared.stream:
             return self._sse(prepared, request_id, created, model, streams, meter)
         choices: dict[int, _Choice] = {}
-        collect = asyncio.ensure_future(self._collect(streams, choices))
+        collect = asyncio.ensure_future(self._collect(prepared, streams, choices))
         gone = asyncio.ensure_future(disconnected)
         try:
             await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -216,11 +249,13 @@ class OpenAIServing:
             for s in streams:
                 await s.aclose()
 
-    async def _collect(self, streams: list, choices: dict[int, _Choice]) -> None:
+    async def _collect(self, prepared: Prepared, streams: list, choices: dict[int, _Choice]) -> None:
         merged = self._merged(streams)
         try:
             async for index, out in merged:
-                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
+                if index not in choices:
+                    choices[index] = prepared.choice(index, out)
+                c = choices[index]
                 _add(c, out)
         finally:
             await merged.aclose()
@@ -250,23 +285,25 @@ class OpenAIServing:
                         }
                     )
             async for index, out in merged:
-                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
+                if index not in choices:
+                    choices[index] = prepared.choice(index, out)
+                c = choices[index]
                 _add(c, out)
+                if kind == "chat":
+                    for choice in self._chat_chunk_choices(c, out):
+                        yield _event({**base, "choices": [choice]})
+                    continue
                 if not out.text and not out.finished and not out.logprobs:
                     continue
-                lp = self._logprobs(kind, out.logprobs) if out.logprobs else None
-                choice: dict[str, Any] = {
+                text_choice: dict[str, Any] = {
                     "index": index,
-                    "logprobs": lp,
+                    "logprobs": self._logprobs(kind, out.logprobs) if out.logprobs else None,
                     "finish_reason": out.finish_reason if out.finished else None,
+                    "text": out.text,
                 }
-                if kind == "chat":
-                    choice["delta"] = {"content": out.text} if out.text else {}
-                else:
-                    choice["text"] = out.text
                 if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                yield _event({**base, "choices": [choice]})
+                    text_choice["stop_reason"] = out.stop_reason
+                yield _event({**base, "choices": [text_choice]})
             if prepared.include_usage:
                 yield _event(
                     {**base, "choices": [], "usage": _usage([choices[i] for i in sorted(choices)], prepared.n)}
@@ -280,22 +317,41 @@ class OpenAIServing:
             _settle(meter, choices, prepared.n)
         yield "data: [DONE]\n\n"
 
+    def _chat_chunk_choices(self, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks' choices for a chat choice's next output: one per delta (text, or a piece of a tool call),
+        its logprobs on the first, the finish reason on the last; none when there is nothing to tell."""
+        deltas = c.chat_deltas(out)
+        lp = self._logprobs("chat", out.logprobs) if out.logprobs else None
+        if not deltas and not out.finished and lp is None:
+            return []
+        choices: list[dict[str, Any]] = [
+            {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas or [{}]
+        ]
+        choices[0]["logprobs"] = lp
+        if out.finished:
+            reason = out.finish_reason if c.tools is None else c.tools.finish_reason(out.finish_reason)
+            choices[-1]["finish_reason"] = reason
+            choices[-1]["stop_reason"] = out.stop_reason
+        return choices
+
     def _final(
         self, kind: str, request_id: str, created: int, model: str, choices: list[_Choice], n: int
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "created": created, "model": model, "usage": _usage(choices, n)}
         if kind == "chat":
             body["object"] = "chat.completion"
-            body["choices"] = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ]
+            body["choices"] = []
+            for c in choices:
+                message, reason = c.chat_message()
+                body["choices"].append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": self._logprobs(kind, c.logprobs) if c.logprobs else None,
+                        "finish_reason": reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
         else:
             body["object"] = "text_completion"
             body["choices"] = [
@@ -344,6 +400,32 @@ def _finite(logprob: float) -> float:
 def _seed(seed: int) -> int:
     """A choice's seed (the request's + its index), kept in the signed 64-bit range."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def model_tool_parser(tokenizer: Tokenizer | None, name: str | None) -> ToolParser | None:
+    """The tool-call format of the served model: ``name``'s (``--tool-call-parser``), else the one its chat
+    template shows (None: unknown, or no template)."""
+    if name is not None:
+        return TOOL_PARSERS[name]
+    if tokenizer is None or tokenizer.chat_template is None:
+        return None
+    try:
+        return parser_for_template(tokenizer.chat_template, tokenizer.template_renders_tools)
+    except ValueError:  # a template that does not parse: every chat request fails on it anyway
+        return None
+
+
+def _with_tool_calling(params: SamplingParams, calling: ToolCalling) -> SamplingParams:
+    """The sampling parameters of a request whose output is read for tool calls: its output follows the call
+    grammar if the plan has one, and is detokenized with special tokens where the format's markers are some. An
+    output constraint of the request's own would keep the model from calling (a 400 naming it)."""
+    if params.structured is not None:
+        raise InvalidRequestError(
+            f'{params.structured.param} cannot be combined with tools unless tool_choice is "none"',
+            param=params.structured.param,
+        )
+    skip = params.skip_special_tokens and not calling.special_tokens_in_text
+    return replace(params, structured=calling.constraint, skip_special_tokens=skip)
 
 
 def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
