@@ -235,12 +235,13 @@ def test_forced_calls_grammar_and_reader_agree(parser, parallel):
     assert not _accepts(plan.constraint, "Sure. " + forced_output(parser, CALLS[:1]))
 
 
-def test_a_named_function_is_the_only_one_the_grammar_allows():
+def test_a_named_function_is_the_only_one_the_grammar_allows_and_once():
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    plan = plan_tool_calls(parse_tool_request(TOOLS, choice, None), HERMES)
+    plan = plan_tool_calls(parse_tool_request(TOOLS, choice, None), HERMES)  # parallel calls allowed: still once
     assert plan is not None and plan.constraint is not None
     assert _accepts(plan.constraint, forced_output(HERMES, CALLS[:1]))
     assert not _accepts(plan.constraint, forced_output(HERMES, CALLS[1:2]))
+    assert not _accepts(plan.constraint, forced_output(HERMES, [CALLS[0], CALLS[0]]))
 
 
 def test_forced_arguments_are_told_as_they_come():

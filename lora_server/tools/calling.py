@@ -4,7 +4,9 @@ if any, and how each choice's output is read.
 
 - "none": nothing is parsed or forced (the model still sees the tools).
 - "required", or a named function: the output is calls only, written under the format's call grammar (the
-  server's parser's, else hermes's), read by the grammar's reader.
+  server's parser's, else hermes's), read by the grammar's reader; a named function is called once (as OpenAI and
+  vLLM answer it: clients such as instructor read exactly one call), "required" makes one call or, with
+  ``parallel_tool_calls`` (the default), several.
 - "auto": the model's own output (text, calls or both), read by the parser's free reader; without a parser, 400.
 - "auto" with a strict function or ``parallel_tool_calls`` false: free text, and once the format's trigger
   appears, a call written under the call grammar (one at most unless parallel), read by the grammar's reader.
@@ -52,7 +54,8 @@ def plan_tool_calls(request: ToolRequest, parser: ToolParser | None) -> ToolCall
         return None
     if request.forced:
         chosen = parser or DEFAULT_PARSER
-        return ToolCalling(chosen, "forced", forced_calls(chosen.grammar, request.callable, request.parallel))
+        parallel = request.parallel and request.mode == "required"
+        return ToolCalling(chosen, "forced", forced_calls(chosen.grammar, request.callable, parallel))
     if parser is None:
         raise InvalidRequestError(
             'tool_choice "auto" needs the model\'s tool-call format, which this server does not know: start it with '
