@@ -22,8 +22,9 @@ from lora_server.server.protocol import ChatCompletionRequest, parse_body
 from tests.servers import BASE
 
 # A ChatML template that reads everything transformers hands a template about tools: the tool list (tojson with
-# json.dumps' options), an assistant's calls (id, name, arguments as an object: .items() fails on JSON text) and a
-# tool message's tool_call_id and name. Written for this test; real ones (Qwen2.5's...) read the same fields.
+# json.dumps' options), an assistant's calls (id, name, arguments as an object: .items() fails on JSON text; its
+# content, which transformers leaves out when null) and a tool message's tool_call_id and name. Written for this
+# test; real ones (Qwen2.5's...) read the same fields.
 TOOLS_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
@@ -40,7 +41,7 @@ TOOLS_TEMPLATE = """\
   %} ({{ message.name }}){% endif %}
 {{ message.content }}<|im_end|>
 {% elif message.tool_calls %}<|im_start|>assistant
-{% if message.content %}{{ message.content }}
+{% if message.content is defined %}{{ message.content }}
 {% endif %}{% for call in message.tool_calls %}[{{ call.id }}] {{ call.function.name }}({% for k, v in
   call.function.arguments.items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %})
 {% endfor %}<|im_end|>

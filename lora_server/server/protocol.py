@@ -150,8 +150,8 @@ class ChatMessage(BaseModel):
 
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates read it (transformers' shape): its text, ``name``, an assistant's
-        ``tool_calls`` with their arguments parsed (content stays None when it was), a tool message's
-        ``tool_call_id``."""
+        ``tool_calls`` with their arguments parsed, a tool message's ``tool_call_id``. Beside tool calls, a null
+        content is left out, as transformers leaves out every None (templates test whether it is defined)."""
         if self.function_call is not None:
             raise InvalidRequestError(
                 "function_call in a message is OpenAI's deprecated form of tool_calls; send tool_calls",
@@ -165,7 +165,7 @@ class ChatMessage(BaseModel):
                 raise InvalidRequestError("only assistant messages carry tool_calls", param="messages")
             message["tool_calls"] = history_tool_calls(self.tool_calls)
             if self.content is None:
-                message["content"] = None
+                del message["content"]
         if self.role == "tool":
             if self.tool_call_id is None:
                 raise InvalidRequestError("a tool message needs the tool_call_id it answers", param="messages")
