@@ -144,6 +144,9 @@ class ToolCallReader(ABC):
         """Tell what ``_pending`` and the state still hold, the output having ended."""
 
 
+_LITERAL_NEXT = {"open": "prefix", "prefix": "name", "infix": "arguments", "suffix": "between"}
+
+
 class GrammarCallReader(ToolCallReader):
     """Output written under a CallSyntax grammar. Forced (``triggered`` False): calls from the first character.
     Triggered: free text until the syntax's trigger, then a call, then free text again."""
@@ -159,40 +162,18 @@ class GrammarCallReader(ToolCallReader):
         self._scan: _JsonEnd | None = None
 
     def _advance(self, events: list[Event]) -> bool:
-        s, state = self.syntax, self._state
-        if state == "text":
-            return self._text(events)
-        if state == "name":
-            end = self._pending.find('"')
-            if end < 0:
-                return False
-            self._call = self._start_call(events, self._pending[:end])
-            self._pending, self._state = self._pending[end:], "infix"
-            return True
-        if state == "arguments":
-            return self._arguments(events)
-        if state == "between":
-            if self._triggered:
-                self._state = "text"
-                return True
-            for literal, following in ((s.separator, "prefix"), (s.close, "done")):
-                if literal and self._pending.startswith(literal):
-                    self._pending, self._state = self._pending[len(literal) :], following
-                    return True
-            if any(literal.startswith(self._pending) for literal in (s.separator, s.close) if literal):
-                return False
-            self._state = "done"  # the grammar allows nothing else: unreachable
-            return True
-        if state == "done":  # nothing follows the calls under the grammar; told as text should it ever
-            events.append(Text(self._pending))
-            self._pending = ""
-            return False
-        literal, following = {
-            "open": (s.open, "prefix"),
-            "prefix": (s.prefix, "name"),
-            "infix": (s.infix, "arguments"),
-            "suffix": (s.suffix, "between"),
-        }[state]
+        if self._state in _LITERAL_NEXT:  # a literal of the syntax, named as the state is
+            return self._literal(getattr(self.syntax, self._state), _LITERAL_NEXT[self._state])
+        return {
+            "text": self._text,
+            "name": self._name,
+            "arguments": self._arguments,
+            "between": self._between,
+            "done": self._done,
+        }[self._state](events)
+
+    def _literal(self, literal: str, following: str) -> bool:
+        """The grammar writes ``literal`` here: consume it whole."""
         if self._pending.startswith(literal):
             self._pending, self._state = self._pending[len(literal) :], following
             return True
@@ -200,6 +181,35 @@ class GrammarCallReader(ToolCallReader):
             return False
         self._state = "done"  # not the grammar's output: unreachable
         return True
+
+    def _name(self, events: list[Event]) -> bool:
+        end = self._pending.find('"')
+        if end < 0:
+            return False
+        self._call = self._start_call(events, self._pending[:end])
+        self._pending, self._state = self._pending[end:], "infix"
+        return True
+
+    def _between(self, events: list[Event]) -> bool:
+        """After a call: free text again (triggered), or the separator and the next call, or the close."""
+        s = self.syntax
+        if self._triggered:
+            self._state = "text"
+            return True
+        for literal, following in ((s.separator, "prefix"), (s.close, "done")):
+            if literal and self._pending.startswith(literal):
+                self._pending, self._state = self._pending[len(literal) :], following
+                return True
+        if any(literal.startswith(self._pending) for literal in (s.separator, s.close) if literal):
+            return False
+        self._state = "done"  # the grammar allows nothing else: unreachable
+        return True
+
+    def _done(self, events: list[Event]) -> bool:
+        """Nothing follows the calls under the grammar; told as text should it ever."""
+        events.append(Text(self._pending))
+        self._pending = ""
+        return False
 
     def _text(self, events: list[Event]) -> bool:
         assert self.syntax.trigger is not None
