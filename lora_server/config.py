@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kv_pool.policies import POLICIES
+from lora_server.tools.parsers import TOOL_PARSERS
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
@@ -50,6 +51,13 @@ class EngineConfig:
         ),
     )
     load_format: str = field(default="auto", metadata=flag("how to read --model", choices=LOAD_FORMATS))
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag(
+            "a Jinja chat template used instead of the model's own (vLLM's flag): a file, or the template itself; "
+            "one that reads `tools` shows the model its tools its own way"
+        ),
+    )
     quantization: str = field(
         default="auto",
         metadata=flag(
@@ -305,6 +313,15 @@ class ServerConfig:
         default=None,
         metadata=flag("keep the registry in Redis instead, so that several replicas share it (redis://HOST:PORT/DB)"),
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            "how the model writes tool calls, for tool_choice auto (vLLM's names): hermes (Qwen2.5/Qwen3, Hermes, "
+            "SmolLM2), llama3_json (Llama 3.x), mistral; default: the one its chat template shows (hermes for a "
+            "template that does not read tools: the tools are then rendered in the system prompt)",
+            choices=tuple(TOOL_PARSERS),
+        ),
+    )
     shutdown_timeout: float = field(
         default=30.0,
         metadata=flag("seconds to let in-flight requests finish after SIGTERM (a second signal stops at once)"),
@@ -366,6 +383,8 @@ class ServerConfig:
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
         if not self.allowed_origins and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
             raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
+        if self.tool_call_parser is not None:
+            _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_PARSERS))
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -14,12 +14,13 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 MAX_CHOICES = 256  # strings of a choice constraint
-StructuredKind = Literal["json", "json_object", "regex", "choice"]
+StructuredKind = Literal["json", "json_object", "regex", "choice", "structural_tag"]
 _KIND_PARAM = {
     "json": "guided_json",
     "json_object": "response_format",
     "regex": "guided_regex",
     "choice": "guided_choice",
+    "structural_tag": "tools",
 }
 
 
@@ -29,7 +30,9 @@ class StructuredOutput:
 
     kind "json": the output is a JSON value valid under the JSON schema ``spec`` (JSON text, keys in the order
     given: the output's keys follow it); "json_object": any JSON object (``spec`` None); "regex": the output fully
-    matches the regular expression ``spec``; "choice": the output is exactly one of the strings ``spec``.
+    matches the regular expression ``spec``; "choice": the output is exactly one of the strings ``spec``;
+    "structural_tag": the output follows xgrammar's structural tag ``spec`` (JSON text; tool calls, see
+    lora_server.tools.grammar), its JSON schemas written as compact JSON.
     Equal constraints are equal and hash alike: the compiled-grammar cache is keyed by them. The shape is checked
     here; whether the schema or regex compiles is checked when the request is made."""
 
@@ -42,8 +45,8 @@ class StructuredOutput:
             raise InvalidRequestError(f"unknown structured output kind {self.kind!r}", param="response_format")
         if not self.param:
             object.__setattr__(self, "param", _KIND_PARAM[self.kind])
-        if self.kind == "json":
-            _check(isinstance(self.spec, str), self.param, "must be a JSON schema")
+        if self.kind in ("json", "structural_tag"):
+            _check(isinstance(self.spec, str), self.param, "must be JSON text")
         elif self.kind == "json_object":
             _check(self.spec is None, self.param, "json_object takes no schema")
         elif self.kind == "regex":
@@ -147,7 +150,7 @@ class SamplingParams:
         _check(
             self.structured is None or self.min_tokens == 0,
             "min_tokens",
-            "cannot be combined with structured output (response_format, guided_*)",
+            "cannot be combined with structured output (response_format, guided_*) or forced tool calls",
         )
 
     @property

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -95,6 +96,15 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def served(tmp_path_factory, name: str, extra: list[str] = ()) -> Iterator[Server]:
+    """A module fixture's server: started in a fresh directory (its data, log and only adapter root), stopped
+    after the module (``yield from served(...)``)."""
+    root = tmp_path_factory.mktemp(name)
+    server = Server(root, [root], extra)
+    yield server
+    server.stop()
 
 
 def write_adapter(path: Path, seed: int, r: int = 4, scale: float = 0.05) -> Path:

@@ -339,3 +339,27 @@ def test_integrity_every_step_and_speculation_off_for_a_large_batch(spec, copy_p
             assert len(r.block_table) <= -(-r.num_tokens // bs) and r.num_uncomputed_tokens >= 1
     assert drafted_while_large == 0 and drafted_while_small > 0
     assert not spec.core.pool.held_blocks()
+
+
+@pytest.mark.slow
+def test_tool_calls_are_the_same_with_speculation(plain, spec):
+    """Tool calling under speculation, in one batch: a request whose model calls on its own (no grammar: it is
+    speculated, its drafts found in the example call of its conversation) and a forced call (its grammar keeps it
+    from being speculated) give the tokens they give without speculation, and the calls read back."""
+    from tests.test_tool_calling import ASK, AUTO_WEATHER, TOOLS, example_call, prepared, read
+
+    auto_prompt, auto = prepared(plain, example_call("Paris", "Berlin"), [AUTO_WEATHER], "auto")
+    forced_prompt, forced = prepared(plain, ASK, TOOLS, "required", parallel=False)
+    params = [
+        SamplingParams(max_tokens=48, temperature=0),
+        SamplingParams(max_tokens=96, temperature=0, structured=forced.constraint),
+    ]
+    drafts0, accepted0 = _accepted(spec)
+    got = spec.generate([auto_prompt, forced_prompt], params)
+    drafts, accepted = _accepted(spec)
+    want = plain.generate([auto_prompt, forced_prompt], params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert read(got[0].text, auto.mode)[1] == [("get_weather", '{"city": "Berlin"}')]
+    assert len(read(got[1].text, forced.mode)[1]) == 1 and got[1].finish_reason == "stop"
+    assert drafts > drafts0 and accepted > accepted0  # the auto request was speculated, and drafts were kept
+    spec.core.check_integrity()

@@ -81,7 +81,7 @@ class EngineCore:
         checkpoint = open_checkpoint(config)
         self.arch = checkpoint.arch
         self.source = (checkpoint.format, checkpoint.path)  # how and where the weights were read
-        self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path)
+        self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path, config.chat_template)
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         self.runner = ModelRunner(config, checkpoint, wanted_len)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
@@ -420,12 +420,16 @@ class EngineCore:
 
     def _detokenize(self, request: Request, tokens: list[int]) -> tuple[str, list[int]]:
         """The text of a request's new tokens, one at a time so that a stop string ends it where it occurs: the
-        tokens after it are dropped (from the request too). Returns the text and the tokens kept."""
+        tokens after it are dropped (from the request too). The end-of-sequence token that ends a request is no
+        text, even with skip_special_tokens false (as in vLLM), unless include_stop_str_in_output. Returns the text
+        and the tokens kept."""
         detok = self._detokenizers.get(request.request_id)
         if detok is None:
             return "", tokens
         text = ""
         for i, token in enumerate(tokens):
+            if i == len(tokens) - 1 and _ended_by_eos(request, token):
+                continue
             delta, stop = detok.add_tokens([token])
             text += delta
             if stop is not None:
@@ -564,6 +568,15 @@ def _store_prompt_logprobs(requests: list[Request], scores: dict[str, tuple[int,
         )
 
 
+def _ended_by_eos(request: Request, token: int) -> bool:
+    return (
+        request.finish_reason is FinishReason.STOP
+        and request.stop_reason is None
+        and token in request.eos_token_ids
+        and not request.params.include_stop_str_in_output
+    )
+
+
 def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -> dict[str, list[TokenLogprob]]:
     """Each request's logprobs entries, one per row of the result that is its (1 + its drafts' rows)."""
     if result is None or result.logprobs is None or result.top_logprobs is None:
@@ -581,9 +594,19 @@ def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -
     return by_request
 
 
-def _open_tokenizer(fmt: str, path: Path | None) -> Tokenizer | None:
+def _open_tokenizer(fmt: str, path: Path | None, chat_template: str | None) -> Tokenizer | None:
+    """The checkpoint's tokenizer, with ``chat_template`` (a file, or the template's text) instead of its own."""
+    tokenizer = None
     if fmt == "gguf" and path is not None:
-        return Tokenizer.from_gguf(path)
-    if fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
-        return Tokenizer.from_hf_dir(path)
-    return None
+        tokenizer = Tokenizer.from_gguf(path)
+    elif fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_hf_dir(path)
+    if chat_template is None:
+        return tokenizer
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer")
+    if "{" in chat_template:  # Jinja markup: the template itself (a file name has none)
+        return tokenizer.with_chat_template(chat_template)
+    if not Path(chat_template).is_file():
+        raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
+    return tokenizer.with_chat_template(Path(chat_template).read_text(encoding="utf-8"))

@@ -35,6 +35,7 @@ from lora_server.errors import (
 from lora_server.model.arch import ModelArch
 from lora_server.model.quant import resident_bytes
 from lora_server.sampling_params import SamplingParams
+from lora_server.tools.prompt import render_tools_in_messages
 
 IDLE_CHECK_S = 5.0  # how often an idle engine thread asserts the pool's integrity
 log = logging.getLogger("lora_server")
@@ -235,16 +236,30 @@ class Engine:
         return self.core.encode(text)
 
     def chat_prompt(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of a chat conversation under the model's chat template, ready for make_request/generate
-        (``add_special_tokens``: BOS before what the template writes, where the model adds one)."""
+        (``add_special_tokens``: BOS before what the template writes, where the model adds one).
+
+        ``tools`` (function tools as JSON schemas) and the messages' tool-call history (an assistant's
+        ``tool_calls`` with their arguments as objects, ``tool`` messages) reach a template that reads ``tools`` as
+        transformers' ``apply_chat_template(messages, tools=tools)`` passes them; for a template that does not,
+        they are written into the messages first (lora_server.tools.prompt). InvalidRequestError (param
+        ``messages``) when there is no template or it rejects the conversation (raise_exception)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer or chat template", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except ValueError as exc:  # no template, or the template refuses the conversation (raise_exception)
-            raise InvalidRequestError(str(exc), param="messages") from exc
+            if not self.tokenizer.template_renders_tools:
+                messages, tools = render_tools_in_messages(messages, tools), None
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)[:500], param="messages") from None
         return self.core.encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     # ---- offline -------------------------------------------------------------------------------------------

@@ -97,22 +97,13 @@ class StructuredOutputs:
         assert isinstance(spec, str)
         if c.kind == "regex":
             return _or_invalid(lambda: compiler.compile_regex(spec), c.param, "is not a valid regular expression")
-        schema = json.loads(spec)
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.path)
-            raise InvalidRequestError(
-                f"{c.param} is not a valid JSON schema{f' (at {where})' if where else ''}: {exc.message[:200]}",
-                param=c.param,
-            ) from None
-        _check_enforceable(schema, c.param)
+        if c.kind == "structural_tag":
+            tag = json.dumps(_compact_schemas(json.loads(spec), c.param))
+            return _or_invalid(
+                lambda: compiler.compile_structural_tag(tag), c.param, "is a structure the grammar engine cannot build"
+            )
         # compact JSON (no free whitespace): a small model otherwise wanders into endless blanks
-        return _or_invalid(
-            lambda: compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True),
-            c.param,
-            "is a JSON schema the grammar engine cannot enforce",
-        )
+        return compiler.compile_grammar(_compact_json_grammar(json.loads(spec), c.param))
 
     # ---- the engine thread -------------------------------------------------------------------------------------
 
@@ -144,6 +135,39 @@ class StructuredOutputs:
         return grammar.is_terminated()
 
 
+def _compact_json_grammar(schema: object, param: str) -> xgr.Grammar:
+    """The grammar of compact JSON valid under ``schema``, no properties beyond its own; InvalidRequestError when
+    it is not valid JSON Schema or uses what the grammar cannot enforce."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise InvalidRequestError(
+            f"{param} is not a valid JSON schema{f' (at {where})' if where else ''}: {exc.message[:200]}",
+            param=param,
+        ) from None
+    _check_enforceable(schema, param)
+    text = json.dumps(schema, ensure_ascii=False)
+    try:
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"{param} is a JSON schema the grammar engine cannot enforce: {_reason(exc)}", param=param
+        ) from None
+
+
+def _compact_schemas(node: object, param: str) -> object:
+    """A structural tag with each of its JSON schema contents replaced by the grammar of compact JSON under it
+    (xgrammar's own json_schema format allows any whitespace)."""
+    if isinstance(node, list):
+        return [_compact_schemas(item, param) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema":
+        return {"type": "grammar", "grammar": str(_compact_json_grammar(node["json_schema"], param))}
+    return {key: _compact_schemas(value, param) for key, value in node.items()}
+
+
 def _check_enforceable(schema: object, param: str, depth: int = 0) -> None:
     """InvalidRequestError when the schema, or one of its subschemas, uses a keyword the grammar cannot enforce."""
     if not isinstance(schema, dict) or depth > 64:
@@ -169,7 +193,10 @@ def _or_invalid(compile_: Callable[[], xgr.CompiledGrammar], param: str, what: s
     try:
         return compile_()
     except (RuntimeError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        # xgrammar prefixes its messages with "[time] file:line: "
-        reason = reason.split(": ", 1)[-1] if reason.startswith("[") else reason
-        raise InvalidRequestError(f"{param} {what}: {reason[:200]}", param=param) from None
+        raise InvalidRequestError(f"{param} {what}: {_reason(exc)}", param=param) from None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message, without the "[time] file:line: " it prefixes."""
+    reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return (reason.split(": ", 1)[-1] if reason.startswith("[") else reason)[:200]

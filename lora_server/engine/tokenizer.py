@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -78,6 +79,7 @@ class Tokenizer:
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
         )
         self._compiled_template: jinja2.Template | None = None
+        self._renders_tools: bool | None = None  # whether the template reads `tools`, found on first use
         self.max_token_chars = max(1, max(map(len, backend.get_vocab(with_added_tokens=True)), default=1))
 
     @classmethod
@@ -208,11 +210,43 @@ class Tokenizer:
         """Whether `token_id` is a special (control) token, i.e. one `decode(skip_special_tokens=True)` drops."""
         return token_id in self._special_ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template, as transformers' `apply_chat_template(tokenize=False)`.
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """The same tokenizer with another chat template (``--chat-template``); the vocabulary is shared."""
+        return Tokenizer(
+            self._backend,
+            vocab_size=self.vocab_size,
+            bos_token_id=self.bos_token_id,
+            eos_token_ids=self.eos_token_ids,
+            add_bos=self.add_bos,
+            chat_template=chat_template,
+        )
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template reads the ``tools`` variable (so it can show the model a tool list); raises
+        ValueError if there is no template or it does not parse."""
+        if self._renders_tools is None:
+            if self.chat_template is None:
+                raise ValueError("this tokenizer has no chat template")
+            try:
+                ast = _jinja_env().parse(self.chat_template)
+            except jinja2.TemplateError as error:
+                raise ValueError(f"chat template failed: {error}") from error
+            self._renders_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
+        return self._renders_tools
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render `messages` with the model's chat template, as transformers' `apply_chat_template(tokenize=False)`
+        does: `tools` (JSON schemas, as given) and the messages' own fields (an assistant's `tool_calls`, a tool
+        message's `tool_call_id` and `name`) reach the template unchanged.
 
         Raises ValueError if the model has no chat template, or the template is invalid or rejects the
-        conversation (through `raise_exception`).
+        conversation (through `raise_exception`, or a type error such as adding None to a string).
         """
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
@@ -221,11 +255,13 @@ class Tokenizer:
                 self._compiled_template = _jinja_env().from_string(self.chat_template)
             return self._compiled_template.render(
                 messages=messages,
+                tools=tools,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id),
                 eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
             )
-        except jinja2.TemplateError as error:
+        except (jinja2.TemplateError, TypeError) as error:
             raise ValueError(f"chat template failed: {error}") from error
 
     def save_pretrained(self, directory: str | os.PathLike[str], model_max_length: int) -> list[Path]:
@@ -310,8 +346,15 @@ def _raise_exception(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' `tojson` filter: JSON without HTML escaping, with json.dumps' layout options."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format: str) -> str:

@@ -194,7 +194,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         "API, with an admin API for adapters and tenants.",
     )
     metrics = Metrics(model_id, engine, settings.max_lora_metric_labels)
-    serving = OpenAIServing(engine, metrics)
+    serving = OpenAIServing(engine, metrics, settings.tool_call_parser)
     control = EngineAdapters(engine)
     tenants = TenantPresence(store)
     app.state.engine, app.state.store, app.state.control, app.state.tenants = engine, store, control, tenants

@@ -19,11 +19,15 @@ from typing import Any, Protocol
 from lora_server.engine import Engine, Prompt
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
 from lora_server.engine.request import NO_TENANT, Request, TenantShare
-from lora_server.errors import LoraServerError
+from lora_server.engine.tokenizer import Tokenizer
+from lora_server.errors import InvalidRequestError, LoraServerError
 from lora_server.sampling_params import SamplingParams
 from lora_server.server.logprobs import LogprobsFormatter
 from lora_server.server.metrics import Metrics, RequestSeries
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
+from lora_server.server.tool_calls import ChoiceToolCalls
+from lora_server.tools.calling import ToolCalling, plan_tool_calls
+from lora_server.tools.parsers import TOOL_PARSERS, ToolParser, parser_for_template
 
 
 class Meter(Protocol):
@@ -47,6 +51,12 @@ class Prepared:
     echo: list[str] | None = None  # completions' echo: each prompt's text, which its choices' text starts with
     echo_logprobs: bool = False  # the logprobs object starts with the prompt's tokens (echo with logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs shown, with their top-k; None: not shown
+    tool_calling: ToolCalling | None = None  # how a chat request's output is read for tool calls
+
+    def choice(self, index: int, out: RequestOutput) -> _Choice:
+        """A choice's record, made at its first output."""
+        tools = None if self.tool_calling is None else ChoiceToolCalls(self.tool_calling.reader())
+        return _Choice(index, out.num_prompt_tokens, out.num_cached_tokens, tools=tools)
 
     @property
     def prompt_tokens(self) -> int:
@@ -72,6 +82,20 @@ class _Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first)
     sent_chars: int = 0  # characters streamed so far (echoed prompt included): the next text_offset
     echoed: bool = False  # its stream has sent the echoed prompt
+    tools: ChoiceToolCalls | None = None  # its output read for tool calls
+
+    def chat_message(self) -> tuple[dict[str, Any], str | None]:
+        """A whole chat answer's message and finish reason (its tool calls read from its whole text: call once)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": self.text}, self.finish_reason
+        self.tools.deltas(self.text, finished=True)
+        return self.tools.message(), self.tools.finish_reason(self.finish_reason)
+
+    def chat_deltas(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The stream deltas of its next output."""
+        if self.tools is None:
+            return [{"content": out.text}] if out.text else []
+        return self.tools.deltas(out.text, out.finished)
 
 
 class ClientDisconnected(Exception):
@@ -79,9 +103,12 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: the model's tool-call format (lora_server.tools.parsers), else chosen from its chat
+        template."""
         self.engine, self.metrics = engine, metrics
         self.logprobs = LogprobsFormatter(engine.tokenizer)
+        self.tool_parser = model_tool_parser(engine.tokenizer, tool_call_parser)
 
     # ---- stage 1 (blocking, in a worker thread) -------------------------------------------------------------
 
@@ -95,11 +122,16 @@ class OpenAIServing:
     ) -> Prepared:
         """``tenant``: whom it is served for, with the tenant's share of the engine (weight, cap); ``request_id``:
         the HTTP request's (x-request-id), which the answer's id carries (default: a new one)."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = self.engine.chat_prompt(messages)
+        tool_request = req.tool_request()
+        calling = None if tool_request is None else plan_tool_calls(tool_request, self.tool_parser)
+        tools = None if tool_request is None else tool_request.definitions()
+        prompt = self.engine.chat_prompt(req.template_messages(), tools)
         params = req.to_params(self.engine.max_model_len - len(prompt))
+        if calling is not None:
+            params = _with_tool_calling(params, calling)
         prepared = self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant, request_id)
         prepared.prompt_logprobs = req.prompt_logprobs
+        prepared.tool_calling = calling
         return prepared
 
     def prepare_completion(
@@ -263,7 +295,9 @@ class OpenAIServing:
         merged = self._merged(prepared, streams)
         try:
             async for index, out in merged:
-                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
+                if index not in choices:
+                    choices[index] = prepared.choice(index, out)
+                c = choices[index]
                 _add(c, out)
         finally:
             await merged.aclose()
@@ -293,20 +327,25 @@ class OpenAIServing:
                         }
                     )
             async for index, out in merged:
-                c = choices.setdefault(index, _Choice(index, out.num_prompt_tokens, out.num_cached_tokens))
+                if index not in choices:
+                    choices[index] = prepared.choice(index, out)
+                c = choices[index]
                 echo = kind == "completion" and prepared.echo is not None and not c.echoed
                 _add(c, out)
+                if kind == "chat":
+                    for choice in self._chat_chunk_choices(c, out):
+                        yield _event({**base, "choices": [choice]})
+                    continue
                 if not out.text and not out.finished and not out.logprobs and not echo:
                     continue
-                choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason if out.finished else None}
-                if kind == "chat":
-                    choice["logprobs"] = self.logprobs.chat(out.logprobs) if out.logprobs else None
-                    choice["delta"] = {"content": out.text} if out.text else {}
-                else:
-                    choice["text"], choice["logprobs"] = self._completion_delta(prepared, c, out, echo)
+                text_choice: dict[str, Any] = {
+                    "index": index,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+                text_choice["text"], text_choice["logprobs"] = self._completion_delta(prepared, c, out, echo)
                 if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                yield _event({**base, "choices": [choice]})
+                    text_choice["stop_reason"] = out.stop_reason
+                yield _event({**base, "choices": [text_choice]})
             if prepared.include_usage:
                 yield _event(
                     {**base, "choices": [], "usage": _usage([choices[i] for i in sorted(choices)], prepared.n)}
@@ -344,6 +383,23 @@ class OpenAIServing:
         assert c.prompt_logprobs is not None, "echo with logprobs computes the prompt's logprobs"
         return list(zip(prepared.requests[c.index].prompt_token_ids, c.prompt_logprobs, strict=True))
 
+    def _chat_chunk_choices(self, c: _Choice, out: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks' choices for a chat choice's next output: one per delta (text, or a piece of a tool call),
+        its logprobs on the first, the finish reason on the last; none when there is nothing to tell."""
+        deltas = c.chat_deltas(out)
+        lp = self.logprobs.chat(out.logprobs) if out.logprobs else None
+        if not deltas and not out.finished and lp is None:
+            return []
+        choices: list[dict[str, Any]] = [
+            {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas or [{}]
+        ]
+        choices[0]["logprobs"] = lp
+        if out.finished:
+            reason = out.finish_reason if c.tools is None else c.tools.finish_reason(out.finish_reason)
+            choices[-1]["finish_reason"] = reason
+            choices[-1]["stop_reason"] = out.stop_reason
+        return choices
+
     def _final(
         self, prepared: Prepared, request_id: str, created: int, model: str, choices: list[_Choice]
     ) -> dict[str, Any]:
@@ -356,16 +412,18 @@ class OpenAIServing:
         shown = prepared.prompt_logprobs
         if prepared.kind == "chat":
             body["object"] = "chat.completion"
-            body["choices"] = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs.chat(c.logprobs) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ]
+            body["choices"] = []
+            for c in choices:
+                message, reason = c.chat_message()
+                body["choices"].append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": self.logprobs.chat(c.logprobs) if c.logprobs else None,
+                        "finish_reason": reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
             if shown is not None:  # vLLM's: one list for the response (every choice has the same prompt)
                 body["prompt_logprobs"] = self.logprobs.prompt(choices[0].prompt_logprobs or [], shown)
             return body
@@ -390,6 +448,32 @@ class OpenAIServing:
 def _seed(seed: int) -> int:
     """A choice's seed (the request's + its index), kept in the signed 64-bit range."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def model_tool_parser(tokenizer: Tokenizer | None, name: str | None) -> ToolParser | None:
+    """The tool-call format of the served model: ``name``'s (``--tool-call-parser``), else the one its chat
+    template shows (None: unknown, or no template)."""
+    if name is not None:
+        return TOOL_PARSERS[name]
+    if tokenizer is None or tokenizer.chat_template is None:
+        return None
+    try:
+        return parser_for_template(tokenizer.chat_template, tokenizer.template_renders_tools)
+    except ValueError:  # a template that does not parse: every chat request fails on it anyway
+        return None
+
+
+def _with_tool_calling(params: SamplingParams, calling: ToolCalling) -> SamplingParams:
+    """The sampling parameters of a request whose output is read for tool calls: its output follows the call
+    grammar if the plan has one, and is detokenized with special tokens where the format's markers are some. An
+    output constraint of the request's own would keep the model from calling (a 400 naming it)."""
+    if params.structured is not None:
+        raise InvalidRequestError(
+            f'{params.structured.param} cannot be combined with tools unless tool_choice is "none"',
+            param=params.structured.param,
+        )
+    skip = params.skip_special_tokens and not calling.special_tokens_in_text
+    return replace(params, structured=calling.constraint, skip_special_tokens=skip)
 
 
 def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from lora_server.errors import InvalidRequestError
 from lora_server.sampling_params import SamplingParams, StructuredOutput
+from lora_server.tools.spec import ToolRequest, history_tool_calls, parse_tool_request
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
@@ -141,6 +142,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls: [{"id", "type", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    function_call: Any = None  # the deprecated form of tool_calls: refused
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -150,12 +155,56 @@ class ChatMessage(BaseModel):
             raise InvalidRequestError("only text content parts are supported", param="messages")
         return "".join(parts)
 
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape): its text, ``name``, an assistant's
+        ``tool_calls`` with their arguments parsed, a tool message's ``tool_call_id``. Beside tool calls, a null
+        content is left out, as transformers leaves out every None (templates test whether it is defined)."""
+        if self.function_call is not None:
+            raise InvalidRequestError(
+                "function_call in a message is OpenAI's deprecated form of tool_calls; send tool_calls",
+                param="messages",
+            )
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError("only assistant messages carry tool_calls", param="messages")
+            message["tool_calls"] = history_tool_calls(self.tool_calls)
+            if self.content is None:
+                del message["content"]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise InvalidRequestError("a tool message needs the tool_call_id it answers", param="messages")
+            message["tool_call_id"] = self.tool_call_id
+        elif self.tool_call_id is not None:
+            raise InvalidRequestError("only tool messages carry a tool_call_id", param="messages")
+        return message
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
+    # tool calling (checked by lora_server.tools.spec: the tools reach the chat template as sent)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # the deprecated forms of tools and tool_choice: refused
+    function_call: str | dict[str, Any] | None = None
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools and tool choice asked for (None: no tools); InvalidRequestError naming the field at fault."""
+        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, legacy) is not None:
+                raise InvalidRequestError(
+                    f"{legacy} is OpenAI's deprecated form of {current}; send {current}", param=legacy
+                )
+        return parse_tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
 
     def to_params(self, default_max: int) -> SamplingParams:
         k = (self.top_logprobs or 0) if self.logprobs else None

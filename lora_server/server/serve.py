@@ -25,6 +25,7 @@ from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
 from lora_server.model.loader import default_model_path
 from lora_server.server.app import build_app
+from lora_server.server.openai_serving import model_tool_parser
 from lora_server.server.registry_sync import RegistrySync
 
 log = logging.getLogger("lora_server")
@@ -157,6 +158,7 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
             ),
             "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
             f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
+            f"  tool calls: {tool_calls_summary(engine, config.tool_call_parser)}",
             f"  registry: {store.backend} at {place}; changes by other {followed}",
             f"  admin key: {key_source}; /v1 access: "
             + (
@@ -170,6 +172,21 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
             "/admin/ui)",
         ]
     )
+
+
+def tool_calls_summary(engine: Engine, parser_name: str | None) -> str:
+    """How tool calls are made and read on this model, for the start-up summary."""
+    tokenizer = engine.tokenizer
+    parser = model_tool_parser(tokenizer, parser_name)
+    if parser is None:
+        return 'the model\'s format is unknown: tool_choice "auto" is refused (--tool-call-parser NAME names it)'
+    source = "--tool-call-parser" if parser_name else "the chat template"
+    try:
+        shown = tokenizer is not None and tokenizer.template_renders_tools
+    except ValueError:  # no template, or one that does not parse
+        shown = False
+    where = "" if shown else "; the chat template shows no tools: they are written into the system prompt"
+    return f"the {parser.name} format (from {source}){where}"
 
 
 def _exit_when_dead(engine: Engine, server) -> None:
