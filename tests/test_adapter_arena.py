@@ -119,6 +119,7 @@ def test_adapters_and_kv_trade_pages(fillers):
     engine = _engine(24, max_loras=6)
     ids = [engine.add_adapter(f"a{i}", path).adapter_id for i, path in enumerate(fillers[:6])]
     short = engine.chat_prompt([{"role": "user", "content": "Hi"}])  # 13 tokens: one block
+    engine.stage_adapters([f"a{i}" for i in range(6)])  # all on the host before the requests: no race with the loader
     _run(engine, [short] * 6, [f"a{i}" for i in range(6)])
     assert _resident(engine) >= {_key(i) for i in ids}  # six adapters, 18 pages
     long_prompt = list(range(100, 100 + 16 * 16))  # 256 tokens + 4 output: 17 blocks
