@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,12 +15,14 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 MAX_CHOICES = 256  # strings of a choice constraint
-StructuredKind = Literal["json", "json_object", "regex", "choice", "structural_tag"]
+MAX_BAD_WORDS = 256  # token sequences of bad_words (each word gives one or two)
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 _KIND_PARAM = {
     "json": "guided_json",
     "json_object": "response_format",
     "regex": "guided_regex",
     "choice": "guided_choice",
+    "grammar": "guided_grammar",
     "structural_tag": "tools",
 }
 
@@ -31,6 +34,7 @@ class StructuredOutput:
     kind "json": the output is a JSON value valid under the JSON schema ``spec`` (JSON text, keys in the order
     given: the output's keys follow it); "json_object": any JSON object (``spec`` None); "regex": the output fully
     matches the regular expression ``spec``; "choice": the output is exactly one of the strings ``spec``;
+    "grammar": the output is a sentence of the EBNF grammar ``spec`` (xgrammar's GBNF dialect, rule ``root``);
     "structural_tag": the output follows xgrammar's structural tag ``spec`` (JSON text; tool calls, see
     lora_server.tools.grammar), its JSON schemas written as compact JSON.
     Equal constraints are equal and hash alike: the compiled-grammar cache is keyed by them. The shape is checked
@@ -49,7 +53,7 @@ class StructuredOutput:
             _check(isinstance(self.spec, str), self.param, "must be JSON text")
         elif self.kind == "json_object":
             _check(self.spec is None, self.param, "json_object takes no schema")
-        elif self.kind == "regex":
+        elif self.kind in ("regex", "grammar"):
             _check(isinstance(self.spec, str) and bool(self.spec), self.param, "must be a non-empty string")
         else:
             _check(
@@ -96,6 +100,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the grammar its output must follow, if any
+    # None: any token; else the only tokens it may generate (end-of-sequence included only if listed)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # token sequences it may not generate: the last token of each is banned wherever the output ends with the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +154,18 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be between 0 and {MAX_LOGPROBS}",
         )
+        _check(
+            self.allowed_token_ids is None
+            or (len(self.allowed_token_ids) > 0 and all(_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids",
+            "must be a non-empty list of token ids",
+        )
+        _check(
+            len(self.bad_words) <= MAX_BAD_WORDS
+            and all(words and all(_int(t) and t >= 0 for t in words) for words in self.bad_words),
+            "bad_words",
+            f"must be at most {MAX_BAD_WORDS} non-empty token sequences",
+        )
         # the grammar alone decides when a constrained output may end; min_tokens could forbid the only allowed token
         _check(
             self.structured is None or self.min_tokens == 0,
@@ -174,3 +194,18 @@ def _finite(x: object) -> bool:
 def _check(ok: bool, param: str, what: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{param} {what}", param=param)
+
+
+def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """SamplingParams.bad_words of vLLM's ``bad_words``, tokenized as vLLM tokenizes them (``encode``: text to ids
+    without special tokens): each word alone, and after a space when that gives another first token in as many
+    tokens (the word in the middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        _check(isinstance(word, str) and bool(word.strip()), "bad_words", "must be non-empty words")
+        alone = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        out.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return tuple(out)

@@ -369,6 +369,31 @@ def test_frequency_presence_and_bias_greedy_probes():
     assert out.token_ids == [1, 0]
 
 
+def test_allowed_token_ids_sample_the_renormalised_subset():
+    """Only the allowed tokens are drawn, in proportion to their probabilities among themselves; greedy takes the
+    likeliest of them (end-of-sequence included only when listed)."""
+    assert_frequencies(draw(LOG_PROBS, SamplingParams(allowed_token_ids=(1, 3))), [0, 0.25 / 0.32, 0, 0.07 / 0.32, 0])
+    logits = torch.tensor([LOG_PROBS] * 3)
+    requests = [
+        req(SamplingParams(temperature=0.0, allowed_token_ids=(2, 3)), rid="a"),
+        req(SamplingParams(temperature=0.0), rid="b"),  # unrestricted beside a restricted row
+        req(SamplingParams(temperature=0.0, allowed_token_ids=(EOS, 99)), rid="c"),  # 99 is outside the vocab
+    ]
+    assert Sampler(V)(logits, requests).token_ids == [2, 0, EOS]
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    """A one-token word is never drawn; a longer one's last token only right after the rest of it."""
+    s = Sampler(V)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    p = SamplingParams(temperature=0.0, bad_words=((0,), (2, 1)))
+    assert s(logits, [req(p, output=[])]).token_ids == [1]  # 0 banned, 1 allowed: the output does not end in 2
+    assert s(logits, [req(p, output=[3, 2])]).token_ids == [2]  # after 2, both 0 and 1 are banned
+    assert s(logits, [req(p, prompt=[2], output=[])]).token_ids == [1]  # the prompt does not count, as in vLLM
+    tokens = draw([0.0] * V, SamplingParams(bad_words=((0,), (4, 3))), n=4000, output=(4,))
+    assert_frequencies(tokens, [0, 1 / 3, 1 / 3, 0, 1 / 3])
+
+
 def test_mixed_batch_keeps_each_rows_semantics():
     # greedy, penalised greedy, banned-by-min_tokens sampled, and a top_k 1 sampled row in one batch
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 9.0]] * 4)

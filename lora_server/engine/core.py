@@ -247,6 +247,10 @@ class EngineCore:
             raise InvalidRequestError("stop_token_ids must be inside the vocabulary", param="stop_token_ids")
         if any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+        if any(t >= vocab for t in params.allowed_token_ids or ()):
+            raise InvalidRequestError(f"allowed_token_ids must be token ids below {vocab}", param="allowed_token_ids")
+        if any(t >= vocab for words in params.bad_words for t in words):
+            raise InvalidRequestError(f"bad_words must be token sequences below {vocab}", param="bad_words")
 
     def discard(self, request: Request) -> None:
         """Let go of a request that was made but never added (its adapter hold)."""

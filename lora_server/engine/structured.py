@@ -97,6 +97,8 @@ class StructuredOutputs:
         assert isinstance(spec, str)
         if c.kind == "regex":
             return _or_invalid(lambda: compiler.compile_regex(spec), c.param, "is not a valid regular expression")
+        if c.kind == "grammar":
+            return _or_invalid(lambda: compiler.compile_grammar(spec), c.param, "is not a valid EBNF grammar")
         if c.kind == "structural_tag":
             tag = json.dumps(_compact_schemas(json.loads(spec), c.param))
             return _or_invalid(

@@ -66,9 +66,9 @@ def score_tokens(
     )
 
 
-# Columns of the per-row parameter block of the staging buffer.
-_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION = range(5)
-_NUM_PARAMS = 5
+# Columns of the per-row parameter block of the staging buffer (_RESTRICTED: 1.0 when allowed_token_ids is set).
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _REPETITION, _RESTRICTED = range(6)
+_NUM_PARAMS = 6
 
 
 @dataclass(slots=True)
@@ -81,6 +81,7 @@ class _Staged:
     seen_ids: torch.Tensor  # [S, Ls] int64: prompt + output tokens of rows with a repetition penalty
     add_ids: torch.Tensor  # [S, La] int64: tokens whose logit gets add_values
     add_values: torch.Tensor  # [S, La] float32: -(frequency * count + presence) + bias, -inf for banned tokens
+    allowed_ids: torch.Tensor  # [S, Lw] int64: the only tokens a row with allowed_token_ids may sample
     sampled_rows: torch.Tensor  # [R] int64: the rows that are not greedy
 
 
@@ -154,6 +155,7 @@ class Sampler:
         params_rows: list[list[float]] = []
         seen: list[list[int]] = []
         adds: list[dict[int, float]] = []
+        allowed: list[list[int]] = []
         sampled_rows: list[int] = []
         for i, r in enumerate(requests):
             p = r.params
@@ -166,23 +168,29 @@ class Sampler:
                     p.top_p,
                     p.min_p,
                     p.repetition_penalty,
+                    0.0 if p.allowed_token_ids is None else 1.0,
                 ]
             )
             seen.append(sorted({t for t in r.token_ids if t < vocab}) if p.repetition_penalty != 1.0 else [])
             adds.append(_additive_terms(r, vocab))
-        if not sampled_rows and not any(seen) and not any(adds):
+            allowed.append(sorted({t for t in p.allowed_token_ids if t < vocab}) if p.allowed_token_ids else [])
+        if not sampled_rows and not any(seen) and not any(adds) and not any(allowed):
             return None
         n = len(requests)
         width_seen = max(1, max(map(len, seen)))
         width_add = max(1, max(map(len, adds)))
-        ids = torch.full((n, width_seen + width_add), vocab, dtype=torch.int32)
+        width_allowed = max(1, max(map(len, allowed)))
+        ids = torch.full((n, width_seen + width_add + width_allowed), vocab, dtype=torch.int32)
         values = torch.zeros(n, width_add)
-        for i, (row_seen, row_add) in enumerate(zip(seen, adds, strict=True)):
+        for i, (row_seen, row_add, row_allowed) in enumerate(zip(seen, adds, allowed, strict=True)):
             if row_seen:
                 ids[i, : len(row_seen)] = torch.tensor(row_seen, dtype=torch.int32)
             if row_add:
                 ids[i, width_seen : width_seen + len(row_add)] = torch.tensor(list(row_add), dtype=torch.int32)
                 values[i, : len(row_add)] = torch.tensor(list(row_add.values()))
+            if row_allowed:
+                start = width_seen + width_add
+                ids[i, start : start + len(row_allowed)] = torch.tensor(row_allowed, dtype=torch.int32)
         parts = [torch.tensor(params_rows).flatten(), ids.flatten().view(torch.float32), values.flatten()]
         parts.append(torch.tensor(sampled_rows, dtype=torch.int32).view(torch.float32))
         sizes = [t.numel() for t in parts]
@@ -191,12 +199,13 @@ class Sampler:
         torch.cat(parts, out=host[:total])
         dev[:total].copy_(host[:total], non_blocking=True)
         p_dev, ids_dev, values_dev, rows_dev = dev[:total].split(sizes)
-        ids_dev = ids_dev.view(torch.int32).view(n, width_seen + width_add).long()
+        ids_dev = ids_dev.view(torch.int32).view(n, width_seen + width_add + width_allowed).long()
         return _Staged(
             p_dev.view(n, _NUM_PARAMS),
             ids_dev[:, :width_seen],
-            ids_dev[:, width_seen:],
+            ids_dev[:, width_seen : width_seen + width_add],
             values_dev.view(n, width_add),
+            ids_dev[:, width_seen + width_add :],
             rows_dev.view(torch.int32).long(),
         )
 
@@ -212,8 +221,9 @@ class Sampler:
         self, logits: torch.Tensor, staged: _Staged, requests: Sequence[ScheduledSequence]
     ) -> torch.Tensor:
         """Repetition penalty on the tokens each row has seen (positive logits divided, negative multiplied), then
-        the additive terms (frequency and presence penalties, logit_bias, -inf for min_tokens bans). Returns a new
-        tensor; rows without a penalty come out unchanged."""
+        the additive terms (frequency and presence penalties, logit_bias, -inf for min_tokens and bad_words bans),
+        then -inf for every token outside a row's allowed_token_ids. Returns a new tensor; rows without a penalty
+        come out unchanged."""
         n, vocab = logits.shape
         if any(r.params.repetition_penalty != 1.0 for r in requests):
             seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
@@ -223,6 +233,11 @@ class Sampler:
         if staged.add_ids.shape[1] and any(_has_additive_terms(r) for r in requests):
             added = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
             logits = logits + added.scatter_add_(1, staged.add_ids, staged.add_values)[:, :vocab]
+        if any(r.params.allowed_token_ids is not None for r in requests):
+            allowed = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+            allowed = allowed.scatter_(1, staged.allowed_ids, True)[:, :vocab]
+            unrestricted = staged.params[:, _RESTRICTED : _RESTRICTED + 1] == 0  # [S, 1]
+            logits = logits.masked_fill(~(allowed | unrestricted), _NEG_INF)
         return logits
 
     def _sample(
@@ -267,12 +282,15 @@ def _has_additive_terms(r: ScheduledSequence) -> bool:
         ((p.presence_penalty or p.frequency_penalty) and r.num_output_tokens)
         or p.logit_bias
         or r.num_output_tokens < p.min_tokens
+        or p.bad_words
     )
 
 
 def _additive_terms(r: ScheduledSequence, vocab: int) -> dict[int, float]:
     """token id -> what is added to its logit: -(frequency * count + presence) for each output token, plus its
-    logit_bias, and -inf for a token that min_tokens bans. Ids outside the vocabulary are left out."""
+    logit_bias, and -inf for a token that min_tokens bans or that would complete one of bad_words (the last token
+    of a sequence whose other tokens end the output so far, as vLLM bans them). Ids outside the vocabulary are left
+    out."""
     if not _has_additive_terms(r):
         return {}
     p = r.params
@@ -285,6 +303,12 @@ def _additive_terms(r: ScheduledSequence, vocab: int) -> dict[int, float]:
     if r.num_output_tokens < p.min_tokens:
         for t in (*p.stop_token_ids, *([] if p.ignore_eos else r.eos_token_ids)):
             terms[t] = _NEG_INF
+    if p.bad_words:
+        output = r.output_token_ids
+        for words in p.bad_words:
+            before = len(words) - 1
+            if before <= len(output) and (before == 0 or list(words[:-1]) == output[len(output) - before :]):
+                terms[words[-1]] = _NEG_INF
     return {t: v for t, v in terms.items() if 0 <= t < vocab}
 
 
