@@ -153,6 +153,27 @@ def test_chat_template_matches_transformers(
     assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+@pytest.mark.parametrize("final", ["The capital", "The capital ", "", "  spaced  "])
+def test_continue_final_message_matches_transformers(ours: Tokenizer, ref: Any, final: str) -> None:
+    """The prompt ends where the final message's text ends (transformers' rule, trailing spaces included)."""
+    messages = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": final}]
+    expected = ref.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
+
+
+def test_template_variables_and_shown_fields(ours: Tokenizer) -> None:
+    """SmolLM2's template reads messages and add_generation_prompt only, and shows no message field but role and
+    content; one that writes a name shows it."""
+    assert ours.template_variables == {"messages", "add_generation_prompt"}
+    assert not ours.template_shows("user", "name") and not ours.template_shows("assistant", "reasoning_content")
+    named = ours.with_chat_template(
+        "{% for m in messages %}{{ m['role'] }} {{ m['name'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    assert named.template_shows("user", "name") and named.template_shows("assistant", "name")
+    with pytest.raises(ValueError, match="set by the server"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}], variables={"messages": []})
+
+
 def test_chat_template_hand_computed(ours: Tokenizer) -> None:
     rendered = ours.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
     assert rendered == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"

@@ -231,9 +231,10 @@ class Engine:
             "device_bytes": handle.device_nbytes,
         }
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt (blocking; see EngineCore.encode)."""
-        return self.core.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt's text (blocking; see EngineCore.encode: errors name ``param``);
+        ``add_special_tokens``: BOS first, where the model adds one."""
+        return self.core.encode(text, add_special_tokens, param)
 
     def chat_prompt(
         self,
@@ -241,9 +242,45 @@ class Engine:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        **template: Any,
     ) -> list[int]:
         """Token ids of a chat conversation under the model's chat template, ready for make_request/generate
-        (``add_special_tokens``: BOS before what the template writes, where the model adds one).
+        (``add_special_tokens``: BOS before what the template writes, where the model adds one); ``template``:
+        further arguments of ``render_chat``."""
+        return self.encode(
+            self.render_chat(messages, tools, add_generation_prompt, **template), add_special_tokens, "messages"
+        )
+
+    def template_reads(self) -> frozenset[str]:
+        """The variables the chat template reads (Tokenizer.template_variables); InvalidRequestError (param
+        ``messages``) when there is no template or it does not parse."""
+        try:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer or chat template")
+            return self.tokenizer.template_variables
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)[:500], param="messages") from None
+
+    def template_shows(self, role: str, field: str) -> bool:
+        """Whether the chat template writes a ``role`` message's ``field`` (Tokenizer.template_shows); False
+        without a template."""
+        return (
+            self.tokenizer is not None
+            and self.tokenizer.chat_template is not None
+            and (self.tokenizer.template_shows(role, field))
+        )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
+        """A chat conversation as the model's chat template writes it (Tokenizer.apply_chat_template: ``documents``,
+        ``continue_final_message`` and template ``variables`` as transformers passes them).
 
         ``tools`` (function tools as JSON schemas) and the messages' tool-call history (an assistant's
         ``tool_calls`` with their arguments as objects, ``tool`` messages) reach a template that reads ``tools`` as
@@ -255,12 +292,16 @@ class Engine:
         try:
             if not self.tokenizer.template_renders_tools:
                 messages, tools = render_tools_in_messages(messages, tools), None
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            return self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                continue_final_message=continue_final_message,
+                variables=variables,
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)[:500], param="messages") from None
-        return self.core.encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     # ---- offline -------------------------------------------------------------------------------------------
 

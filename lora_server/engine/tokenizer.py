@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -20,6 +20,13 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
+
+# What transformers appends to the final message for continue_final_message, to find where it ends once rendered.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# A message field's value that no template writes by itself: found in the output, the template shows the field.
+_SENTINEL = "Q7xWv3sentinel"
+# The variables a chat template is rendered with, whatever the request says.
+RENDER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
 
 # `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _TOKEN_TYPE_UNKNOWN = 2
@@ -79,7 +86,8 @@ class Tokenizer:
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
         )
         self._compiled_template: jinja2.Template | None = None
-        self._renders_tools: bool | None = None  # whether the template reads `tools`, found on first use
+        self._variables: frozenset[str] | None = None  # the template's undeclared variables, found on first use
+        self._shown: dict[tuple[str, str], bool] = {}  # (role, message field) -> whether the template shows it
         self.max_token_chars = max(1, max(map(len, backend.get_vocab(with_added_tokens=True)), default=1))
 
     @classmethod
@@ -222,47 +230,93 @@ class Tokenizer:
         )
 
     @property
-    def template_renders_tools(self) -> bool:
-        """Whether the chat template reads the ``tools`` variable (so it can show the model a tool list); raises
-        ValueError if there is no template or it does not parse."""
-        if self._renders_tools is None:
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from outside (``messages``, ``tools``, ``add_generation_prompt``,
+        and any others such as ``documents`` or ``enable_thinking``); raises ValueError if there is no template or
+        it does not parse."""
+        if self._variables is None:
             if self.chat_template is None:
                 raise ValueError("this tokenizer has no chat template")
             try:
                 ast = _jinja_env().parse(self.chat_template)
             except jinja2.TemplateError as error:
                 raise ValueError(f"chat template failed: {error}") from error
-            self._renders_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
-        return self._renders_tools
+            self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+        return self._variables
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template reads the ``tools`` variable (so it can show the model a tool list); raises
+        ValueError if there is no template or it does not parse."""
+        return "tools" in self.template_variables
+
+    def template_shows(self, role: str, field: str) -> bool:
+        """Whether the chat template writes a ``role`` message's ``field`` (``name``, ``reasoning``...) into the
+        prompt: a message carrying a value no template writes by itself is rendered (after a user message when
+        it is not a user message), and the value looked for. A template that fails on that conversation does not
+        show the field."""
+        key = (role, field)
+        if key not in self._shown:
+            probe = {"role": role, "content": "x", field: _SENTINEL}
+            messages = [probe] if role == "user" else [{"role": "user", "content": "x"}, probe]
+            try:
+                self._shown[key] = _SENTINEL in self.apply_chat_template(messages, add_generation_prompt=False)
+            except ValueError:
+                self._shown[key] = False
+        return self._shown[key]
 
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` with the model's chat template, as transformers' `apply_chat_template(tokenize=False)`
-        does: `tools` (JSON schemas, as given) and the messages' own fields (an assistant's `tool_calls`, a tool
-        message's `tool_call_id` and `name`) reach the template unchanged.
+        does: `tools` (JSON schemas, as given), `documents` and the messages' own fields (an assistant's
+        `tool_calls`, a tool message's `tool_call_id` and `name`) reach the template unchanged; `variables` are
+        further template variables (transformers' keyword arguments: `chat_template_kwargs`, `reasoning_effort`),
+        none of them one of RENDER_VARIABLES. With `continue_final_message` the text ends where the final message's
+        content ends (no end-of-turn after it, no generation prompt), found as transformers finds it: by a tag
+        appended to that content, cut off again after rendering.
 
         Raises ValueError if the model has no chat template, or the template is invalid or rejects the
-        conversation (through `raise_exception`, or a type error such as adding None to a string).
+        conversation (through `raise_exception`, or a type error such as adding None to a string), or the final
+        message to continue is not a text the template writes.
         """
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
+        extra = dict(variables or {})
+        if RENDER_VARIABLES & extra.keys():
+            raise ValueError(f"template variables {sorted(RENDER_VARIABLES & extra.keys())} are set by the server")
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str):
+                raise ValueError("continue_final_message is set but the final message has no text to continue")
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         try:
             if self._compiled_template is None:
                 self._compiled_template = _jinja_env().from_string(self.chat_template)
-            return self._compiled_template.render(
+            text = self._compiled_template.render(
+                **extra,
                 messages=messages,
                 tools=tools,
-                documents=None,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id),
                 eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
             )
         except (jinja2.TemplateError, TypeError) as error:
             raise ValueError(f"chat template failed: {error}") from error
+        if not continue_final_message:
+            return text
+        tag = text.rfind(_CONTINUE_TAG.strip())
+        if tag < 0:
+            raise ValueError("continue_final_message is set but the chat template does not write the final message")
+        # the tag's space kept: the template preserved spacing; else it trimmed the content's end, and so do we
+        return text[:tag] if text[tag : tag + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:tag].rstrip()
 
     def save_pretrained(self, directory: str | os.PathLike[str], model_max_length: int) -> list[Path]:
         """Write this tokenizer as a Hugging Face tokenizer directory that `transformers.AutoTokenizer` loads as a
