@@ -59,6 +59,10 @@ class LoraLinear(nn.Module):
         if ops.use_kernels(device):
             self.device_slice_starts = torch.tensor(self.slice_starts, dtype=torch.int32, device=device)
 
+    def detach(self) -> None:
+        """Let go of the arena (the runner's warm-up arena, before the real one is allocated)."""
+        self.workspace = None
+
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in] -> [T, out_total]
         out = self.base(x)
         workspace = self.workspace

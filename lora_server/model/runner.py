@@ -191,8 +191,12 @@ class ModelRunner:
             run = functools.partial(self._forward_and_logits, items, head_rows)
             peaks[step.label] = measure_peak(self.device, run)
         self.block_tables = BlockTables(self.config.max_num_seqs, self.block_tables.width, self.device)
-        largest_decode = f"decode x{max(self.decode_buckets)} + LoRA" if self.decode_buckets else None
-        profile = MemoryProfile(peaks["profile"], peaks.get(largest_decode, 0) if largest_decode else 0)
+        largest = f"decode x{max(self.decode_buckets)}" if self.decode_buckets else None
+        graphs = max((peaks.get(f"{largest}{lora}", 0) for lora in ("", " + LoRA")), default=0) if largest else 0
+        profile = MemoryProfile(peaks["profile"], graphs)
+        for layer in self.model.lora_wrappers():  # nothing holds the warm-up arena any more: its memory goes back
+            for wrapper in layer.values():
+                wrapper.detach()
         del self.arena, self.adapters
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
