@@ -271,7 +271,7 @@ class ServerConfig:
         default=None,
         metadata=flag(
             "adapters to load at start, NAME=PATH or a shipped demo NAME; takes commas, may repeat (default: the "
-            "shipped demo adapters)",
+            "shipped demo adapters with the embedded model, none with another --model)",
             name="--adapter",
         ),
     )

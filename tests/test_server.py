@@ -238,8 +238,8 @@ def test_shutdown_drains_in_flight_and_refuses_new(dirs):
         ({"model": BASE, "messages": []}, 400, "messages"),
         (
             {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "unknown_field": 1, "max_tokens": 2},
-            200,
-            None,
+            400,
+            "unknown_field",
         ),
     ],
 )

@@ -383,7 +383,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
             adapter,
             cache_salt(tenant),
             tenant_share(tenant),
-            request_id(request.scope),
+            request_id(request.scope, req.request_id),
         )
         try:
             meter = (

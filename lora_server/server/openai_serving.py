@@ -22,6 +22,7 @@ from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError, LoraServerError
 from lora_server.sampling_params import SamplingParams
+from lora_server.server.chat_prompt import chat_prompt, truncated
 from lora_server.server.logprobs import LogprobsFormatter
 from lora_server.server.metrics import Metrics, RequestSeries
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,7 +49,7 @@ class Prepared:
     n: int
     stream: bool
     include_usage: bool
-    echo: list[str] | None = None  # completions' echo: each prompt's text, which its choices' text starts with
+    echo: list[str] | None = None  # echo: each prompt's text (chat: the final message's), which its choices start with
     echo_logprobs: bool = False  # the logprobs object starts with the prompt's tokens (echo with logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs shown, with their top-k; None: not shown
     tool_calling: ToolCalling | None = None  # how a chat request's output is read for tool calls
@@ -125,13 +126,16 @@ class OpenAIServing:
         tool_request = req.tool_request()
         calling = None if tool_request is None else plan_tool_calls(tool_request, self.tool_parser)
         tools = None if tool_request is None else tool_request.definitions()
-        prompt = self.engine.chat_prompt(req.template_messages(), tools)
-        params = req.to_params(self.engine.max_model_len - len(prompt))
+        prompt = chat_prompt(self.engine, req, tools)
+        params = self._bad_words(req, req.to_params(self.engine.max_model_len - len(prompt)))
         if calling is not None:
             params = _with_tool_calling(params, calling)
+            if req.echo_text is not None:
+                raise InvalidRequestError("echo cannot be combined with tools", param="echo")
         prepared = self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant, request_id)
         prepared.prompt_logprobs = req.prompt_logprobs
         prepared.tool_calling = calling
+        prepared.echo = None if req.echo_text is None else [req.echo_text]
         return prepared
 
     def prepare_completion(
@@ -145,9 +149,19 @@ class OpenAIServing:
         given = req.prompts()
         prompts: list[Prompt] = list(given)
         if self.engine.tokenizer is not None:  # tokenized once here; the engine takes the ids
-            prompts = [self.engine.encode(p) if isinstance(p, str) and p else p for p in prompts]
+            special = req.add_special_tokens is not False
+            prompts = [self.engine.encode(p, special) if isinstance(p, str) and p else p for p in prompts]
+        else:
+            for field in ("add_special_tokens", "truncate_prompt_tokens", "bad_words"):
+                if getattr(req, field) is not None:
+                    raise InvalidRequestError(f"{field} needs the model's tokenizer", param=field)
+        if req.truncate_prompt_tokens is not None:  # a text left here is empty (the engine refuses it)
+            keep = req.truncate_prompt_tokens
+            prompts = [
+                p if isinstance(p, str) else truncated(list(p), keep, self.engine.max_model_len) for p in prompts
+            ]
         longest = max(len(p) for p in prompts)
-        params = req.to_params(self.engine.max_model_len - longest)
+        params = self._bad_words(req, req.to_params(self.engine.max_model_len - longest))
         prepared = self._prepare("completion", prompts, params, req, adapter, cache_salt, tenant, request_id)
         if req.echo:  # a text prompt as it was sent; token ids as their text
             prepared.echo = [p if isinstance(p, str) else self._text(p) for p in given]
@@ -157,6 +171,24 @@ class OpenAIServing:
             req.logprobs if req.prompt_logprobs is None and req.echoes_logprobs else req.prompt_logprobs
         )
         return prepared
+
+    def _bad_words(self, req: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> SamplingParams:
+        """``params`` with the request's bad_words as token sequences, as vLLM bans them: each word's tokens, and
+        those of the word after a space where that makes a different first token of the same length."""
+        if not req.bad_words:
+            return params
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer", param="bad_words")
+        sequences: list[tuple[int, ...]] = []
+        for word in req.bad_words:
+            plain = self.engine.encode(word.lstrip(), False, "bad_words")
+            spaced = self.engine.encode(" " + word.lstrip(), False, "bad_words")
+            if not plain or not spaced:
+                raise InvalidRequestError("bad_words must not hold an empty word", param="bad_words")
+            sequences.append(tuple(plain))
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(tuple(spaced))
+        return replace(params, bad_words=tuple(sequences))
 
     def _text(self, token_ids: list[int]) -> str:
         tok = self.engine.tokenizer
@@ -174,7 +206,10 @@ class OpenAIServing:
         request_id: str | None,
     ) -> Prepared:
         n = req.n
+        request_id = request_id or req.request_id
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id or uuid.uuid4().hex}"
+        if req.cache_salt is not None:  # within the tenant's own: a salted prompt shares KV only with its salt
+            cache_salt = f"{cache_salt}\x00salt:{req.cache_salt}"
         unique = uuid.uuid4().hex[:8]  # engine ids stay unique when a client sends one x-request-id twice
         requests: list[Request] = []
         try:
@@ -319,7 +354,7 @@ class OpenAIServing:
                             "choices": [
                                 {
                                     "index": i,
-                                    "delta": {"role": "assistant", "content": ""},
+                                    "delta": {"role": "assistant", "content": (prepared.echo or [""])[0]},
                                     "logprobs": None,
                                     "finish_reason": None,
                                 }
@@ -415,6 +450,8 @@ class OpenAIServing:
             body["choices"] = []
             for c in choices:
                 message, reason = c.chat_message()
+                if prepared.echo is not None:  # chat echo: the final message's text, then the answer's
+                    message["content"] = prepared.echo[0] + (message.get("content") or "")
                 body["choices"].append(
                     {
                         "index": c.index,

@@ -1,28 +1,32 @@
 """OpenAI-compatible request bodies (pydantic, used only at the HTTP edge) and their mapping to SamplingParams.
-Unknown fields are accepted and ignored, as OpenAI clients and vLLM's extra fields expect."""
+Every field is one of lora_server.server.request_fields' table: honoured, refused unless it asks for nothing, or of
+no effect here; any other field is refused (a 400 naming it), as OpenAI refuses it."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from lora_server.errors import InvalidRequestError
 from lora_server.sampling_params import SamplingParams, StructuredOutput
+from lora_server.server.request_fields import CHAT, COMPLETIONS, refuse_fields
 from lora_server.tools.spec import ToolRequest, history_tool_calls, parse_tool_request
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no effect: no obfuscation padding is sent
+    continuous_usage_stats: bool | None = None  # vLLM's: refused when true (request_fields)
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -32,13 +36,25 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+    ENDPOINT: ClassVar[str]
 
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -49,7 +65,13 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
+    echo: bool = False
+    # no effect here (request_fields says why)
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # vLLM's extra sampling fields
     top_k: StrictInt | None = None
     min_p: float | None = None
@@ -64,11 +86,19 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     priority: StrictInt = 0  # vLLM's: lower values are admitted first among the tenant's waiting requests
     prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob and the top-k (not streamed)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None  # tokenized by the server (OpenAIServing: vLLM's rule)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: context)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    add_special_tokens: bool | None = None  # None: the endpoint's default (chat false, completions true)
     # structured output: OpenAI's response_format, or one of vLLM's guided fields
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def structured_output(self) -> StructuredOutput | None:
         """The one constraint on the output the request asks for, if any (InvalidRequestError for two, or for a
@@ -89,6 +119,9 @@ class _Sampling(BaseModel):
             given.append(StructuredOutput("regex", self.guided_regex, "guided_regex"))
         if self.guided_choice is not None:
             given.append(StructuredOutput("choice", tuple(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            given.append(StructuredOutput("grammar", self.guided_grammar, "guided_grammar"))
+        given.extend(_structured_outputs(self.structured_outputs))
         if len(given) > 1:
             raise InvalidRequestError(
                 f"only one output constraint may be given, not {' and '.join(c.param for c in given)}",
@@ -124,8 +157,30 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured=self.structured_output(),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
         return SamplingParams(**values)
+
+
+def _structured_outputs(given: StructuredOutputs | None) -> list[StructuredOutput]:
+    """vLLM's structured_outputs as constraints (one expected; more are refused by the caller)."""
+    if given is None:
+        return []
+    param = "structured_outputs"
+    out = []
+    if given.json_ is not None:
+        out.append(StructuredOutput.json_schema(given.json_, param))
+    if given.regex is not None:
+        out.append(StructuredOutput("regex", given.regex, param))
+    if given.choice is not None:
+        out.append(StructuredOutput("choice", tuple(given.choice), param))
+    if given.grammar is not None:
+        out.append(StructuredOutput("grammar", given.grammar, param))
+    if given.json_object:
+        out.append(StructuredOutput("json_object", None, param))
+    if not out:
+        raise InvalidRequestError("structured_outputs names no constraint", param=param)
+    return out
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -138,51 +193,91 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+# Content part types a message may carry; any other (image_url, input_audio, file, video_url...) is refused.
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message as OpenAI sends it. Fields beyond OpenAI's (vLLM's reasoning_content, a template's own) are kept
+    for the chat template, which must write them (lora_server.server.chat_prompt checks)."""
+
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant's calls: [{"id", "type", "function": {"name", "arguments"}}]
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    refusal: str | None = None  # an assistant's refusal: its text, when it has no content
+    annotations: list[Any] | None = None  # no effect: an answer's citations, which no template writes
+    audio: Any = None  # an assistant's earlier audio answer: refused
     function_call: Any = None  # the deprecated form of tool_calls: refused
 
-    def text(self) -> str:
+    def text(self, index: int) -> str:
+        """Its content's text: text and refusal parts joined; any other part type is a 400 naming it."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-        if len(parts) != len(self.content):
-            raise InvalidRequestError("only text content parts are supported", param="messages")
-        return "".join(parts)
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind not in TEXT_PARTS or not isinstance(part.get(TEXT_PARTS[kind]), str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content[{j}]: {str(kind)[:40]} content parts are not supported (this "
+                    "model reads text: text and refusal parts)",
+                    param="messages",
+                )
+            texts.append(part[TEXT_PARTS[kind]])
+        return "".join(texts)
 
-    def template_message(self) -> dict[str, Any]:
+    def template_message(self, index: int) -> dict[str, Any]:
         """The message as chat templates read it (transformers' shape): its text, ``name``, an assistant's
-        ``tool_calls`` with their arguments parsed, a tool message's ``tool_call_id``. Beside tool calls, a null
-        content is left out, as transformers leaves out every None (templates test whether it is defined)."""
+        ``tool_calls`` with their arguments parsed, a tool message's ``tool_call_id``, and its other fields as sent
+        (null ones left out). Beside tool calls, a null content is left out, as transformers leaves out every None
+        (templates test whether it is defined)."""
+        where = f"messages[{index}]"
         if self.function_call is not None:
             raise InvalidRequestError(
-                "function_call in a message is OpenAI's deprecated form of tool_calls; send tool_calls",
-                param="messages",
+                f"{where}.function_call is OpenAI's deprecated form of tool_calls; send tool_calls", param="messages"
             )
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.audio is not None:
+            raise InvalidRequestError(f"{where}.audio: audio is not supported", param="messages")
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.refusal is not None:
+            if self.role != "assistant" or self.content is not None:
+                raise InvalidRequestError(
+                    f"{where}.refusal: only an assistant message without content carries a refusal", param="messages"
+                )
+            message["content"] = self.refusal
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
             if self.role != "assistant":
-                raise InvalidRequestError("only assistant messages carry tool_calls", param="messages")
+                raise InvalidRequestError(f"{where}: only assistant messages carry tool_calls", param="messages")
             message["tool_calls"] = history_tool_calls(self.tool_calls)
-            if self.content is None:
+            if self.content is None and self.refusal is None:
                 del message["content"]
         if self.role == "tool":
             if self.tool_call_id is None:
-                raise InvalidRequestError("a tool message needs the tool_call_id it answers", param="messages")
+                raise InvalidRequestError(
+                    f"{where}: a tool message needs the tool_call_id it answers", param="messages"
+                )
             message["tool_call_id"] = self.tool_call_id
         elif self.tool_call_id is not None:
-            raise InvalidRequestError("only tool messages carry a tool_call_id", param="messages")
+            raise InvalidRequestError(f"{where}: only tool messages carry a tool_call_id", param="messages")
+        for key, value in (self.model_extra or {}).items():
+            if value is not None:
+                message[key] = value
         return message
+
+    @property
+    def template_fields(self) -> list[str]:
+        """The fields beyond role and content that the template must write for the message to mean what it says:
+        its name (but a tool message's, whose call its tool_call_id names) and its extra fields."""
+        fields = [] if self.name is None or self.role == "tool" else ["name"]
+        return fields + [key for key, value in (self.model_extra or {}).items() if value is not None]
 
 
 class ChatCompletionRequest(_Sampling):
+    ENDPOINT = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
@@ -191,20 +286,26 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None  # the deprecated forms of tools and tool_choice: refused
-    function_call: str | dict[str, Any] | None = None
+    # the chat template's inputs (lora_server.server.chat_prompt)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
     def tool_request(self) -> ToolRequest | None:
         """The tools and tool choice asked for (None: no tools); InvalidRequestError naming the field at fault."""
-        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-            if getattr(self, legacy) is not None:
-                raise InvalidRequestError(
-                    f"{legacy} is OpenAI's deprecated form of {current}; send {current}", param=legacy
-                )
         return parse_tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_message() for m in self.messages]
+        return [m.template_message(i) for i, m in enumerate(self.messages)]
+
+    @property
+    def echo_text(self) -> str | None:
+        """vLLM's chat echo: the final message's text starts the answer when it is the assistant's (the role the
+        answer has); None when nothing is echoed."""
+        last = self.messages[-1]
+        return last.text(len(self.messages) - 1) if self.echo and last.role == "assistant" else None
 
     def to_params(self, default_max: int) -> SamplingParams:
         k = (self.top_logprobs or 0) if self.logprobs else None
@@ -213,9 +314,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    ENDPOINT = COMPLETIONS
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
-    echo: bool = False
 
     def to_params(self, default_max: int) -> SamplingParams:
         """With echo, the prompt's logprobs are computed for the logprobs object (top ``logprobs``), and max_tokens
@@ -257,6 +358,9 @@ def parse_body(raw: bytes, model: type[BodyModel]) -> BodyModel:
         raise InvalidRequestError("invalid JSON body") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("the JSON body must be an object")
+    endpoint = getattr(model, "ENDPOINT", None)
+    if endpoint is not None:
+        refuse_fields(data, endpoint)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -270,4 +374,6 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     integer", "max_tokens")."""
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {'.'.join(loc)}", (loc[0] if loc else None)
     return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}", (loc[0] if loc else None)

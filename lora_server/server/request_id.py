@@ -19,9 +19,11 @@ _current: ContextVar[str] = ContextVar("request_id", default="")
 log = logging.getLogger("lora_server")
 
 
-def request_id(scope: Scope) -> str:
-    """The id the middleware gave this request."""
-    return scope["state"]["request_id"]
+def request_id(scope: Scope, body_id: str | None = None) -> str:
+    """The id the middleware gave this request; ``body_id`` (vLLM's request_id field) instead when the client sent
+    no x-request-id header (the header wins, as in vLLM)."""
+    state = scope["state"]
+    return body_id if body_id is not None and not state["request_id_given"] else state["request_id"]
 
 
 class RequestIds:
@@ -40,7 +42,7 @@ class RequestIds:
         token = _current.set(rid)
         if given and rid != given:
             log.warning("x-request-id of %d characters replaced by a generated one", len(given))
-        scope.setdefault("state", {})["request_id"] = rid
+        scope.setdefault("state", {}).update(request_id=rid, request_id_given=rid == given)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -11,14 +11,14 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from lora_server.engine import Engine
 from lora_server.errors import InvalidRequestError
-from lora_server.server.protocol import ChatMessage
+from lora_server.server.chat_prompt import chat_prompt
+from lora_server.server.protocol import ChatCompletionRequest, ChatMessage
+from lora_server.tools.spec import parse_tool_request
 
 # vLLM's TokenizeChatRequest fields this server does not implement: refused when given
 _UNSUPPORTED = {
-    "chat_template": "a chat template per request",
-    "chat_template_kwargs": "chat template arguments",
+    "chat_template": "a chat template per request (--chat-template sets it at start-up)",
     "mm_processor_kwargs": "multimodal inputs",
-    "tools": "tools in /tokenize",
 }
 
 
@@ -27,7 +27,7 @@ class TokenizeRequest(BaseModel):
     ``add_special_tokens`` defaults to true for a prompt (BOS where the model adds one) and false for messages (the
     chat template places its own)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -42,7 +42,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -59,17 +59,16 @@ def tokenize(engine: Engine, req: TokenizeRequest) -> dict[str, Any]:
             raise InvalidRequestError(f"{field} ({what}) is not supported", param=field)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give either prompt or messages", param="prompt" if req.prompt else "messages")
-    if req.messages is not None:
-        if req.continue_final_message:
-            raise InvalidRequestError(
-                "continue_final_message is not supported: the chat template renders whole messages",
-                param="continue_final_message",
-            )
-        ids = engine.chat_prompt(
-            [{"role": m.role, "content": m.text()} for m in req.messages],
+    if req.messages is not None:  # as a chat request with these messages, tools and template options
+        chat = ChatCompletionRequest(
+            messages=req.messages,
             add_generation_prompt=req.add_generation_prompt,
-            add_special_tokens=bool(req.add_special_tokens),
+            continue_final_message=req.continue_final_message,
+            add_special_tokens=req.add_special_tokens,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
+        tools = parse_tool_request(req.tools, None, None)
+        ids = chat_prompt(engine, chat, None if tools is None else tools.definitions())
     else:
         assert req.prompt is not None
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
