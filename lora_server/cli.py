@@ -441,6 +441,29 @@ def _bench_fair(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_long_prefill_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, EngineConfig, quantization="none", kv_cache_bytes=0.5, host_kv_bytes=0)
+    p.add_argument(
+        "--lengths", default="500,2000,7000", help="prompt lengths of the cost table (default: 500,2000,7000)"
+    )
+    p.add_argument("--long-len", type=int, default=7000, help="the long prompt beside the short one (default: 7000)")
+    p.add_argument("--short-len", type=int, default=32, help="the short request's prompt tokens (default: 32)")
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
+    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-long-prefill.json)")
+
+
+@command(
+    "bench-long-prefill",
+    "prefill cost per token by prompt length, and a short request's TTFT beside a long prompt (cap on and off)",
+    _bench_long_prefill_args,
+)
+def _bench_long_prefill(args: argparse.Namespace) -> int:
+    from lora_server.bench.long_prefill import bench
+
+    bench(args, config_from_flags(EngineConfig, args, show_progress=False))
+    return 0
+
+
 def _bench_serve_args(p: argparse.ArgumentParser) -> None:
     from lora_server.bench.serve import add_args
 

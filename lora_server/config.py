@@ -140,6 +140,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=flag("split long prompts across steps", negate="--no-chunked-prefill")
     )
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata=flag(
+            "the most tokens of one prompt computed in a step while other requests run or wait, so that a long "
+            "prompt never holds back the others' first tokens (vLLM's flag; default: a quarter of the step's token "
+            "budget; 0: no cap; alone, a prompt takes the whole budget)"
+        ),
+    )
     enforce_eager: bool = field(
         default=False,
         metadata=flag(
@@ -227,6 +235,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram must be >= 0, got {self.speculative_ngram}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:

@@ -517,3 +517,39 @@ def test_randomized_run(chunked, seed):
             assert r.stop_reason == (last if last in p.stop_token_ids else None)
         else:
             assert r.finish_reason is FinishReason.ABORT
+
+
+# ---- a long prompt beside short ones -------------------------------------------------------------------------
+
+
+def test_a_long_prefill_is_capped_while_others_run_or_wait():
+    """Alone, a long prompt takes the whole budget; once a short request waits, the long one computes at most the
+    threshold a step, the short one is admitted in the same step and gets its first token there, then decodes
+    beside the long one's capped chunks; alone again, the long one takes the whole budget."""
+    sched, _ = make(budget=32, block_size=4, num_blocks=64)
+    sched.config.long_prefill_token_threshold = 8
+    long, short = new("long", 120), new("short", 5, max_tokens=3)
+    sched.add(long)
+    assert step(sched) == ([("long", 32)], [], [])
+    sched.add(short)
+    assert step(sched) == ([("long", 8), ("short", 5)], [], ["short"])  # short's first token, one step after arrival
+    assert step(sched) == ([("short", 1), ("long", 8)], [], ["short"])
+    assert step(sched) == ([("short", 1), ("long", 8)], [], ["short"])  # short's third and last token
+    assert short.status is RequestStatus.FINISHED and short.finish_reason is FinishReason.LENGTH
+    assert step(sched) == ([("long", 32)], [], [])
+    assert long.num_computed_tokens == 32 + 8 * 3 + 32
+
+
+def test_no_cap_without_a_threshold_or_chunked_prefill():
+    sched, _ = make(budget=32, block_size=4, num_blocks=64)
+    long, short = new("long", 120), new("short", 5)
+    sched.add(long)
+    sched.add(short)
+    assert step(sched) == ([("long", 32)], [], [])  # threshold 0: the first in line takes the budget
+    assert step(sched) == ([("long", 32)], [], [])
+    sched, _ = make(budget=200, chunked=False, num_blocks=128)
+    sched.config.long_prefill_token_threshold = 8
+    a, b = new("a", 60), new("b", 5)
+    sched.add(a)
+    sched.add(b)
+    assert step(sched) == ([("a", 60), ("b", 5)], [], ["a", "b"])

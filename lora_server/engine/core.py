@@ -123,6 +123,9 @@ class EngineCore:
                 ngram_max=config.speculative_ngram_max,
                 speculative_max_batch=config.speculative_max_batch,
                 max_loras=config.max_loras,
+                long_prefill_token_threshold=(
+                    budget // 4 if config.long_prefill_token_threshold is None else config.long_prefill_token_threshold
+                ),
             ),
             self.pool,
             self.adapters,

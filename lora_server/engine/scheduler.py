@@ -1,12 +1,14 @@
 """Iteration-level scheduling by token budget: the policy of who runs each step.
 
-Every request has two counters, tokens in total and tokens computed; a step schedules for each chosen request
-up to (total - computed) tokens. A decode is the case of one token, a prefill (or a chunk of one) the case of
-many: there is one code path. Decodes go first, then running prefills, then waiting requests in the order of the
-waiting line (engine.fair_queue: weighted fair sharing across tenants, each tenant's cap of running requests, then
-priority and arrival; or arrival order alone with fair sharing off). When KV blocks run out the most recently
-admitted running request is preempted: its blocks are freed, it goes back to the front of its tenant's line and is
-recomputed from its tokens later.
+Every request has two counters, tokens in total and tokens computed; a step schedules for each chosen request up to
+(total - computed) tokens. A decode is the case of one token, a prefill (or a chunk of one) the case of many: there
+is one code path. Decodes go first, then running prefills, then waiting requests in the order of the waiting line
+(engine.fair_queue: weighted fair sharing across tenants, each tenant's cap of running requests, then priority and
+arrival; or arrival order alone with fair sharing off). While a prefill shares the engine with other requests,
+running or waiting, it computes at most long_prefill_token_threshold tokens a step, so a long prompt leaves room in
+each step for the others' decodes and short prompts (alone, it takes the whole budget). When KV blocks run out the
+most recently admitted running request is preempted: its blocks are freed, it goes back to the front of its tenant's
+line and is recomputed from its tokens later.
 
 Blocks come from the unified pool (kv_pool.UnifiedPool): admission matches the longest cached prefix of the
 request's tokens under its cache salt and adapter weights and makes the adapter resident; the request then starts
@@ -53,6 +55,9 @@ class SchedulerConfig:
     ngram_max: int = 4
     speculative_max_batch: int = 8  # no drafts while more requests than this run
     max_loras: int = 1 << 30  # the most distinct adapters among the running requests (one batch)
+    # the most tokens of one prefill in a step while other requests run or wait (0: no cap), so that a long prompt
+    # leaves room in every step for the others' decodes and short prompts (vLLM's long_prefill_token_threshold)
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(slots=True)
@@ -130,6 +135,7 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
         speculate = self.config.speculative_ngram > 0 and len(self.running) <= self.config.speculative_max_batch
+        chunk_cap = self._prefill_cap()
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -137,7 +143,7 @@ class Scheduler:
                 continue
             if self._loading(request):
                 continue
-            n = min(request.num_uncomputed_tokens, budget)
+            n = min(request.num_uncomputed_tokens, budget, chunk_cap)
             if not self._reserve_or_preempt(request, n, work, now):
                 continue
             work.items.append((request, n))
@@ -161,7 +167,7 @@ class Scheduler:
                 if (new_adapter and len(in_batch) >= self.config.max_loras) or not self._staged(head):
                     passed.add(head)
                     continue
-            chunk = self._admit(head, budget, now)
+            chunk = self._admit(head, min(budget, chunk_cap), now)
             if chunk is None:
                 break
             self.waiting.admit(head)
@@ -176,6 +182,15 @@ class Scheduler:
             self.waiting.charge(head, chunk)
             budget -= chunk
         return work
+
+    def _prefill_cap(self) -> int:
+        """The most tokens one prefill computes this step: long_prefill_token_threshold while it shares the engine
+        with other requests (running or waiting), else the whole budget. A decode's one token is never capped."""
+        threshold = self.config.long_prefill_token_threshold
+        alone = len(self.running) + len(self.waiting) <= 1
+        if threshold <= 0 or alone or not self.config.enable_chunked_prefill:
+            return self.config.max_num_batched_tokens
+        return max(1, threshold)
 
     def _fail_waiting(self, work: ScheduledWork) -> None:
         """End the waiting requests of adapters the loader could not stage (their files changed or went); a later
