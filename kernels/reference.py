@@ -88,15 +88,17 @@ def paged_attention(
         # query i sits at position seq_len - n + i and sees keys 0 ..= that position
         key_pos = torch.arange(seq_len, device=q.device)
         mask = key_pos[None, :] <= key_pos[seq_len - n :, None]  # [n, seq_len]
+        # with a batch dimension: 3-D inputs take torch's math path on the CPU (a pass over [heads, n, seq_len]
+        # per elementwise step, 3x slower at a few thousand keys), 4-D ones its flash kernel
         o = F.scaled_dot_product_attention(
-            q_b.transpose(0, 1).float(),
-            k_b.transpose(0, 1),
-            v_b.transpose(0, 1),
+            q_b.transpose(0, 1).float()[None],
+            k_b.transpose(0, 1)[None],
+            v_b.transpose(0, 1)[None],
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[starts[b] : starts[b + 1]] = o.transpose(0, 1).to(q.dtype)
+        out[starts[b] : starts[b + 1]] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
