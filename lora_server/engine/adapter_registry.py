@@ -56,6 +56,7 @@ class AdapterContent:
 
     adapter_id: int
     digest: str  # content_hash of the weights as registered
+    file_digest: str  # a hash of the files' bytes as last read (LoraAdapter.file_digest)
     path: Path  # the directory it was last registered from
     name: str  # the name it was last registered under
     ranks: tuple[tuple[int, str, int], ...]  # (layer, module, rank) of every module it targets
@@ -139,6 +140,7 @@ class AdapterRegistry:
             self._contents[adapter_id] = AdapterContent(  # the latest files the weights were read from
                 adapter_id,
                 digest,
+                adapter.file_digest,
                 adapter.path,
                 name,
                 tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),

@@ -91,8 +91,9 @@ class EngineAdapters:
                 if (path / "adapter_config.json").is_file():
                     try:
                         self.engine.add_adapter(name, path, source="on-demand")
-                    except AdapterError as exc:
-                        raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc}", param="model") from exc
+                    except AdapterError as exc:  # the caller may be anyone: the reason without paths
+                        log.info("adapter %s from %s cannot be loaded: %s", name, path, exc)
+                        raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc.public}", param="model") from exc
                     log.info("adapter %s registered on first use from %s", name, path)
                     return True
         return False
