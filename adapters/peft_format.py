@@ -5,8 +5,10 @@ Every refusal raises AdapterError with the reason; nothing is loaded or changed 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +120,13 @@ _LAYERS_PATTERNS: tuple[object, ...] = (None, "layers", ["layers"], [])
 
 
 class AdapterError(ValueError):
-    """An adapter that cannot be served, and why."""
+    """An adapter that cannot be served, and why. ``str()`` is the whole reason, filesystem paths included (for the
+    operator: logs, the admin API); ``public`` is the same reason without any path (for callers without the admin
+    key: on-demand loads, requests whose adapter cannot be staged)."""
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = message if public is None else public
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +160,7 @@ class LoraAdapter:
     path: Path
     rank: int  # the largest rank over its modules
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    file_digest: str = ""  # a hash of the bytes read from its two files (which files these weights came from)
 
     @property
     def modules(self) -> set[str]:
@@ -165,31 +174,32 @@ class LoraAdapter:
 def load_peft_adapter(
     name: str, path: str | Path, base: BaseShapes, max_rank: int, allowed_roots: list[Path] | None = None
 ) -> LoraAdapter:
-    """Validate and read one PEFT LoRA directory; every refusal is an AdapterError. ``allowed_roots`` None means any
-    path is allowed; otherwise the directory and each file read from it must resolve (symlinks followed) inside one."""
+    """Validate and read one PEFT LoRA directory; every refusal is an AdapterError (its ``public`` reason names no
+    path). ``allowed_roots`` None means any path is allowed; otherwise the directory and each file read from it must
+    resolve (symlinks followed) inside one. Each file is read once into memory (``_read_whole``), so that files
+    rewritten while the server reads them are a refusal, never a crash."""
     roots = None if allowed_roots is None else [r.expanduser().resolve() for r in allowed_roots]
     outside = f"outside the allowed adapter roots ({', '.join(map(str, roots or [])) or 'none configured'})"
-    root = _resolve(Path(path), f"adapter path {path}")
+    root = _resolve(Path(path), f"adapter path {path}", "the adapter's directory")
     if roots is not None and not _within(root, roots):
-        raise AdapterError(f"adapter path {path} is {outside}")
+        raise AdapterError(f"adapter path {path} is {outside}", "the adapter's directory is outside the adapter roots")
     if not root.is_dir():
-        raise AdapterError(f"adapter path {path} is not a directory")
+        raise AdapterError(f"adapter path {path} is not a directory", "the adapter's path is not a directory")
     files = {}
     for file in ("adapter_model.safetensors", "adapter_config.json"):
-        files[file] = _resolve(root / file, f"{file} in adapter path {path}")
+        files[file] = _resolve(root / file, f"{file} in adapter path {path}", file)
         if roots is not None and not _within(files[file], roots):
-            raise AdapterError(f"{file} in adapter path {path} links {outside}")
+            raise AdapterError(f"{file} in adapter path {path} links {outside}", f"{file} links outside the roots")
     if not files["adapter_model.safetensors"].is_file():
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise AdapterError(f"only safetensors adapters are loaded; {', '.join(pickles)} is a pickle file")
-        raise AdapterError(f"{path} has no adapter_model.safetensors")
+        raise AdapterError(f"{path} has no adapter_model.safetensors", "the adapter has no adapter_model.safetensors")
     if not files["adapter_config.json"].is_file():
-        raise AdapterError(f"{path} has no adapter_config.json")
+        raise AdapterError(f"{path} has no adapter_config.json", "the adapter has no adapter_config.json")
+    config_bytes = _read_whole(files["adapter_config.json"])
     try:
-        config = json.loads(files["adapter_config.json"].read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise AdapterError(f"adapter_config.json cannot be read: {exc}") from exc
+        config = json.loads(config_bytes.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise AdapterError(f"adapter_config.json is not UTF-8 text: {exc}") from exc
     except (ValueError, RecursionError) as exc:  # a syntax error, an integer over 4300 digits, too deep nesting
@@ -202,15 +212,40 @@ def load_peft_adapter(
         raise
     except _MALFORMED as exc:  # a config shape the named checks in _plan miss; only _plan runs in this block
         raise AdapterError(f"adapter_config.json is malformed: {exc}") from exc
-    tensors = _read_safetensors(files["adapter_model.safetensors"])
-    return LoraAdapter(name, root, max(r for r, _ in plan.values()), _convert(tensors, plan, base))
+    weights_bytes = _read_whole(files["adapter_model.safetensors"])
+    tensors = _parse_safetensors(weights_bytes)
+    digest = hashlib.blake2b(config_bytes, digest_size=16)
+    digest.update(weights_bytes)
+    weights = _convert(tensors, plan, base)
+    return LoraAdapter(name, root, max(r for r, _ in plan.values()), weights, digest.hexdigest())
 
 
-def _resolve(path: Path, what: str) -> Path:
+def _resolve(path: Path, what: str, public: str) -> Path:
     try:
         return path.expanduser().resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, an unknown ~user, a NUL byte
-        raise AdapterError(f"{what} cannot be resolved: {exc}") from exc
+        raise AdapterError(f"{what} cannot be resolved: {exc}", f"{public} cannot be resolved") from exc
+
+
+def _read_whole(path: Path) -> bytes:
+    """The file's bytes, read once with ordinary reads. Never memory-mapped: a mapped file truncated by another
+    process while it is read kills the reader with SIGBUS. AdapterError (naming the file, not its directory) if it
+    cannot be read, or if it changed while it was read: its size or modification time moved between the reads'
+    start and end, or the bytes read are not its size."""
+    try:
+        with path.open("rb") as file:
+            before = os.fstat(file.fileno())
+            data = file.read()
+            after = os.fstat(file.fileno())
+    except OSError as exc:
+        raise AdapterError(f"{path} cannot be read: {exc}", f"{path.name} cannot be read: {exc.strerror}") from exc
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(data) != after.st_size:
+        raise AdapterError(
+            f"{path.name} changed while it was read ({path}): write adapter files elsewhere and move them into "
+            "place, then register again",
+            f"{path.name} changed while it was read; retry once it is written",
+        )
+    return data
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
@@ -357,14 +392,15 @@ def _layers(config: dict, num_layers: int) -> list[int]:
     return chosen
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _parse_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes (copied out of them: nothing maps the file)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"{path.name} cannot be read: {exc}") from exc
+        return load(data)
+    except (SafetensorError, ValueError, KeyError, RuntimeError) as exc:  # a bad header; a dtype torch lacks
+        raise AdapterError(f"adapter_model.safetensors cannot be read: {exc}") from exc
 
 
 def _convert(

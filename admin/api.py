@@ -26,18 +26,23 @@ from admin.store import (
     TenantRecord,
     UnknownKeyError,
     UnknownTenantError,
-    is_valid_name,
+    validate_name,
 )
 
 
 class AdapterControl(Protocol):
     """What the admin API needs from the serving side. ``lock`` is held while an adapter changes in the engine and
-    in the store together, so that whatever else keeps the two in step (a registry sync) sees both or neither."""
+    in the store together, so that whatever else keeps the two in step (a registry sync) sees both or neither.
+
+    Registering is two steps around the store's write: ``check_adapter`` reads and validates the files (ApiError(400)
+    with the reason; nothing changes), ``serve_adapter`` then serves what was checked as version ``version`` (it
+    reads no file, and under the same hold of ``lock`` it does not fail)."""
 
     lock: threading.Lock
 
-    def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]: ...
-    # serves it as its version `version` or later (the "version" of the answer); ApiError(400) with the reason
+    def check_adapter(self, name: str, path: str, pinned: bool) -> object: ...
+    def serve_adapter(self, checked: Any, pinned: bool, version: int) -> dict[str, Any]: ...
+    def next_version(self, name: str) -> int: ...  # the least version the engine gives the name's next registration
     def unload_adapter(self, name: str) -> bool: ...  # False when the engine does not serve it
     def served_adapters(self) -> list[str]: ...  # every adapter the engine serves: demo, command line and API
     def adapter_info(self, name: str) -> dict[str, Any] | None: ...  # path, source, version, state...; None: not served
@@ -150,8 +155,7 @@ def admin_router(
     router = APIRouter(dependencies=[Depends(require_admin)])
 
     def register(name: str, path: str, pinned: bool, replace: bool) -> dict[str, Any]:
-        if not is_valid_name(name):
-            raise ApiError(400, f"invalid adapter name {name!r}: use letters, digits, '.', '_' or '-'", param="name")
+        checked_name(name, "adapter name", "name")
         if name == base_model_id:
             raise ApiError(400, f"{name!r} is the base model's id; choose another adapter name", param="name")
         with control.lock:
@@ -174,9 +178,19 @@ def admin_router(
                 f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)",
                 param="path",
             )
+        # files first (a 400 changes nothing), then the store (a 503 changes nothing), then the engine
+        checked = control.check_adapter(name, str(resolved), pinned)
         old = store.get_adapter(name)
-        info = control.load_adapter(name, str(resolved), pinned, 1 if old is None else old.version + 1)
-        record = store.put_adapter(AdapterRecord(name, str(resolved), info["version"], pinned, time.time()))
+        version = max(1 if old is None else old.version + 1, control.next_version(name))
+        record = store.put_adapter(AdapterRecord(name, str(resolved), version, pinned, time.time()))
+        try:
+            info = control.serve_adapter(checked, pinned, record.version)
+        except ApiError:  # not expected under the lock; the store is put back as it was
+            if old is None:
+                store.delete_adapter(name)
+            else:
+                store.put_adapter(old)
+            raise
         return {**info, "version": record.version, "pinned": record.pinned}
 
     def describe(name: str, record: AdapterRecord | None) -> dict[str, Any] | None:
@@ -218,10 +232,11 @@ def admin_router(
 
     @router.delete("/admin/adapters/{name}")
     def delete_adapter(name: str) -> dict[str, Any]:
-        """Unload it and forget its record; a record whose files vanished (never loaded) is removed too."""
+        """Forget its record, then unload it (a store that refuses the write leaves both); a record whose files
+        vanished (never loaded) is removed too."""
         with control.lock:
-            served = control.unload_adapter(name)
             deleted = store.delete_adapter(name)
+            served = control.unload_adapter(name)
         if not deleted and not served:
             raise ApiError(
                 404, f"adapter {name!r} does not exist", "not_found_error", param="name", code="model_not_found"
@@ -238,6 +253,9 @@ def admin_router(
 
     @router.post("/admin/tenants")
     def create_tenant(body: TenantBody) -> dict[str, Any]:
+        checked_name(body.name, "tenant name", "name")
+        for adapter in body.adapters:
+            checked_name(adapter, "adapter name", "adapters")
         limits = body.rate_limits or RateLimitsBody()
         try:
             record, key = store.create_tenant(
@@ -250,7 +268,7 @@ def admin_router(
             )
         except TenantExistsError as exc:
             raise ApiError(409, str(exc), param="name", code="tenant_exists") from exc
-        except ValueError as exc:
+        except ValueError as exc:  # the default adapter, a limit: the body's other fields
             raise ApiError(400, str(exc)) from exc
         tenants_changed()
         served = set(control.served_adapters())
@@ -266,7 +284,7 @@ def admin_router(
 
     @router.get("/admin/tenants/{name}")
     def get_tenant(name: str) -> dict[str, Any]:
-        record = store.get_tenant(name)
+        record = store.get_tenant(checked_name(name, "tenant name", "name"))
         if record is None:
             raise _no_tenant(name)
         usage = {a or "<base>": _usage_json(u) for a, u in store.usage(name).items()}
@@ -278,7 +296,7 @@ def admin_router(
         if body.weight is None and body.max_running is None:
             raise ApiError(400, "give weight and/or max_running to change")
         try:
-            record = store.set_share(name, body.weight, body.max_running)
+            record = store.set_share(checked_name(name, "tenant name", "name"), body.weight, body.max_running)
         except UnknownTenantError as exc:
             raise _no_tenant(name) from exc
         except ValueError as exc:
@@ -287,7 +305,7 @@ def admin_router(
 
     @router.delete("/admin/tenants/{name}")
     def delete_tenant(name: str) -> dict[str, Any]:
-        if not store.delete_tenant(name):
+        if not store.delete_tenant(checked_name(name, "tenant name", "name")):
             raise _no_tenant(name)
         tenants_changed()
         return {"name": name, "deleted": True}
@@ -296,7 +314,7 @@ def admin_router(
     def issue_key(name: str) -> dict[str, Any]:
         """A second key for the tenant (rotation: issue the new one, move clients, retire the old one)."""
         try:
-            record, key = store.issue_key(name)
+            record, key = store.issue_key(checked_name(name, "tenant name", "name"))
         except UnknownTenantError as exc:
             raise _no_tenant(name) from exc
         except ValueError as exc:
@@ -306,7 +324,7 @@ def admin_router(
     @router.delete("/admin/tenants/{name}/keys/{key_id}")
     def retire_key(name: str, key_id: str) -> dict[str, Any]:
         try:
-            record = store.retire_key(name, key_id)
+            record = store.retire_key(checked_name(name, "tenant name", "name"), key_id)
         except UnknownTenantError as exc:
             raise _no_tenant(name) from exc
         except UnknownKeyError as exc:
@@ -329,6 +347,14 @@ def admin_router(
         return {"ok": True}
 
     return router
+
+
+def checked_name(name: str, what: str, param: str) -> str:
+    """``name`` if it is a valid tenant or adapter name (admin.store.NAME_PATTERN), else a 400 naming ``param``."""
+    try:
+        return validate_name(name, what)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from exc
 
 
 def _no_tenant(name: str) -> ApiError:

@@ -12,6 +12,9 @@ all state, stores with different prefixes share nothing.
 | ``{prefix}rate:{tenant}:{kind}:{window}`` | string | what the window has used; expires after the window |
 | ``{prefix}revision`` | string | the store's revision (RegistryStore.revision); absent: 0 |
 
+A tenant's usage and rate windows go when it is deleted, and again when a tenant of that name is created (whatever
+a former one's late requests left); usage is added only for the tenant created at the time the caller names.
+
 Every transaction that changes an adapter or a tenant ends by incrementing ``{prefix}revision`` and publishing the new
 value on the channel ``{prefix}changes`` (``_BUMP_SCRIPT``): subscribers hear of a change only once it is visible
 (``admin.change_feed.RedisFeed``).
@@ -30,18 +33,20 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, ReadOnlyError
+from redis.exceptions import BusyLoadingError, MasterDownError, OutOfMemoryError, ReadOnlyError
 from redis.retry import Retry
 
 from admin.store import (
     DEFAULT_REDIS_PREFIX,
     MAX_KEYS_PER_TENANT,
+    RATE_KINDS,
     RATE_WINDOW_SECONDS,
     AdapterRecord,
     RateLimits,
@@ -90,6 +95,13 @@ _USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens")
 # What redis-py raises when Redis cannot serve a command now: no connection, no answer in time, still loading its
 # data, or a replica that cannot take writes (after a failover). ResponseError in general means a wrong command.
 UNREACHABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, BusyLoadingError, ReadOnlyError)
+# What a reachable Redis answers when it takes no writes now: a replica (READONLY), memory full under noeviction
+# (OOM), a failed RDB snapshot with stop-writes-on-bgsave-error (MISCONF), fewer replicas than min-replicas-to-write
+# (NOREPLICAS), a replica cut off from its master (MASTERDOWN). redis-py has classes for some; the others arrive as a
+# plain ResponseError whose text starts with the code (after "... of pipeline caused error: " in a transaction).
+WRITE_REFUSED_ERRORS = (ReadOnlyError, OutOfMemoryError, MasterDownError)
+WRITE_REFUSED_CODES = ("MISCONF", "NOREPLICAS")
+_PIPELINE_PREFIX = " of pipeline caused error: "  # redis-py's; the command before it holds the values written
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -102,10 +114,21 @@ def _reachable(hook: Callable[Concatenate[RedisStore, _P], _R]) -> Callable[Conc
     def guarded(self: RedisStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return hook(self, *args, **kwargs)
+        except redis.ResponseError as exc:
+            reason = _redis_reason(exc)
+            if not isinstance(exc, WRITE_REFUSED_ERRORS) and not reason.startswith(WRITE_REFUSED_CODES):
+                raise  # a wrong command: a bug, not an outage
+            message = f"the registry store (redis at {self.address}) refuses writes: {reason}"
+            raise StoreUnavailableError(message) from exc
         except UNREACHABLE_ERRORS as exc:
             raise StoreUnavailableError(f"the registry store (redis at {self.address}) is unreachable: {exc}") from exc
 
     return guarded
+
+
+def _redis_reason(exc: redis.ResponseError) -> str:
+    """Redis's own words, without the command redis-py puts before them (it holds key hashes and records)."""
+    return str(exc).rpartition(_PIPELINE_PREFIX)[2]
 
 
 def _adapter_from_json(text: str) -> AdapterRecord:
@@ -162,6 +185,13 @@ class RedisStore(RegistryStore):
 
     def _rate_key(self, tenant: str, kind: str, window: int) -> str:
         return f"{self.prefix}rate:{tenant}:{kind}:{window}"
+
+    def _tenant_counters(self, tenant: str) -> list[str]:
+        """The keys of a tenant's usage and of the rate windows that may still exist (the last, this and the next:
+        ``_take`` keeps one a window past its end; clocks of replicas differ a little)."""
+        window = math.floor(time.time() / RATE_WINDOW_SECONDS)
+        rates = [self._rate_key(tenant, kind, w) for kind in RATE_KINDS for w in (window - 1, window, window + 1)]
+        return [self._usage_key(tenant), *rates]
 
     def _transaction(self, func: Callable[[redis.client.Pipeline], _R], *watched: str) -> _R:
         """``func(pipe)``'s result once the commands it queued after ``pipe.multi()`` have run as one transaction;
@@ -282,6 +312,7 @@ class RedisStore(RegistryStore):
                 return False
             pipe.hset(self._tenants_key, record.name, _tenant_to_json(record))
             pipe.hset(self._keys_key, mapping=dict.fromkeys(record.key_hashes, record.name))
+            pipe.delete(*self._tenant_counters(record.name))  # a former tenant's, if any remain
             self._bump(pipe)
             return True
 
@@ -303,11 +334,10 @@ class RedisStore(RegistryStore):
 
     @_reachable
     def _delete_tenant(self, name: str) -> bool:
-        # Rate windows are left to expire on their own (within two minutes).
         def delete(pipe: redis.client.Pipeline) -> bool:
             text = pipe.hget(self._tenants_key, name)
             pipe.multi()
-            pipe.delete(self._usage_key(name))
+            pipe.delete(*self._tenant_counters(name))
             if text is None:
                 return False
             pipe.hdel(self._tenants_key, name)
@@ -389,12 +419,16 @@ class RedisStore(RegistryStore):
         self._give_back_script(keys=[self._rate_key(tenant, kind, window)], args=[amount])
 
     @_reachable
-    def _add_usage(self, tenant: str, adapter: str, delta: Usage) -> None:
-        pipe = self._redis.pipeline(transaction=True)
-        key = self._usage_key(tenant)
-        for field in _USAGE_FIELDS:
-            pipe.hincrby(key, f"{adapter}:{field}", getattr(delta, field))
-        pipe.execute()
+    def _add_usage(self, tenant: str, adapter: str, delta: Usage, created_at: float | None) -> None:
+        def add(pipe: redis.client.Pipeline) -> None:
+            text = pipe.hget(self._tenants_key, tenant)
+            pipe.multi()
+            if text is None or (created_at is not None and _tenant_from_json(cast(str, text)).created_at != created_at):
+                return
+            for field in _USAGE_FIELDS:
+                pipe.hincrby(self._usage_key(tenant), f"{adapter}:{field}", getattr(delta, field))
+
+        self._transaction(add, self._tenants_key)
 
     @_reachable
     def _usage(self, tenant: str) -> dict[str, Usage]:

@@ -1,8 +1,11 @@
 """The embedded registry store: one SQLite file in WAL mode (readers never wait for the writer).
 
-One connection per store, guarded by a lock, serves all of the server's threads. Writes run in ``BEGIN IMMEDIATE``
-transactions, which take the file's write lock up front, so that several processes on one file (waiting up to
-``timeout`` seconds for each other) also update it atomically. A tenant's keys are rows of ``tenant_keys``, which is
+Two connections per store serve all of the server's threads, each guarded by a lock of its own: one writes, one
+reads. Writes run in ``BEGIN IMMEDIATE`` transactions, which take the file's write lock up front, so that several
+processes on one file (waiting up to ``timeout`` seconds for each other) also update it atomically. Reads never
+wait for a writer, of this process or another: WAL gives them the last committed state, and a write waiting for the
+file's lock holds only the writing connection (so a tenant's key is looked up while another process holds the
+lock, rather than after the store's timeout). A tenant's keys are rows of ``tenant_keys``, which is
 also the index from key hash to tenant.
 
 Schema versions (``PRAGMA user_version``): 1 kept one key hash per tenant in ``tenants.key_hash``; 2 keeps them in
@@ -127,7 +130,8 @@ class SQLiteStore(RegistryStore):
     def __init__(self, path: str | Path, *, timeout: float = 10.0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the writing connection's
+        self._read_lock = threading.Lock()  # the reading connection's
         with self._reachable():
             # isolation_level=None: no implicit transactions; every write below opens its own BEGIN IMMEDIATE.
             self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
@@ -135,6 +139,7 @@ class SQLiteStore(RegistryStore):
         with self._lock, self._reachable():
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; never corrupt in WAL mode
+            self._reader = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
         with self._transaction() as conn:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
@@ -164,14 +169,15 @@ class SQLiteStore(RegistryStore):
     def _transaction(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
         """The connection inside one transaction: committed when the block ends, rolled back if it raises. A write
         transaction takes the file's write lock up front; a read one only makes its queries see one state."""
-        with self._lock, self._reachable():
-            self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
+        conn, lock = (self._conn, self._lock) if write else (self._reader, self._read_lock)
+        with lock, self._reachable():
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
             try:
-                yield self._conn
-                self._conn.execute("COMMIT")
+                yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                if self._conn.in_transaction:  # SQLite rolls back by itself after some errors (I/O, full disk)
-                    self._conn.execute("ROLLBACK")
+                if conn.in_transaction:  # SQLite rolls back by itself after some errors (I/O, full disk)
+                    conn.execute("ROLLBACK")
                 raise
 
     @staticmethod
@@ -180,16 +186,18 @@ class SQLiteStore(RegistryStore):
         conn.execute("UPDATE revision SET value = value + 1")
 
     def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
-        with self._lock, self._reachable():
-            return self._conn.execute(sql, params).fetchall()
+        """A read outside any transaction, on the reading connection."""
+        with self._read_lock, self._reachable():
+            return self._reader.execute(sql, params).fetchall()
 
     def status(self) -> StoreStatus:
         return StoreStatus(backend="sqlite", reachable=True, persistent=True, detail=str(self.path))
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._read_lock:
             if not self._closed:
                 self._conn.close()
+                self._reader.close()
                 self._closed = True
 
     def _revision(self) -> int:
@@ -242,6 +250,8 @@ class SQLiteStore(RegistryStore):
             )
             if cursor.rowcount == 0:
                 return False
+            conn.execute("DELETE FROM usage WHERE tenant = ?", (record.name,))  # a former tenant's, if any remain
+            conn.execute("DELETE FROM rate_windows WHERE tenant = ?", (record.name,))
             conn.executemany(
                 "INSERT INTO tenant_keys (key_hash, tenant) VALUES (?, ?)",
                 [(key_hash, record.name) for key_hash in record.key_hashes],
@@ -334,14 +344,23 @@ class SQLiteStore(RegistryStore):
                 (amount, tenant, kind, window),
             )
 
-    def _add_usage(self, tenant: str, adapter: str, delta: Usage) -> None:
+    def _add_usage(self, tenant: str, adapter: str, delta: Usage, created_at: float | None) -> None:
         with self._transaction() as conn:
             conn.execute(
                 "INSERT INTO usage (tenant, adapter, requests, prompt_tokens, completion_tokens) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, adapter) DO UPDATE SET "
+                "SELECT :tenant, :adapter, :requests, :prompt, :completion WHERE EXISTS "
+                "(SELECT 1 FROM tenants WHERE name = :tenant AND (:created IS NULL OR created_at = :created)) "
+                "ON CONFLICT (tenant, adapter) DO UPDATE SET "
                 "requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
                 "completion_tokens = completion_tokens + excluded.completion_tokens",
-                (tenant, adapter, delta.requests, delta.prompt_tokens, delta.completion_tokens),
+                {
+                    "tenant": tenant,
+                    "adapter": adapter,
+                    "requests": delta.requests,
+                    "prompt": delta.prompt_tokens,
+                    "completion": delta.completion_tokens,
+                    "created": created_at,
+                },
             )
 
     def _usage(self, tenant: str) -> dict[str, Usage]:

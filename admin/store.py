@@ -20,7 +20,10 @@ from types import TracebackType
 
 from admin.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# Tenant and adapter names: 1 to 64 ASCII letters, digits, '.', '_' or '-', a letter or digit first, no '..' (a name
+# may become a directory's name under an adapter root, and is part of Redis keys and URLs).
+NAME_PATTERN = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_NAME_SHOWN = 80  # characters of a refused name quoted back
 RATE_WINDOW_SECONDS = 60
 RATE_KINDS = ("requests", "tokens")
 BASE_ADAPTER = ""  # the usage key of requests served by the base model (no adapter)
@@ -57,7 +60,8 @@ class UnknownKeyError(Exception):
 
 
 class StoreUnavailableError(Exception):
-    """The store's backend cannot be reached: Redis is down, hung or still loading, or the SQLite file is locked by
+    """The store's backend cannot be reached or takes no writes now: Redis is down, hung or still loading, or refuses
+    writes (a read-only replica, memory full, a failed snapshot, too few replicas), or the SQLite file is locked by
     another process for longer than the store's timeout, or cannot be opened. Raised by the stores' constructors and
     by every public method but ``status`` and ``close``. A write that raised it may or may not have taken effect. The
     store object stays usable: once the backend is back, calls succeed again."""
@@ -71,8 +75,10 @@ def validate_name(name: object, what: str) -> str:
     """``name`` itself if it is a valid tenant or adapter name, else ValueError saying why."""
     if isinstance(name, str) and NAME_PATTERN.fullmatch(name):
         return name
+    shown = repr(name[:MAX_NAME_SHOWN]) + ("..." if len(name) > MAX_NAME_SHOWN else "") if isinstance(name, str) else ""
     raise ValueError(
-        f"invalid {what} {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        f"invalid {what} {shown}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit, "
+        "without '..'"
     )
 
 
@@ -405,9 +411,17 @@ class RegistryStore(ABC):
     # -- usage ----------------------------------------------------------------------------------------------------
 
     def add_usage(
-        self, tenant: str, adapter: str | None, prompt_tokens: int, completion_tokens: int, requests: int = 1
+        self,
+        tenant: str,
+        adapter: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        requests: int = 1,
+        created_at: float | None = None,
     ) -> None:
-        """Add to the tenant's counters for ``adapter`` (None: the base model). Atomic."""
+        """Add to the tenant's counters for ``adapter`` (None: the base model). Atomic. Counted only while the tenant
+        exists and, given ``created_at`` (its record's), is the tenant created then: a request that ends after its
+        tenant was deleted counts nowhere, never for a tenant created again under the name."""
         validate_name(tenant, "tenant name")
         adapter_key = BASE_ADAPTER if adapter is None else validate_name(adapter, "adapter name")
         delta = Usage(
@@ -415,7 +429,7 @@ class RegistryStore(ABC):
             prompt_tokens=_check_count(prompt_tokens, "prompt_tokens"),
             completion_tokens=_check_count(completion_tokens, "completion_tokens"),
         )
-        self._add_usage(tenant, adapter_key, delta)
+        self._add_usage(tenant, adapter_key, delta, created_at)
 
     def usage(self, tenant: str) -> dict[str, Usage]:
         """The tenant's totals per adapter name (``BASE_ADAPTER``, "", for the base model); {} if none."""
@@ -459,7 +473,8 @@ class RegistryStore(ABC):
 
     @abstractmethod
     def _insert_tenant(self, record: TenantRecord) -> bool:
-        """Store a new tenant; False (and no change) if the name is taken."""
+        """Store a new tenant, its usage and rate-limit windows empty; False (and no change) if the name is
+        taken."""
 
     @abstractmethod
     def _get_tenant(self, name: str) -> TenantRecord | None: ...
@@ -505,7 +520,8 @@ class RegistryStore(ABC):
         """Subtract ``min(amount, counter)`` from counter (tenant, kind, window) if it exists."""
 
     @abstractmethod
-    def _add_usage(self, tenant: str, adapter: str, delta: Usage) -> None: ...
+    def _add_usage(self, tenant: str, adapter: str, delta: Usage, created_at: float | None) -> None:
+        """Add ``delta`` if the tenant exists (created at ``created_at``, unless None)."""
 
     @abstractmethod
     def _usage(self, tenant: str) -> dict[str, Usage]: ...

@@ -56,5 +56,14 @@ class RequestFailedError(LoraServerError):
         super().__init__(message, code="request_failed")
 
 
+class AdapterUnavailableError(InvalidRequestError):
+    """The request's adapter is registered but cannot be served now: its files changed, went or were truncated
+    since it was registered (HTTP 400, param ``model``). The message names the adapter, never its path; nothing
+    ran, and a later request of the adapter reads its files again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model", code="adapter_unavailable")
+
+
 class ModelLoadError(LoraServerError, ValueError):
     """A model file or directory cannot be loaded (wrong format, unsupported architecture, missing tensors)."""

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,30 @@ def start_redis(workdir: Path, port: int, *options: str) -> subprocess.Popen:
 def stop_redis(server: subprocess.Popen) -> None:
     server.terminate()
     server.wait(timeout=10)
+
+
+def refuse_writes(client: redis.Redis, mode: str, snapshots: Path) -> Callable[[], object]:
+    """Make a redis-server refuse writes with ``mode``'s error reply (READONLY, OOM, MISCONF, NOREPLICAS); returns
+    what makes it take them again. MISCONF removes ``snapshots``, the server's --dir (empty): a snapshot then fails,
+    and the server refuses to stop while its save points are set (the undo clears them)."""
+    if mode == "READONLY":  # a replica of a master that is not there: it keeps its data and serves reads
+        client.replicaof("127.0.0.1", str(free_port()))
+        client.config_set("replica-read-only", "yes")
+        return lambda: client.replicaof("NO", "ONE")
+    if mode == "OOM":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")
+        return lambda: client.config_set("maxmemory", "0")
+    if mode == "MISCONF":  # a snapshot that fails (its directory is gone) stops writes while save points exist
+        client.config_set("save", "3600 1")
+        client.config_set("stop-writes-on-bgsave-error", "yes")
+        snapshots.rmdir()
+        client.bgsave()
+        deadline = time.monotonic() + 10
+        while client.info("persistence")["rdb_last_bgsave_status"] != "err":
+            assert time.monotonic() < deadline, "the snapshot did not fail"
+            time.sleep(0.05)
+        return lambda: client.config_set("save", "")
+    assert mode == "NOREPLICAS"
+    client.config_set("min-replicas-to-write", "1")
+    return lambda: client.config_set("min-replicas-to-write", "0")

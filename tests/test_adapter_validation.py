@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -307,3 +310,109 @@ def test_path_outside_the_roots_names_the_roots(tmp_path):
         load_peft_adapter("outside", path, BASE, max_rank=16, allowed_roots=roots)
     assert f"adapter path {path} is outside the allowed adapter roots" in str(info.value)
     assert f"({roots[0].resolve()}, {roots[1].resolve()})" in str(info.value)
+
+
+def _no_weights(p):
+    (p / "adapter_model.safetensors").unlink()
+
+
+def _looped_config(p):
+    (p / "adapter_config.json").unlink()
+    (p / "adapter_config.json").symlink_to(p / "adapter_config.json")
+
+
+def _cut(file: str, keep: int):
+    def cut(p):
+        raw = (p / file).read_bytes()
+        (p / file).write_bytes(raw[: keep if keep >= 0 else len(raw) + keep])
+
+    return cut
+
+
+# refusals whose full reason names a path: (break it, what the reason without paths still says)
+PATH_CASES = {
+    "not a directory": (lambda p: shutil.rmtree(p) or p.write_text("x"), "not a directory"),
+    "no weights": (_no_weights, "no adapter_model.safetensors"),
+    "no config": (lambda p: (p / "adapter_config.json").unlink(), "no adapter_config.json"),
+    "config a symlink loop": (_looped_config, "adapter_config.json"),
+    "weights empty": (_cut("adapter_model.safetensors", 0), "adapter_model.safetensors cannot be read"),
+    "weights cut in the header": (_cut("adapter_model.safetensors", 7), "adapter_model.safetensors cannot be read"),
+    "weights one byte short": (_cut("adapter_model.safetensors", -1), "adapter_model.safetensors cannot be read"),
+    "config cut short": (_cut("adapter_config.json", 20), "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PATH_CASES))
+def test_public_reasons_name_no_path(tmp_path, case):
+    """Files missing, unreadable or cut short are refused; the reason callers without the admin key see names the
+    file, never the directory."""
+    break_it, reason = PATH_CASES[case]
+    path = _good(tmp_path / "adapter")
+    break_it(path)
+    with pytest.raises(AdapterError) as info:
+        load_peft_adapter("bad", path, BASE, max_rank=16, allowed_roots=[tmp_path])
+    assert reason in info.value.public and str(tmp_path) not in info.value.public
+
+
+def test_a_path_outside_the_roots_is_not_shown_publicly(tmp_path):
+    (tmp_path / "root").mkdir()
+    path = _good(tmp_path / "elsewhere")
+    with pytest.raises(AdapterError) as info:
+        load_peft_adapter("outside", path, BASE, max_rank=16, allowed_roots=[tmp_path / "root"])
+    assert str(path) in str(info.value)  # the operator's reason names it
+    assert info.value.public == "the adapter's directory is outside the adapter roots"
+
+
+def test_the_file_digest_is_a_hash_of_the_bytes_read(tmp_path):
+    path = _good(tmp_path / "adapter")
+    config, weights = (path / "adapter_config.json").read_bytes(), (path / "adapter_model.safetensors").read_bytes()
+    expected = hashlib.blake2b(config + weights, digest_size=16).hexdigest()
+    assert load_peft_adapter("a", path, BASE, max_rank=16).file_digest == expected
+    (path / "adapter_config.json").write_bytes(config + b" ")  # the same config, other bytes
+    assert load_peft_adapter("a", path, BASE, max_rank=16).file_digest != expected
+
+
+REWRITE_LOOP = """
+import sys, threading, time
+from pathlib import Path
+from adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
+
+path = Path(sys.argv[1])
+weights = path / "adapter_model.safetensors"
+raw = weights.read_bytes()
+stop = threading.Event()
+
+def rewrite():
+    while not stop.is_set():
+        with weights.open("r+b") as file:  # in place: truncated, then written in two parts
+            file.truncate(0)
+            file.flush()
+            file.write(raw[: len(raw) // 2])
+            file.flush()
+            file.write(raw[len(raw) // 2 :])
+
+threading.Thread(target=rewrite, daemon=True).start()
+loaded = refused = 0
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        load_peft_adapter("moving", path, BaseShapes.llama(30, 576, 1536, 576, 192), 16)
+        loaded += 1
+    except AdapterError as exc:
+        assert str(path) not in exc.public, exc.public
+        refused += 1
+stop.set()
+print(loaded, refused)
+"""
+
+
+@pytest.mark.slow
+def test_weights_rewritten_while_read_are_refused_never_a_crash(tmp_path):
+    """safetensors' load_file maps the file: truncated under the mapping, the process died of SIGBUS (exit -7)."""
+    path = _good(tmp_path / "adapter")
+    done = subprocess.run(
+        [sys.executable, "-c", REWRITE_LOOP, str(path), "4"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    loaded, refused = map(int, done.stdout.split())
+    assert refused > 0 and loaded + refused > 10, done.stdout

@@ -56,12 +56,30 @@ def test_unknown_and_path_like_names_are_refused(server):
     with pytest.raises(openai.NotFoundError) as missing:
         _ask(server.client(), "nowhere")
     assert missing.value.body["code"] == "model_not_found"
-    for name in ("../adapters/fresh", "sub/fresh", "..", "~root"):
+    for name in ("../adapters/fresh", "sub/fresh", "..", "~root", "x" * 300, "é", "fresh\n", ".hidden", "a..b"):
         with pytest.raises(openai.BadRequestError) as bad:
-            _ask(server.client(), name)
-        assert bad.value.body["param"] == "model", name
+            _ask(server.client(), name)  # 300 characters and non-ASCII names were 500s that showed the root's path
+        assert bad.value.body["param"] == "model" and "invalid adapter name" in bad.value.body["message"], name
     assert "nowhere" not in _served(server)
     assert server.admin("GET", "/health").status_code == 200
+
+
+def test_files_that_cannot_be_served_are_a_400_without_paths(server, roots):
+    """An anonymous caller learns what is wrong with the files, never where they lie (the message named the
+    adapter root's path)."""
+    broken = write_adapter(roots / "adapters" / "broken", seed=34)
+    (broken / "adapter_model.safetensors").unlink()
+    cut = write_adapter(roots / "adapters" / "cut", seed=35)
+    (cut / "adapter_model.safetensors").write_bytes((cut / "adapter_model.safetensors").read_bytes()[:100])
+    for name, reason in (
+        ("broken", "no adapter_model.safetensors"),
+        ("cut", "adapter_model.safetensors cannot be read"),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            _ask(server.client(), name)
+        message = bad.value.body["message"]
+        assert reason in message and f"`{name}`" in message and str(roots) not in message, message
+    assert not {"broken", "cut"} & _served(server)
 
 
 def test_a_tenant_allow_list_is_checked_first(server):
@@ -104,6 +122,7 @@ def test_an_adapter_peft_computes_otherwise_is_refused_on_every_path(server, alo
     with pytest.raises(openai.BadRequestError) as on_demand:
         _ask(server.client(), "alora")
     assert "alora_invocation_tokens" in on_demand.value.body["message"] and on_demand.value.body["param"] == "model"
+    assert str(alora.parent) not in on_demand.value.body["message"]  # an anonymous caller: no path
     for path, body in (
         ("/admin/adapters", {"name": "alora2", "path": str(alora)}),
         ("/v1/load_lora_adapter", {"lora_name": "alora2", "lora_path": str(alora)}),

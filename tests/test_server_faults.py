@@ -9,14 +9,18 @@ import contextlib
 import json
 import shutil
 import signal
+import sqlite3
 import subprocess
 import time
 
 import httpx
 import pytest
+import redis as redis_client
 
+from admin.store import SQLITE_FILENAME
 from tests.device_fault_server import FAULT_MAX_TOKENS
-from tests.servers import BASE, Server, free_port
+from tests.redis_servers import NO_PERSISTENCE, refuse_writes, start_redis, stop_redis
+from tests.servers import ADMIN, BASE, Server, free_port, write_adapter
 
 CHAT = "/v1/chat/completions"
 GOOD_CHAT = {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
@@ -165,3 +169,99 @@ def test_redis_going_away_gives_503s_and_recovery(tmp_path):
         s.stop()
         redis.terminate()
         redis.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_redis_refusing_writes_gives_503s_and_no_half_registration(tmp_path):
+    """Redis reachable but refusing writes, each of the four ways: every admin write is a 503 with Retry-After in
+    OpenAI's shape (it was a plain 500), and changes nothing: an adapter whose registration the store refused is not
+    served (it was, until a restart), one whose removal it refused still is; reads and tenant requests go on."""
+    (tmp_path / "snapshots").mkdir()
+    port = free_port()
+    redis_server = start_redis(tmp_path, port, *NO_PERSISTENCE, "--dir", str(tmp_path / "snapshots"))
+    client = redis_client.Redis(port=port, decode_responses=True)
+    adapters = tmp_path / "adapters"
+    kept, fresh = write_adapter(adapters / "kept", seed=1), write_adapter(adapters / "fresh", seed=2)
+    s = Server(tmp_path, [adapters], ["--redis-url", f"redis://127.0.0.1:{port}/0"])
+    try:
+        assert s.admin("POST", "/admin/adapters", json={"name": "kept", "path": str(kept)}).status_code == 200
+        key = s.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["kept"]}).json()["api_key"]
+        tenant_chat = {**GOOD_CHAT, "model": "kept"}
+        writes = [
+            ("POST", "/admin/adapters", {"name": "fresh", "path": str(fresh)}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "fresh", "lora_path": str(fresh)}),
+            ("POST", "/admin/adapters", {"name": "kept", "path": str(fresh), "replace": True}),
+            ("DELETE", "/admin/adapters/kept", None),
+            ("POST", "/v1/unload_lora_adapter", {"lora_name": "kept"}),
+            ("POST", "/admin/tenants", {"name": "other", "adapters": []}),
+            ("PATCH", "/admin/tenants/acme", {"weight": 2}),
+            ("POST", "/admin/tenants/acme/keys", None),
+            ("DELETE", "/admin/tenants/acme", None),
+        ]
+        for mode in ("READONLY", "OOM", "MISCONF", "NOREPLICAS"):
+            restore = refuse_writes(client, mode, tmp_path / "snapshots")
+            try:
+                for method, path, body in writes:
+                    r = s.admin(method, path, **({} if body is None else {"json": body}))
+                    err = _shaped(r, 503)
+                    assert err["code"] == "store_unavailable" and int(r.headers["retry-after"]) >= 1, (mode, path)
+                names = {a["name"]: a for a in s.admin("GET", "/admin/adapters").json()["data"]}
+                assert "fresh" not in names and names["kept"]["path"] == str(kept), (mode, names)
+                assert _served(s) & {"kept", "fresh"} == {"kept"}, mode  # the engine's view: /v1/models to admin
+                r = httpx.post(
+                    f"{s.url}/t/acme/v1/chat/completions", json=tenant_chat, headers=_bearer(key), timeout=60
+                )
+                assert r.status_code == 200, (mode, r.text)
+                assert [t["name"] for t in s.admin("GET", "/admin/tenants").json()["data"]] == ["acme"]
+            finally:
+                restore()
+        # the store takes writes again: so does the admin API, and what it registers is served
+        assert s.admin("POST", "/admin/adapters", json={"name": "fresh", "path": str(fresh)}).status_code == 200
+        assert {"kept", "fresh"} <= _served(s)
+        assert client.hexists("lora-server:adapters", "fresh")
+        assert "Traceback" not in s.log_text()
+    finally:
+        s.stop()
+        client.config_set("save", "")  # else it refuses to stop: its final snapshot would fail
+        client.close()
+        stop_redis(redis_server)
+
+
+def _served(s: Server) -> set[str]:
+    return {m["id"] for m in s.admin("GET", "/v1/models").json()["data"]}
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.slow
+def test_reads_do_not_wait_for_another_process_holding_the_sqlite_write_lock(tmp_path):
+    """Another process holds the registry file's write lock (a long write, a backup). A tenant's usage, written after
+    its request, waits for the lock (up to the store's 10 s); requests that only read the registry do not wait
+    behind it (they waited 9.7 s: one connection served reads and writes)."""
+    s = Server(tmp_path, [tmp_path])
+    try:
+        key = s.admin("POST", "/admin/tenants", json={"name": "acme", "adapters": ["upper"]}).json()["api_key"]
+        with contextlib.closing(sqlite3.connect(tmp_path / SQLITE_FILENAME, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            chat = httpx.post(f"{s.url}/t/acme/v1/chat/completions", json=GOOD_CHAT, headers=_bearer(key), timeout=60)
+            assert chat.status_code == 200, chat.text  # its usage is written after the answer: that write waits
+            timings = {}
+            for name, method, path, auth in (
+                ("tenant models", "GET", "/t/acme/v1/models", _bearer(key)),
+                ("tenant key on /v1", "GET", "/v1/models", _bearer(key)),
+                ("tenant tokenize", "POST", "/t/acme/tokenize", _bearer(key)),
+                ("admin list of tenants", "GET", "/admin/tenants", _bearer(ADMIN)),
+                ("admin tenant and usage", "GET", "/admin/tenants/acme", _bearer(ADMIN)),
+            ):
+                body = {"model": BASE, "prompt": "Hi"} if method == "POST" else None
+                start = time.monotonic()
+                r = httpx.request(method, s.url + path, json=body, headers=auth, timeout=60)
+                timings[name] = time.monotonic() - start
+                assert r.status_code == 200, (name, r.text)
+            print(f"\nanswered while another process held the lock: { {k: round(v, 3) for k, v in timings.items()} }")
+            assert max(timings.values()) < 2.0, timings  # a liveness bound: the lock is held throughout (10 s wait)
+            other.execute("ROLLBACK")
+    finally:
+        s.stop()

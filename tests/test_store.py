@@ -41,7 +41,7 @@ from admin.store import (
     Usage,
     key_id,
 )
-from tests.redis_servers import NO_PERSISTENCE, free_port, stop_redis
+from tests.redis_servers import NO_PERSISTENCE, free_port, refuse_writes, stop_redis
 from tests.redis_servers import start_redis as start_redis_server
 
 # -- fixtures --------------------------------------------------------------------------------------------------------
@@ -191,7 +191,9 @@ def test_adapter_replace_bumps_version(store: RegistryStore):
     assert store.put_adapter(_adapter("sql")).version == 1  # a new registration after a delete starts over
 
 
-@pytest.mark.parametrize("bad", ["", "-lead", ".lead", "a" * 65, "has space", "a/b", "a:b", "line\n", "é"])
+@pytest.mark.parametrize(
+    "bad", ["", "-lead", ".lead", "a" * 65, "has space", "a/b", "a:b", "line\n", "é", "a..b", ".."]
+)
 def test_invalid_names_are_refused(store: RegistryStore, bad: str):
     with pytest.raises(ValueError, match="invalid adapter name"):
         store.put_adapter(_adapter(bad))
@@ -517,6 +519,8 @@ def test_concurrent_takes_are_atomic(backend: Backend):
 
 def test_usage_sums_per_adapter(store: RegistryStore):
     assert store.usage("acme") == {}
+    store.create_tenant("acme", [])
+    store.create_tenant("globex", [])
     store.add_usage("acme", "sql", prompt_tokens=10, completion_tokens=5)
     store.add_usage("acme", "sql", prompt_tokens=7, completion_tokens=3, requests=2)
     store.add_usage("acme", None, prompt_tokens=4, completion_tokens=1)
@@ -524,13 +528,32 @@ def test_usage_sums_per_adapter(store: RegistryStore):
     assert store.usage("acme") == {"sql": Usage(3, 17, 8), "": Usage(1, 4, 1)}
     assert store.usage("acme")["sql"].total_tokens == 25
     assert store.usage("globex") == {"sql": Usage(1, 100, 100)}
-    store.create_tenant("acme", [])
     store.delete_tenant("acme")  # a tenant's usage goes with it
     assert store.usage("acme") == {} and store.usage("globex") != {}
 
 
+def test_a_tenant_created_again_starts_at_zero(store: RegistryStore):
+    """Usage that arrives after its tenant was deleted (a request that ended late) counts nowhere; a tenant created
+    again under the name starts with no usage and full rate-limit windows, whatever its predecessor used."""
+    old, _ = store.create_tenant("acme", [])
+    store.add_usage("acme", "sql", 10, 5, created_at=old.created_at)
+    assert store.take("acme", "requests", 3, 3).allowed
+    store.delete_tenant("acme")
+    store.add_usage("acme", "sql", 10, 5, created_at=old.created_at)  # late: the tenant is gone
+    store.add_usage("acme", "sql", 10, 5)
+    assert store.usage("acme") == {}
+    time.sleep(0.01)  # another creation time
+    new, _ = store.create_tenant("acme", [])
+    store.add_usage("acme", "sql", 10, 5, created_at=old.created_at)  # the former tenant's request, later still
+    assert store.usage("acme") == {}
+    assert store.take("acme", "requests", 3, 3).remaining == 0  # the whole window was the new tenant's
+    store.add_usage("acme", "sql", 1, 2, created_at=new.created_at)
+    assert store.usage("acme") == {"sql": Usage(1, 1, 2)}
+
+
 def test_concurrent_usage_is_not_lost(backend: Backend):
     stores = [backend.open(), backend.open()]
+    stores[0].create_tenant("acme", [])
 
     def worker(i: int) -> None:
         for _ in range(25):
@@ -913,6 +936,45 @@ def test_hung_redis_times_out_instead_of_hanging(start_redis: Callable[..., subp
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert store.get_tenant("acme") is not None
+    store.close()
+
+
+_WRITES: dict[str, Callable[[RegistryStore], object]] = {
+    "put_adapter": lambda store: store.put_adapter(_adapter("sql")),
+    "delete_adapter": lambda store: store.delete_adapter("kept"),
+    "create_tenant": lambda store: store.create_tenant("other", []),
+    "issue_key": lambda store: store.issue_key("acme"),
+    "set_share": lambda store: store.set_share("acme", weight=2.0),
+    "delete_tenant": lambda store: store.delete_tenant("acme"),
+    "take": lambda store: store.take("acme", "requests", 1, 100),
+    "add_usage": lambda store: store.add_usage("acme", "sql", 1, 1),
+}
+
+
+@pytest.mark.parametrize("mode", ["READONLY", "OOM", "MISCONF", "NOREPLICAS"])
+def test_redis_refusing_writes_raises_unavailable(start_redis: Callable[..., subprocess.Popen], tmp_path, mode):
+    """A reachable Redis that refuses writes (error replies, not a lost connection): every write raises
+    StoreUnavailableError in Redis's words, without the values redis-py quotes, and changes nothing; reads go on."""
+    port = free_port()
+    (tmp_path / "snapshots").mkdir()
+    start_redis(port, *NO_PERSISTENCE, "--dir", str(tmp_path / "snapshots"))
+    store = _redis_store(f"redis://127.0.0.1:{port}/0")
+    store.put_adapter(_adapter("kept"))
+    record, key = store.create_tenant("acme", [])
+    client = redis.Redis(port=port, decode_responses=True)
+    restore = refuse_writes(client, mode, tmp_path / "snapshots")
+    try:
+        before = store.revision()
+        for name, write in _WRITES.items():
+            with pytest.raises(StoreUnavailableError, match="refuses writes") as refused:
+                write(store)
+            assert record.key_hashes[0] not in str(refused.value) and "HSET" not in str(refused.value), name
+        assert store.revision() == before and [a.name for a in store.list_adapters()] == ["kept"]
+        assert store.tenant_by_key(key) == record and store.usage("acme") == {}
+    finally:
+        restore()
+    assert store.take("acme", "requests", 1, 100).allowed  # writes again once Redis takes them
+    client.close()
     store.close()
 
 

@@ -47,7 +47,7 @@ class LoaderEvents:
 
     staged: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)  # content -> why, naming no path (AdapterError.public)
 
 
 class AdapterLoader:
@@ -168,11 +168,12 @@ class AdapterLoader:
             try:
                 staged = self._stage(adapter_id)
                 error = None
-            except AdapterError as exc:
-                staged, error = None, str(exc)
+            except AdapterError as exc:  # the reason with its paths to the log, without to the adapter's requests
+                log.warning("staging adapter content %d failed: %s", adapter_id, exc)
+                staged, error = None, exc.public
             except Exception as exc:  # noqa: BLE001 (any failure to stage fails that adapter's requests, not the loop)
                 log.exception("staging adapter %d failed", adapter_id)
-                staged, error = None, f"{type(exc).__name__}: {exc}"
+                staged, error = None, f"{type(exc).__name__} while its files were read (the server's log says more)"
             with self._done:
                 self._in_flight.discard(adapter_id)
                 if staged is not None and self.registry.content(adapter_id) is not None:
@@ -191,10 +192,12 @@ class AdapterLoader:
             raise AdapterError(f"adapter content {adapter_id} is no longer registered")
         g = self.geometry
         adapter = load_peft_adapter(content.name, content.path, g.shapes, g.max_rank, self.registry.allowed_roots)
-        if content_hash(adapter) != content.digest:
+        # the same bytes are the same weights; other bytes may still hold them (a copy, a re-save)
+        if adapter.file_digest != content.file_digest and content_hash(adapter) != content.digest:
             raise AdapterError(
                 f"the files of adapter `{content.name}` at {content.path} changed since it was registered; "
-                "register it again"
+                "register it again",
+                "its files changed since it was registered",
             )
         layout = PageLayout(g, content.rank_map)
         image = None  # pinned on CUDA, to its size (lora_server.model.pinned)

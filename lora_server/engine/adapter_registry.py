@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
@@ -51,13 +51,15 @@ class AdapterHandle:
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterContent:
-    """One set of weights: where to read them, what they hash to, how they lie in pages."""
+class CheckedAdapter:
+    """An adapter's files read, validated and hashed (``AdapterRegistry.check``): what registering it needs, without
+    the weights. Checked but not yet installed, it lets a caller write the registration elsewhere (the registry
+    store) between reading the files and serving them, so that both happen or neither."""
 
-    adapter_id: int
-    digest: str  # content_hash of the weights as registered
-    path: Path  # the directory it was last registered from
-    name: str  # the name it was last registered under
+    name: str  # the name it is registered under
+    path: Path  # the directory its files were read from
+    digest: str  # content_hash of the weights
+    file_digest: str  # a hash of the files' bytes (LoraAdapter.file_digest)
     ranks: tuple[tuple[int, str, int], ...]  # (layer, module, rank) of every module it targets
     num_pages: int
     host_nbytes: int  # its A and B in float32, as read
@@ -65,6 +67,14 @@ class AdapterContent:
     @property
     def rank_map(self) -> dict[tuple[int, str], int]:
         return {(layer, module): r for layer, module, r in self.ranks}
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterContent(CheckedAdapter):
+    """One set of weights, registered: its id, and the files (and name) it was last registered from, which the
+    loader reads again and checks against the digests."""
+
+    adapter_id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +133,43 @@ class AdapterRegistry:
         above the name's latest (the registry store's version when reloading); default the next one. A pin that
         would take the pinned adapters beyond the pool's share of the device is refused. ``registered_at``: when
         it was registered (the registry store's time when reloading; default now)."""
+        return self.install(self.check(name, path, pinned), pinned, version, source, registered_at)
+
+    def check(self, name: str, path: str | Path, pinned: bool = False) -> CheckedAdapter:
+        """Read and validate a PEFT directory for ``name`` and hash its weights; AdapterError with the reason, also
+        for a pin that would not fit now. Changes nothing."""
         adapter = load_peft_adapter(name, path, self.geometry.shapes, self.geometry.max_rank, self.allowed_roots)
-        digest = content_hash(adapter)
         ranks = adapter_ranks(adapter)
-        num_pages = PageLayout(self.geometry, ranks).num_pages
+        checked = CheckedAdapter(
+            name,
+            adapter.path,
+            content_hash(adapter),
+            adapter.file_digest,
+            tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
+            PageLayout(self.geometry, ranks).num_pages,
+            adapter.nbytes,
+        )
+        if pinned:
+            with self._lock:
+                self._check_pin(checked.num_pages, self._by_digest.get(checked.digest), self._current.get(name))
+        return checked
+
+    def next_version(self, name: str) -> int:
+        """The least version the next registration of ``name`` gets."""
+        with self._lock:
+            return self._versions.get(name, 0) + 1
+
+    def install(
+        self,
+        checked: CheckedAdapter,
+        pinned: bool = False,
+        version: int | None = None,
+        source: str = "api",
+        registered_at: float | None = None,
+    ) -> AdapterHandle:
+        """Make a checked adapter the current version of its name (``register``'s arguments); reads no file. Only
+        a pin that no longer fits (pins changed since ``check``) is refused (AdapterError)."""
+        name, digest, num_pages = checked.name, checked.digest, checked.num_pages
         with self._lock:
             old = self._current.get(name)
             adapter_id = self._by_digest.get(digest)
@@ -136,16 +179,11 @@ class AdapterRegistry:
             if adapter_id is None:
                 adapter_id = next(self._ids)
                 self._by_digest[digest] = adapter_id
-            self._contents[adapter_id] = AdapterContent(  # the latest files the weights were read from
-                adapter_id,
-                digest,
-                adapter.path,
-                name,
-                tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
-                num_pages,
-                adapter.nbytes,
+            # the latest files the weights were read from
+            self._contents[adapter_id] = AdapterContent(
+                **{f.name: getattr(checked, f.name) for f in fields(checked)}, adapter_id=adapter_id
             )
-            self._paths[name] = adapter.path
+            self._paths[name] = checked.path
             number = max(self._versions.get(name, 0) + 1, version or 0)
             handle = AdapterHandle(
                 name,

@@ -29,8 +29,10 @@ from lora_server.engine.request import MAX_PRIORITY, MIN_PRIORITY, NO_TENANT, Fi
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
+    AdapterUnavailableError,
     ContextLengthExceededError,
     InvalidRequestError,
+    LoraServerError,
     RequestFailedError,
 )
 from lora_server.model.loader import open_checkpoint
@@ -63,6 +65,16 @@ def is_device_fault(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError) and not isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _DEVICE_FAULTS)
+
+
+def _failed(request: Request, reason: str) -> RequestFailedError:
+    return RequestFailedError(f"request {request.request_id} failed: {reason}")
+
+
+def _unavailable(request: Request, reason: str) -> AdapterUnavailableError:
+    """The error of a request whose adapter the loader could not stage (``reason`` names no path)."""
+    name = "?" if request.adapter is None else request.adapter.name
+    return AdapterUnavailableError(f"adapter `{name}` cannot be served now: {reason}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -319,7 +331,7 @@ class EngineCore:
         fault in the scheduler or the pool (shared state), propagates and stops the engine."""
         work = self.scheduler.schedule()
         adapter_s = self._copy()
-        failed_early = [self._fail(request, reason) for request, reason in work.failed]
+        failed_early = [self._fail(request, _unavailable(request, reason)) for request, reason in work.failed]
         if not work.items:
             if not failed_early and self.scheduler.has_work() and self.loader.busy():
                 self.loader.wait(0.01)  # nothing to run until an adapter is staged: no busy loop
@@ -332,7 +344,7 @@ class EngineCore:
         num_tokens = work.num_tokens
         if num_tokens >= 16 and not failed:  # prefill-sized steps: what recomputing a token costs, for the policy
             self.pool.observe_recompute(num_tokens, time.perf_counter() - start)
-        outputs = failed_early + [self._fail(request, reason) for request, reason in failed.items()]
+        outputs = failed_early + [self._fail(request, _failed(request, reason)) for request, reason in failed.items()]
         work.items = [(r, n) for r, n in work.items if r not in failed]
         lengths = {r.request_id: r.num_tokens for r, _ in work.items}
         advanced = self.scheduler.update(work, {rid: tokens for rid, (tokens, _) in sampled.items()})
@@ -353,7 +365,7 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 (this request's detokenizing or stop handling: it alone fails)
                 if is_device_fault(exc):
                     raise
-                outputs.append(self._fail(request, _describe(exc)))
+                outputs.append(self._fail(request, _failed(request, _describe(exc))))
         return outputs
 
     def _advance_grammar(self, request: Request) -> None:
@@ -416,13 +428,14 @@ class EngineCore:
             row += len(drafts) + 1
         return sampled, failed
 
-    def _fail(self, request: Request, reason: str) -> RequestOutput:
-        """End a request whose serving raised; its KV is not cached and its blocks are freed."""
-        log.error("request %s failed: %s", request.request_id, reason)
+    def _fail(self, request: Request, error: LoraServerError) -> RequestOutput:
+        """End a request whose serving raised, or whose adapter could not be staged, with ``error``; its KV is not
+        cached and its blocks are freed."""
+        log.error("request %s failed: %s", request.request_id, error.message)
         self.scheduler.finish(request, FinishReason.ERROR)
         self._detokenizers.pop(request.request_id, None)
         out = _output(request, "", [], None)
-        out.error = RequestFailedError(f"request {request.request_id} failed: {reason}")
+        out.error = error
         return out
 
     def _detokenize(self, request: Request, tokens: list[int]) -> tuple[str, list[int]]:

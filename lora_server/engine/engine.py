@@ -20,7 +20,7 @@ import torch
 
 from adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
-from lora_server.engine.adapter_registry import AdapterHandle, UnknownAdapterError
+from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter, UnknownAdapterError
 from lora_server.engine.core import EngineCore, Prompt
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
@@ -187,6 +187,21 @@ class Engine:
         stalled, and those that hold an older version keep it. ``source`` says where it came from ("demo",
         "command line", "api"); ``registered_at`` when (the registry store's time; default now)."""
         return self.core.adapters.register(name, path, pinned, version, source, registered_at)
+
+    def check_adapter(self, name: str, path: str | Path, pinned: bool = False) -> CheckedAdapter:
+        """``add_adapter`` in two steps, for a caller that records the registration elsewhere in between: read and
+        validate the files (AdapterError with the reason; nothing changes), then ``install_adapter``."""
+        return self.core.adapters.check(name, path, pinned)
+
+    def install_adapter(
+        self, checked: CheckedAdapter, pinned: bool = False, version: int | None = None
+    ) -> AdapterHandle:
+        """Serve a checked adapter (``add_adapter``'s arguments; source "api"); reads no file."""
+        return self.core.adapters.install(checked, pinned, version)
+
+    def next_adapter_version(self, name: str) -> int:
+        """The least version the next registration of ``name`` gets."""
+        return self.core.adapters.next_version(name)
 
     def stage_adapters(self, names: Sequence[str], timeout_s: float = 60.0) -> None:
         """Read these adapters' weights and stage them in host memory now, blocking until they are (or

@@ -66,7 +66,8 @@ class ScheduledWork:
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    failed: list[tuple[Request, str]] = field(default_factory=list)  # ended before running: their adapter cannot load
+    # ended before running: their adapter cannot be staged (why, naming no path)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -27,13 +27,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.peft_format import AdapterError
-from admin.api import admin_router, presented_key, require_admin_key
+from admin.api import admin_router, checked_name, presented_key, require_admin_key
 from admin.errors import ApiError
 from admin.keys import API_KEY_PREFIX, constant_time_equals
 from admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
 from lora_server.config import ServerConfig
 from lora_server.engine import Engine
-from lora_server.engine.adapter_registry import UnknownAdapterError
+from lora_server.engine.adapter_registry import CheckedAdapter, UnknownAdapterError
 from lora_server.engine.request import NO_TENANT, TenantShare
 from lora_server.errors import LoraServerError
 from lora_server.server.metrics import Metrics
@@ -63,12 +63,21 @@ class EngineAdapters:
         self.engine = engine
         self.lock = threading.Lock()
 
-    def load_adapter(self, name: str, path: str, pinned: bool, version: int) -> dict[str, Any]:
+    def check_adapter(self, name: str, path: str, pinned: bool) -> CheckedAdapter:
         try:
-            handle = self.engine.add_adapter(name, path, pinned, version)
+            return self.engine.check_adapter(name, path, pinned)
         except AdapterError as exc:
             raise ApiError(400, str(exc), param="path") from exc
-        return {"name": name, "adapter_id": handle.adapter_id, **(self.adapter_info(name) or {})}
+
+    def serve_adapter(self, checked: CheckedAdapter, pinned: bool, version: int) -> dict[str, Any]:
+        try:
+            handle = self.engine.install_adapter(checked, pinned, version)
+        except AdapterError as exc:
+            raise ApiError(400, str(exc), param="pinned") from exc
+        return {"name": handle.name, "adapter_id": handle.adapter_id, **(self.adapter_info(handle.name) or {})}
+
+    def next_version(self, name: str) -> int:
+        return self.engine.next_adapter_version(name)
 
     def unload_adapter(self, name: str) -> bool:
         try:
@@ -81,7 +90,7 @@ class EngineAdapters:
         """Register ``<adapter root>/<name>`` under ``name`` if one of the engine's adapter roots has that directory
         (vLLM's filesystem resolver), as this server's own (source "on-demand": not written to the registry
         store, left alone by its sync); True when ``name`` is served afterwards. ``name`` must be a plain name
-        (the caller refuses separators). ApiError 400 when the directory exists but cannot be served."""
+        (a valid adapter name: the caller checks). ApiError 400 when the directory exists but cannot be served."""
         roots = self.engine.config.adapter_roots or ()
         with self.lock:
             if name in self.engine.adapter_names():
@@ -91,8 +100,9 @@ class EngineAdapters:
                 if (path / "adapter_config.json").is_file():
                     try:
                         self.engine.add_adapter(name, path, source="on-demand")
-                    except AdapterError as exc:
-                        raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc}", param="model") from exc
+                    except AdapterError as exc:  # the caller may be anyone: the reason without paths
+                        log.info("adapter %s from %s cannot be loaded: %s", name, path, exc)
+                        raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc.public}", param="model") from exc
                     log.info("adapter %s registered on first use from %s", name, path)
                     return True
         return False
@@ -349,7 +359,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
     async def resolve(model: str | None, tenant: TenantRecord | None) -> str | None:
         """The adapter a request's ``model`` names (None: the base model); 404 unknown, 403 not allowed. With
         --load-adapters-on-demand, an unknown plain name that an adapter root holds is registered first (off the
-        event loop; the tenant's allow-list is checked before, a name with a path separator is refused)."""
+        event loop; the tenant's allow-list is checked before, a name that is not a valid adapter name is a 400)."""
         if tenant is not None and not model:
             model = tenant.default_adapter
         if not model or model == model_id:
@@ -361,8 +371,7 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         if model in engine.adapter_names():
             return model
         if settings.load_adapters_on_demand:
-            if not _plain_name(model):
-                raise ApiError(400, "a model name must not contain a path separator", param="model")
+            checked_name(model, "adapter name", "model")  # the name of a directory under a root: no path in it
             if await run_in_threadpool(control.load_on_demand, model):
                 return model
         raise ApiError(
@@ -525,6 +534,7 @@ class TenantMeter:
 
     store: RegistryStore
     tenant: str
+    created_at: float  # the tenant's: its usage counts for it, not for one created again under its name
     adapter: str | None
     charged_tokens: int
     tokens_window: RateDecision | None
@@ -552,11 +562,13 @@ class TenantMeter:
             if not tokens.allowed and requests is not None:
                 store.give_back(tenant.name, "requests", requests.window, 1)
             _refuse_unless_allowed(tokens, limits.tokens_per_minute, "tokens")
-        return cls(store, tenant.name, adapter, amount, tokens)
+        return cls(store, tenant.name, tenant.created_at, adapter, amount, tokens)
 
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
         try:
-            self.store.add_usage(self.tenant, self.adapter, prompt_tokens, completion_tokens)
+            self.store.add_usage(
+                self.tenant, self.adapter, prompt_tokens, completion_tokens, created_at=self.created_at
+            )
             unused = self.charged_tokens - prompt_tokens - completion_tokens
             if self.tokens_window is not None and unused > 0:
                 self.store.give_back(self.tenant, "tokens", self.tokens_window.window, unused)
@@ -568,11 +580,6 @@ class TenantMeter:
                 completion_tokens,
                 exc,
             )
-
-
-def _plain_name(name: str) -> bool:
-    """A name that can only mean a directory directly under an adapter root."""
-    return name not in (".", "..") and not any(c in name for c in ("/", "\\", "\0")) and not name.startswith("~")
 
 
 def _refuse_unless_allowed(decision: RateDecision, limit: int, kind: str) -> None:
