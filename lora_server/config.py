@@ -19,7 +19,7 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 DEVICES = ("auto", "cpu", "cuda")
 RAY_ROUTINGS = ("adapter", "random")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's names
-GIB, MIB = 1 << 30, 1 << 20
+GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
 
 
 def flag(
@@ -206,6 +206,64 @@ class EngineConfig:
             name="--adapter-root",
         ),
     )  # None: anywhere (offline use)
+    max_json_schema_bytes: int = field(
+        default=64 * KIB,
+        metadata=flag(
+            "the largest JSON schema of structured output (response_format, guided_json, each tool's parameters), "
+            "as compact JSON",
+            name="--max-json-schema-kb",
+            unit=KIB,
+            unit_name="KiB",
+        ),
+    )
+    max_json_schema_depth: int = field(
+        default=32, metadata=flag("the deepest nesting of subschemas in a structured output's JSON schema")
+    )
+    max_guided_choices: int = field(default=256, metadata=flag("the most strings of a guided_choice"))
+    max_choice_bytes: int = field(
+        default=64 * KIB,
+        metadata=flag(
+            "the most bytes of a guided_choice's strings together", name="--max-choice-kb", unit=KIB, unit_name="KiB"
+        ),
+    )
+    max_regex_bytes: int = field(
+        default=16 * KIB,
+        metadata=flag("the longest guided_regex", name="--max-regex-kb", unit=KIB, unit_name="KiB"),
+    )
+    max_grammar_bytes: int = field(
+        default=64 * KIB,
+        metadata=flag(
+            "the longest guided_grammar (EBNF), and the largest tool-call grammar (structural tag) a request's tools "
+            "make",
+            name="--max-grammar-kb",
+            unit=KIB,
+            unit_name="KiB",
+        ),
+    )
+    grammar_compile_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds a request waits for its structured output's grammar to compile; longer is a 400 (the compile "
+            "finishes in the background and is cached; xgrammar cannot be interrupted)"
+        ),
+    )
+    grammar_compile_threads: int = field(
+        default=2,
+        metadata=flag(
+            "threads that compile grammars (their own pool: a slow compile holds neither the server's worker "
+            "threads nor the engine); requests beyond wait for one, within --grammar-compile-timeout"
+        ),
+    )
+    grammar_cache_bytes: int = field(
+        default=256 * MIB,
+        metadata=flag(
+            "memory the compiled grammars kept for reuse may hold (xgrammar's estimate of each); the least recently "
+            "used go first",
+            name="--grammar-cache-mb",
+            unit=MIB,
+            unit_name="MiB",
+        ),
+    )
     show_progress: bool = True  # a progress bar while loading weights
 
     def __post_init__(self) -> None:
@@ -223,11 +281,20 @@ class EngineConfig:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "max_json_schema_bytes",
+            "max_json_schema_depth",
+            "max_guided_choices",
+            "max_choice_bytes",
+            "max_regex_bytes",
+            "max_grammar_bytes",
+            "grammar_compile_threads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 0:
+            raise ValueError("grammar_compile_timeout must be > 0 and grammar_cache_bytes >= 0")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
         _choice("pool_policy", self.pool_policy, tuple(POLICIES))
@@ -361,6 +428,33 @@ class ServerConfig:
         default=False, metadata=flag("with --allowed-origins: let them send cookies and authorization headers")
     )
 
+    request_head_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds a request's head (request line and headers) may take to arrive, from the connection's start "
+            "or the previous response's end; a connection past it is closed"
+        ),
+    )
+    request_body_timeout: float = field(
+        default=60.0, metadata=flag("seconds a request's body may take to arrive after its head; then it is closed")
+    )
+    keep_alive_timeout: float = field(
+        default=5.0, metadata=flag("seconds an idle kept-alive connection stays open (uvicorn's timeout_keep_alive)")
+    )
+    max_connections: int | None = field(
+        default=None,
+        metadata=flag(
+            "the most open connections; newer ones are closed at once (default: the descriptor limit, raised at "
+            "start to the hard limit, less 256 kept for files)"
+        ),
+    )
+    docs: bool = field(
+        default=True,
+        metadata=flag(
+            "serve /openapi.json and /docs (the admin routes appear only to the admin key)", negate="--no-docs"
+        ),
+    )
+
     ray_replicas: int = field(
         default=0,
         metadata=flag(
@@ -386,6 +480,10 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_request_bytes < 1 or self.shutdown_timeout < 0:
             raise ValueError("max_request_bytes must be >= 1 and shutdown_timeout >= 0")
+        if min(self.request_head_timeout, self.request_body_timeout, self.keep_alive_timeout) <= 0:
+            raise ValueError("request_head_timeout, request_body_timeout and keep_alive_timeout must be > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_lora_metric_labels < 0:
             raise ValueError(f"max_lora_metric_labels must be >= 0, got {self.max_lora_metric_labels}")
         if self.ray_replicas < 0:

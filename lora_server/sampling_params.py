@@ -14,7 +14,6 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
-MAX_CHOICES = 256  # strings of a choice constraint
 MAX_BAD_WORDS = 256  # token sequences of bad_words (each word gives one or two)
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 _KIND_PARAM = {
@@ -38,7 +37,8 @@ class StructuredOutput:
     "structural_tag": the output follows xgrammar's structural tag ``spec`` (JSON text; tool calls, see
     lora_server.tools.grammar), its JSON schemas written as compact JSON.
     Equal constraints are equal and hash alike: the compiled-grammar cache is keyed by them. The shape is checked
-    here; whether the schema or regex compiles is checked when the request is made."""
+    here; the server's limits (sizes, choices, schema depth) and whether the schema or regex compiles when the
+    request is made (engine/structured.py)."""
 
     kind: StructuredKind
     spec: str | tuple[str, ...] | None = None
@@ -58,10 +58,10 @@ class StructuredOutput:
         else:
             _check(
                 isinstance(self.spec, tuple)
-                and 0 < len(self.spec) <= MAX_CHOICES
+                and len(self.spec) > 0
                 and all(isinstance(c, str) and c for c in self.spec),
                 self.param,
-                f"must be a list of 1 to {MAX_CHOICES} non-empty strings",
+                "must be a non-empty list of non-empty strings",
             )
 
     @classmethod

@@ -7,6 +7,7 @@ leaves a non-streaming request frees its blocks at once, and /health answers whi
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import threading
 import time
@@ -78,6 +79,68 @@ def _nested(depth: int) -> str:
 # roots dir returning either, or None. who: "probe" (the probe tenant's key on /v1), "tenant" (its key on
 # /t/probe/v1 paths), "admin", "anon", or a literal Authorization value.
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _schema(schema: dict) -> dict:
+    return {**GOOD_CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+AB_CYCLE = {
+    "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+    },
+    "$ref": "#/$defs/a",
+}
+GRAMMAR_CASES = [  # structured output over the limits, or asking what the grammar would not enforce
+    ("schema nested 100 deep", "POST", CHAT, _schema(_deep_schema(100)), "probe", 400),
+    ("schema over 64 KiB", "POST", CHAT, _schema({"enum": ["x" * 1000] * 70}), "probe", 400),
+    (
+        "recursive $ref to the root",
+        "POST",
+        CHAT,
+        _schema({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+        "probe",
+        400,
+    ),
+    ("recursive $ref a->b->a", "POST", CHAT, _schema(AB_CYCLE), "probe", 400),
+    ("allOf", "POST", CHAT, _schema({"allOf": [{"type": "integer"}, {"maximum": 5}]}), "probe", 400),
+    ("oneOf", "POST", CHAT, _schema({"oneOf": [{"type": "integer"}, {"type": "number"}]}), "probe", 400),
+    ("required beyond properties", "POST", CHAT, _schema({"type": "object", "required": ["a"]}), "probe", 400),
+    (
+        "guided_choice over 64 KiB",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "guided_choice": ["y" * 40_000, "z" * 40_000]},
+        "probe",
+        400,
+    ),
+    (
+        "guided_choice of 257 strings",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "guided_choice": [str(i) for i in range(257)]},
+        "probe",
+        400,
+    ),
+    ("guided_regex over 16 KiB", "POST", CHAT, {**GOOD_CHAT, "guided_regex": "r" * 20_000}, "probe", 400),
+    (
+        "guided_grammar over 64 KiB",
+        "POST",
+        CHAT,
+        {**GOOD_CHAT, "guided_grammar": 'root ::= "' + "g" * 70_000 + '"'},
+        "probe",
+        400,
+    ),
+    ("guided_regex xgrammar refuses", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_regex": "(a"}, "probe", 400),
+]
 CASES = [
     ("invalid JSON", "POST", CHAT, "{not json", "probe", 400),
     ("JSON array body", "POST", CHAT, "[1, 2]", "probe", 400),
@@ -383,6 +446,7 @@ CASES = [
     ("unknown tenant (admin)", "GET", "/admin/tenants/nosuch", None, "admin", 404),
     ("key for an unknown tenant", "POST", "/admin/tenants/nosuch/keys", None, "admin", 404),
     ("retire an unknown key", "DELETE", "/admin/tenants/probe/keys/000000000000", None, "admin", 404),
+    *GRAMMAR_CASES,
 ]
 
 
@@ -609,3 +673,53 @@ def test_infinite_logprobs_are_written_as_finite_numbers():
     ):
         text = json.dumps(body, allow_nan=False)
         assert "-9999.0" in text and "-0.5" in text
+
+
+def _raw(server: Server, request: bytes) -> bytes:
+    """One request written as given on a fresh connection; what comes back until the server closes it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_content_length_with_transfer_encoding_is_refused(server, probe_key):
+    """Both framings in one request (request smuggling's shape): a 400 in OpenAI's shape, the connection closed,
+    nothing run."""
+    body = json.dumps(GOOD_CHAT).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    answer = _raw(
+        server,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%s"
+        % (probe_key.encode(), len(chunked), chunked),
+    )
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert set(json.loads(payload)["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_admin_page_is_never_framed_nor_sniffed(server):
+    r = httpx.get(server.url + "/admin/ui", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+    assert r.headers["x-content-type-options"] == "nosniff"
+
+
+def test_the_api_document_shows_admin_routes_only_to_the_admin_key(server, probe_key):
+    admin_paths = ("/admin/", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+    for headers in ({}, {"Authorization": f"Bearer {probe_key}"}):
+        public = httpx.get(server.url + "/openapi.json", headers=headers)
+        assert public.status_code == 200
+        paths = public.json()["paths"]
+        assert "/v1/chat/completions" in paths
+        assert not [p for p in paths if p.startswith(admin_paths)], list(paths)
+        assert "Tenant" not in json.dumps(public.json()["components"])  # nor the admin bodies' schemas
+    full = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {ADMIN}"}).json()["paths"]
+    assert "/admin/tenants" in full and "/v1/load_lora_adapter" in full
+    docs = httpx.get(server.url + "/docs")
+    assert docs.status_code == 200 and "/openapi.json" in docs.text

@@ -164,9 +164,12 @@ class EngineCore:
         *,
         tenant: TenantShare = NO_TENANT,
         priority: int = 0,
+        compile_grammar: bool = True,
     ) -> Request:
         """Validate and tokenize (safe from any thread); raises InvalidRequestError (ContextLengthExceededError,
-        UnknownAdapterError) and changes nothing. ``adapter`` names a registered adapter; None is the base model.
+        UnknownAdapterError) and changes nothing. ``compile_grammar`` False: a structured output is checked but
+        not compiled; its matcher must be attached (``StructuredOutputs.matcher_async``) before the request is
+        added. ``adapter`` names a registered adapter; None is the base model.
         Requests share cached KV only when their adapter version and ``cache_salt`` are equal. ``tenant``: whom it
         is served for and that tenant's share; ``priority``: its place among the tenant's waiting requests (lower
         first), an integer in [MIN_PRIORITY, MAX_PRIORITY].
@@ -193,7 +196,7 @@ class EngineCore:
                 f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}", param="priority"
             )
         self._check_vocab_bounds(params)
-        grammar = self._grammar(params)
+        grammar = self._grammar(params, compile_grammar)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -221,9 +224,13 @@ class EngineCore:
             grammar=grammar,
         )
 
-    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher of the request's structured output (its grammar compiled here, or found in the cache)."""
+    def _grammar(self, params: SamplingParams, compile_grammar: bool) -> GrammarMatcher | None:
+        """A fresh matcher of the request's structured output (its grammar compiled here, or found in the cache);
+        without ``compile_grammar`` the constraint is only checked (None)."""
         if params.structured is None:
+            return None
+        if not compile_grammar:
+            self.structured_outputs().check(params.structured)
             return None
         return self.structured_outputs().matcher(params.structured)
 
@@ -237,7 +244,7 @@ class EngineCore:
                     )
                 from lora_server.engine.structured import StructuredOutputs  # xgrammar loads only when used
 
-                self._structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size)
+                self._structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.config)
             return self._structured
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:

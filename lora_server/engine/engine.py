@@ -381,13 +381,16 @@ class Engine:
         *,
         tenant: TenantShare = NO_TENANT,
         priority: int = 0,
+        compile_grammar: bool = True,
     ) -> Request:
         """Validate and tokenize, from any thread (the server calls it off the event loop); raises
         InvalidRequestError / ContextLengthExceededError / UnknownAdapterError and changes nothing. The request
         holds its adapter version: ``submit`` it or ``discard`` it. ``cache_salt``: only requests with the same
         salt share cached KV (per tenant). ``tenant``: whom it is served for, with the tenant's weight and cap of
         running requests (waiting requests are admitted by weighted fair sharing across tenants, unless the
-        config turns it off); ``priority``: lower values are admitted first among the tenant's waiting requests."""
+        config turns it off); ``priority``: lower values are admitted first among the tenant's waiting requests.
+        ``compile_grammar`` False: a structured output is checked (its limits, its schema) but compiled only by
+        ``attach_grammars``, which must then run before ``submit``."""
         return self.core.make_request(
             request_id or f"req-{next(self._ids)}",
             prompt,
@@ -396,7 +399,20 @@ class Engine:
             cache_salt,
             tenant=tenant,
             priority=priority,
+            compile_grammar=compile_grammar,
         )
+
+    async def attach_grammars(self, requests: Sequence[Request]) -> None:
+        """Compile the grammars of requests made without them (in the grammar pool, each within the config's
+        grammar_compile_timeout, without holding a thread of the caller's) and give each its matcher.
+        InvalidRequestError when one does not compile or takes longer; the requests are then left as made."""
+        pending = [(r, r.params.structured) for r in requests if r.params.structured is not None and r.grammar is None]
+        if not pending:
+            return
+        structured = self.core.structured_outputs()
+        matchers = [await structured.matcher_async(constraint) for _, constraint in pending]
+        for (r, _), matcher in zip(pending, matchers, strict=True):
+            r.grammar = matcher
 
     def discard(self, request: Request) -> None:
         """Let go of a made request that will not be submitted."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,6 +45,13 @@ from lora_server.server.tokenize import DetokenizeRequest, TokenizeRequest, deto
 
 log = logging.getLogger("lora_server")
 STATUS_PAGE = Path(__file__).with_name("status.html")
+# the admin page is never framed by another site (clickjacking) nor read as another type than HTML
+ADMIN_PAGE_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
 STORE_RETRY_AFTER_S = 2
 TENANTS_CHECK_S = 1.0  # how long "are there tenants?" is trusted for anonymous /v1 access (other replicas)
 NOT_SERVED = {
@@ -133,16 +141,23 @@ class EngineAdapters:
 class BodyLimit:
     """ASGI middleware: a request body above ``max_bytes`` is answered 413 in OpenAI's shape before it is read
     whole (Content-Length is checked first; a chunked body is counted as it arrives). The body read is handed on
-    to the app unchanged."""
+    to the app unchanged. A request that carries both Content-Length and Transfer-Encoding is a 400."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        headers = dict(scope["headers"])
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            await _refuse_framing(scope, receive, send)
+            return
+        if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
             await self._refuse(scope, receive, send)
             return
@@ -176,6 +191,14 @@ class BodyLimit:
         await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
+async def _refuse_framing(scope: Scope, receive: Receive, send: Send) -> None:
+    """A request with both Content-Length and Transfer-Encoding: which one ends its body is ambiguous (the shape of
+    request smuggling through a proxy that reads the other one); RFC 9112 section 6.3 lets a server refuse it, and
+    the connection is closed after the 400."""
+    err = ApiError(400, "a request must not carry both Content-Length and Transfer-Encoding", param=None)
+    await JSONResponse(err.body(), status_code=400, headers={"Connection": "close"})(scope, receive, send)
+
+
 class RefuseWhileDraining:
     """ASGI middleware: once ``state.draining`` is set, every request but /metrics gets 503 with Retry-After."""
 
@@ -202,6 +225,9 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         title="lora-server",
         description="Many LoRA adapters of one base model behind an OpenAI-compatible "
         "API, with an admin API for adapters and tenants.",
+        openapi_url=None,  # served below: the admin routes only to the admin key
+        docs_url=None,
+        redoc_url=None,
     )
     metrics = Metrics(model_id, engine, settings.max_lora_metric_labels)
     serving = OpenAIServing(engine, metrics, settings.tool_call_parser)
@@ -401,6 +427,13 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         except BaseException:
             serving.discard(prepared.requests)
             raise
+        try:  # compiled only once admitted: a refused request costs no compile
+            await serving.attach_grammars(prepared)
+        except BaseException:
+            serving.discard(prepared.requests)
+            if meter is not None:
+                await run_in_threadpool(meter.refund)
+            raise
         try:
             result = await serving.run(
                 prepared, req.model or adapter or model_id, meter, lambda: _disconnected(request)
@@ -491,11 +524,25 @@ def build_app(engine: Engine, store: RegistryStore, settings: ServerConfig, mode
         """The pool as an operator sees it, refreshed by itself; the browser asks for the admin key (HTTP Basic,
         any user name) and the page reads the admin API with it."""
         require_admin_key(request, admin_key)
-        return HTMLResponse(STATUS_PAGE.read_text(), headers={"Cache-Control": "no-store"})
+        return HTMLResponse(STATUS_PAGE.read_text(), headers=ADMIN_PAGE_HEADERS)
 
     roots = [Path(r) for r in engine.config.adapter_roots or ()]
-    app.include_router(admin_router(store, control, admin_key, roots, model_id, tenants.changed))
+    admin = admin_router(store, control, admin_key, roots, model_id, tenants.changed)
+    app.include_router(admin)
     _add_body_schemas(app, (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest))
+    if settings.docs:
+        admin_paths = {"/admin/ui", *(route.path for route in admin.routes if hasattr(route, "path"))}
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi_document(request: Request) -> JSONResponse:
+            """The whole API to the admin key; without it, the document leaves the admin routes out."""
+            document = app.openapi()
+            return JSONResponse(document if is_admin(request) else _without_paths(document, admin_paths))
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="lora-server")
+
     return app
 
 
@@ -538,6 +585,7 @@ class TenantMeter:
     adapter: str | None
     charged_tokens: int
     tokens_window: RateDecision | None
+    requests_window: RateDecision | None = None
 
     @classmethod
     def admit(cls, store: RegistryStore, tenant: TenantRecord, adapter: str | None, prepared: Prepared) -> TenantMeter:
@@ -562,7 +610,17 @@ class TenantMeter:
             if not tokens.allowed and requests is not None:
                 store.give_back(tenant.name, "requests", requests.window, 1)
             _refuse_unless_allowed(tokens, limits.tokens_per_minute, "tokens")
-        return cls(store, tenant.name, tenant.created_at, adapter, amount, tokens)
+        return cls(store, tenant.name, tenant.created_at, adapter, amount, tokens, requests)
+
+    def refund(self) -> None:
+        """Give back what admission took, for a request refused after it (its grammar did not compile)."""
+        try:
+            if self.requests_window is not None:
+                self.store.give_back(self.tenant, "requests", self.requests_window.window, 1)
+            if self.tokens_window is not None:
+                self.store.give_back(self.tenant, "tokens", self.tokens_window.window, self.charged_tokens)
+        except StoreUnavailableError as exc:
+            log.warning("the charge of a refused request of tenant %s not given back: %s", self.tenant, exc)
 
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
         try:
@@ -643,3 +701,24 @@ def _add_body_schemas(app: FastAPI, models: tuple[type, ...]) -> None:
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _without_paths(document: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
+    """The OpenAPI document without the ``hidden`` paths, and without the component schemas only they used."""
+    paths = {path: item for path, item in document.get("paths", {}).items() if path not in hidden}
+    schemas = document.get("components", {}).get("schemas", {})
+    used: set[str] = set()
+    pending = [paths]
+    while pending:  # every schema a kept path reaches, through $refs
+        node = pending.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else None
+            if name is not None and name not in used and name in schemas:
+                used.add(name)
+                pending.append(schemas[name])
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    components = {**document.get("components", {}), "schemas": {k: v for k, v in schemas.items() if k in used}}
+    return {**document, "paths": paths, "components": components}

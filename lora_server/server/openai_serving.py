@@ -1,10 +1,12 @@
 """Serving /v1/chat/completions and /v1/completions on the engine: requests in, OpenAI-shaped JSON or server-sent
 events out. The HTTP layer resolves the tenant and the adapter first; this module never sees keys.
 
-A request goes through two stages so that the event loop never tokenizes: ``prepare_chat`` / ``prepare_completion``
-(blocking: chat template, tokenization, validation; the server runs them in a worker thread) and ``run`` (on the
-event loop: submit, then stream or collect). Whatever happens after ``prepare``, the request's ``Meter`` is settled
-exactly once with the tokens the engine produced for it, dropped streams and disconnected clients included."""
+A request goes through three stages so that the event loop never tokenizes: ``prepare_chat`` /
+``prepare_completion`` (blocking: chat template, tokenization, validation, a structured output's limits checked;
+the server runs them in a worker thread), ``attach_grammars`` (the structured output compiled in the grammar pool;
+the server calls it once the tenant's limits let the request in) and ``run`` (on the event loop: submit, then
+stream or collect). Whatever happens after ``prepare``, the request's ``Meter`` is settled exactly once with the
+tokens the engine produced for it, dropped streams and disconnected clients included."""
 
 from __future__ import annotations
 
@@ -225,12 +227,18 @@ class OpenAIServing:
                             f"{response_id}-{unique}-{p_index}-{i}",
                             tenant=tenant,
                             priority=req.priority,
+                            compile_grammar=False,  # after admission: attach_grammars
                         )
                     )
         except LoraServerError:
             self.discard(requests)
             raise
         return Prepared(kind, response_id, requests, n, req.stream, _include_usage(req))
+
+    async def attach_grammars(self, prepared: Prepared) -> None:
+        """Compile the prepared requests' grammars (``prepare`` only checked them), on the event loop without
+        holding a worker thread; InvalidRequestError (400) when one fails or exceeds the compile budget."""
+        await self.engine.attach_grammars(prepared.requests)
 
     def discard(self, requests: list[Request]) -> None:
         for r in requests:

@@ -25,6 +25,7 @@ from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
 from lora_server.model.loader import default_model_path
 from lora_server.server.app import build_app
+from lora_server.server.http_edge import connection_cap, guarded_protocol, raise_descriptor_limit
 from lora_server.server.openai_serving import model_tool_parser
 from lora_server.server.registry_sync import RegistrySync
 
@@ -47,7 +48,7 @@ def serve(config: ServerConfig) -> int:
     admin_key, key_source = resolve_admin_key(config)
     built = build(config, admin_key, key_source)
     engine = built.engine
-    server = _draining_server(uvicorn, built.app, engine, config.host, config.port, config.shutdown_timeout)
+    server = _draining_server(uvicorn, built.app, engine, config)
     built.start()
     threading.Thread(target=_exit_when_dead, args=(engine, server), name="engine-watchdog", daemon=True).start()
     try:
@@ -202,10 +203,11 @@ def _exit_when_dead(engine: Engine, server) -> None:
     os._exit(1)
 
 
-def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout: float):
+def _draining_server(uvicorn, app, engine: Engine, config: ServerConfig):
     """A uvicorn server whose first SIGINT/SIGTERM starts a drain: new requests get 503 with Retry-After (the app's
     ``draining`` flag) while the engine finishes what it has, for at most ``timeout`` seconds; then uvicorn shuts
-    down as usual. A second signal stops at once."""
+    down as usual. A second signal stops at once. Its connections are GuardedH11Protocol's (http_edge.py)."""
+    timeout = config.shutdown_timeout
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
@@ -227,6 +229,22 @@ def _draining_server(uvicorn, app, engine: Engine, host: str, port: int, timeout
                 time.sleep(0.05)
             super().handle_exit(sig, frame)
 
+    cap = connection_cap(config.max_connections, raise_descriptor_limit())
+    protocol = guarded_protocol(config.request_head_timeout, config.request_body_timeout, cap)
+    log.info(
+        "at most %d open connections; a request head must arrive in %g s, its body in %g s",
+        cap,
+        config.request_head_timeout,
+        config.request_body_timeout,
+    )
     return DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=timeout)
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="info",
+            timeout_graceful_shutdown=timeout,
+            timeout_keep_alive=config.keep_alive_timeout,
+            http=protocol,
+        )
     )
