@@ -120,8 +120,9 @@ def complete(server: Server, model: str, max_tokens: int = 2) -> httpx.Response:
 def test_gateway_protocol_and_residency(server: Server, root):
     cpu, gpu = ("cpu", "false"), ("gpu", "false")
 
-    # before any traffic: nothing on the device, nothing queued
-    start = Scrape(server)
+    # before any traffic: nothing on the device, nothing queued; the demo adapters are staged in host memory by the
+    # loader thread after start-up (a scrape may come first on a busy machine)
+    start = until(server, lambda s: len(s.loaded()) == 3, "the demo adapters staged at start")
     (cache,) = start.families["vllm:cache_config_info"].samples
     assert cache.labels == {"block_size": str(BLOCK_SIZE), "num_gpu_blocks": str(NUM_GPU_BLOCKS)}
     assert cache.value == 1
