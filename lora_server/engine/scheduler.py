@@ -191,7 +191,7 @@ class Scheduler:
         alone = len(self.running) + len(self.waiting) <= 1
         if threshold <= 0 or alone or not self.config.enable_chunked_prefill:
             return self.config.max_num_batched_tokens
-        return max(1, threshold)
+        return threshold
 
     def _fail_waiting(self, work: ScheduledWork) -> None:
         """End the waiting requests of adapters the loader could not stage (their files changed or went); a later

@@ -154,7 +154,7 @@ class OpenAIServing:
             special = req.add_special_tokens is not False
             prompts = [self.engine.encode(p, special) if isinstance(p, str) and p else p for p in prompts]
         else:
-            for field in ("add_special_tokens", "truncate_prompt_tokens", "bad_words"):
+            for field in ("add_special_tokens", "truncate_prompt_tokens"):  # bad_words: _bad_words says
                 if getattr(req, field) is not None:
                     raise InvalidRequestError(f"{field} needs the model's tokenizer", param=field)
         if req.truncate_prompt_tokens is not None:  # a text left here is empty (the engine refuses it)
