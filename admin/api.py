@@ -223,6 +223,7 @@ def admin_router(
 
     @router.get("/admin/adapters/{name}")
     def get_adapter(name: str) -> dict[str, Any]:
+        checked_name(name, "adapter name", "name")
         found = describe(name, store.get_adapter(name))
         if found is None:
             raise ApiError(
@@ -234,6 +235,7 @@ def admin_router(
     def delete_adapter(name: str) -> dict[str, Any]:
         """Forget its record, then unload it (a store that refuses the write leaves both); a record whose files
         vanished (never loaded) is removed too."""
+        checked_name(name, "adapter name", "name")
         with control.lock:
             deleted = store.delete_adapter(name)
             served = control.unload_adapter(name)

@@ -90,7 +90,12 @@ def config_from_flags(cls: type, args: argparse.Namespace, **values: Any) -> Any
         elif f.metadata["unit"] != 1 and value is not None:
             value = int(value * f.metadata["unit"])
         values[f.name] = value
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # a value out of range: an error line, not a traceback
+        from lora_server.errors import ConfigError
+
+        raise ConfigError(str(exc)) from exc
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -442,12 +447,19 @@ def _bench_fair(args: argparse.Namespace) -> int:
 
 
 def _bench_long_prefill_args(p: argparse.ArgumentParser) -> None:
-    add_config_flags(p, EngineConfig, quantization="none", kv_cache_bytes=0.5, host_kv_bytes=0)
+    add_config_flags(p, EngineConfig, quantization="none", kv_cache_bytes=2, host_kv_bytes=0)
     p.add_argument(
         "--lengths", default="500,2000,7000", help="prompt lengths of the cost table (default: 500,2000,7000)"
     )
     p.add_argument("--long-len", type=int, default=7000, help="the long prompt beside the short one (default: 7000)")
     p.add_argument("--short-len", type=int, default=32, help="the short request's prompt tokens (default: 32)")
+    p.add_argument(
+        "--long-prompts",
+        type=int,
+        default=4,
+        help="long prompts started together for the partial-prefill limit's case (default: 4, enough to fill the "
+        "step with a quarter of it each; 1 skips the case)",
+    )
     p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
     p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-long-prefill.json)")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from admin.store import validate_name
 from kv_pool.policies import POLICIES
 from lora_server.tools.parsers import TOOL_PARSERS
 
@@ -146,6 +147,20 @@ class EngineConfig:
             "the most tokens of one prompt computed in a step while other requests run or wait, so that a long "
             "prompt never holds back the others' first tokens (vLLM's flag; default: a quarter of the step's token "
             "budget; 0: no cap; alone, a prompt takes the whole budget)"
+        ),
+    )
+    max_num_partial_prefills: int = field(
+        default=0,
+        metadata=flag(
+            "with chunked prefill, the most prompts that prefill at once; more wait (vLLM's flag; 0: no limit)"
+        ),
+    )
+    max_long_partial_prefills: int = field(
+        default=1,
+        metadata=flag(
+            "with chunked prefill, the most prompts with more than --long-prefill-token-threshold tokens left that "
+            "prefill at once, so that several long prompts cannot fill the step between them: another long prompt "
+            "waits, and shorter prompts behind it start (vLLM's flag; 0: no limit)"
         ),
     )
     enforce_eager: bool = field(
@@ -304,6 +319,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_num_partial_prefills < 0 or self.max_long_partial_prefills < 0:
+            raise ValueError("max_num_partial_prefills and max_long_partial_prefills must be >= 0 (0: no limit)")
         if self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram must be >= 0, got {self.speculative_ngram}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
@@ -493,6 +510,8 @@ class ServerConfig:
             raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
         if self.tool_call_parser is not None:
             _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_PARSERS))
+        for spec in self.adapters or ():
+            validate_name(spec.partition("=")[0], "--adapter name")  # the admin API's rule: served names are valid
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -67,3 +67,7 @@ class AdapterUnavailableError(InvalidRequestError):
 
 class ModelLoadError(LoraServerError, ValueError):
     """A model file or directory cannot be loaded (wrong format, unsupported architecture, missing tensors)."""
+
+
+class ConfigError(LoraServerError, ValueError):
+    """A flag or setting is out of its range or contradicts another (the command line says which; nothing ran)."""

@@ -137,3 +137,38 @@ def test_files_rewritten_while_read_are_refused_and_the_server_lives(tmp_path):
 
 def _count(statuses: list[int]) -> dict[int, int]:
     return {s: statuses.count(s) for s in sorted(set(statuses))}
+
+
+@pytest.mark.slow
+def test_a_stream_whose_adapter_cannot_be_read_is_a_400_not_a_200_with_an_error_event(tmp_path):
+    """An adapter registered while its files were whole, cut short before its first request stages it: a streamed
+    request is answered 400 ``adapter_unavailable`` (it used to be a 200 whose stream carried the error as an
+    event, because the stream's headers went out before the engine tried the adapter), a plain one the same, and
+    the adapter serves again once its file is whole."""
+    root, data = tmp_path / "adapters", tmp_path / "data"
+    data.mkdir()
+    path = write_adapter(root / "cut", seed=3, r=8)
+    whole = (path / WEIGHTS).read_bytes()
+    server = Server(data, [root], [])
+    try:
+        r = server.admin("POST", "/admin/adapters", json={"name": "cut", "path": str(path)})
+        assert r.status_code == 200, r.text
+        (path / WEIGHTS).write_bytes(whole[: len(whole) // 2])
+        body = {"model": "cut", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}) as r:
+            r.read()
+            assert r.status_code == 400, r.text
+            err = _shaped(r)
+            assert err["code"] == "adapter_unavailable" and err["param"] == "model" and str(tmp_path) not in r.text
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and _shaped(r)["code"] == "adapter_unavailable", r.text
+        (path / WEIGHTS).write_bytes(whole)
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+        deadline = time.monotonic() + 10
+        while server.admin("GET", "/admin/pool").json()["request_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the engine releases a request's blocks in its next step
+        assert server.admin("GET", "/admin/pool").json()["request_blocks"] == 0
+    finally:
+        server.stop()

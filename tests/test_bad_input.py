@@ -140,6 +140,15 @@ GRAMMAR_CASES = [  # structured output over the limits, or asking what the gramm
         400,
     ),
     ("guided_regex xgrammar refuses", "POST", COMPLETIONS, {**GOOD_COMPLETION, "guided_regex": "(a"}, "probe", 400),
+    ("guided_grammar without end", "POST", CHAT, {**GOOD_CHAT, "guided_grammar": 'root ::= "a" root'}, "probe", 400),
+    (
+        "guided_grammar that derives nothing",
+        "POST",
+        COMPLETIONS,
+        {**GOOD_COMPLETION, "guided_grammar": "root ::= x\nx ::= x"},
+        "probe",
+        400,
+    ),
 ]
 CASES = [
     ("invalid JSON", "POST", CHAT, "{not json", "probe", 400),
@@ -407,6 +416,9 @@ CASES = [
     ("admin body invalid JSON", "POST", "/admin/adapters", "{nope", "admin", 400),
     ("admin body deeply nested", "POST", "/admin/adapters", "[" * 100_000, "admin", 400),
     ("delete an unknown adapter", "DELETE", "/admin/adapters/never-was", None, "admin", 404),
+    ("look up an invalid adapter name", "GET", "/admin/adapters/a..b", None, "admin", 400),
+    ("delete an adapter name of 300 characters", "DELETE", "/admin/adapters/" + "a" * 300, None, "admin", 400),
+    ("vLLM unload of an invalid name", "POST", "/v1/unload_lora_adapter", {"lora_name": "a b"}, "admin", 400),
     ("vLLM unload of an unknown adapter", "POST", "/v1/unload_lora_adapter", {"lora_name": "never-was"}, "admin", 404),
     ("tenant with an invalid name", "POST", "/admin/tenants", {"name": "a b"}, "admin", 400),
     (

@@ -26,6 +26,8 @@ from lora_server.config import EngineConfig
         ("speculative_ngram_min", 0),
         ("speculative_ngram_max", 0),
         ("speculative_max_batch", 0),
+        ("max_num_partial_prefills", -1),
+        ("max_long_partial_prefills", -1),
     ],
 )
 def test_bad_values_are_refused(field, value):
@@ -102,9 +104,27 @@ def test_flags_convert_units_and_lists():
     assert config.engine.enable_chunked_prefill is False and config.allow_anonymous is True
 
 
-@pytest.mark.parametrize("argv", [["--port", "0"], ["--max-loras", "0"], ["--pool-policy", "fifo"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--port", "0"],
+        ["--max-loras", "0"],
+        ["--pool-policy", "fifo"],
+        ["--adapter", "a b=/x"],
+        ["--adapter", "../up=/x"],
+        ["--adapter", "x" * 65],
+    ],
+)
 def test_bad_flags_are_refused(argv):
     from lora_server.cli import server_config
 
     with pytest.raises((ValueError, SystemExit)):
         server_config(_parse(*argv))
+
+
+def test_a_bad_flag_is_one_error_line_not_a_traceback(capsys):
+    from lora_server.cli import main
+
+    assert main(["serve", "--adapter", "a b=/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid --adapter name 'a b'") and "Traceback" not in err

@@ -3,7 +3,8 @@ xgrammar with the embedded model's tokenizer: limits on bytes, choices and depth
 naming the field), a compile past its budget a 400 while the compile pool stays at its size, the grammar cache
 bounded in bytes, and every JSON schema keyword the grammar does not enforce refused naming it. Each refused
 schema comes with a value the grammar would have let through that ``jsonschema`` (the independent judge) rejects,
-or with the proof that the schema accepts no finite value."""
+or with the proof that the schema accepts no finite value. EBNF grammars whose root derives no finite text are
+refused; each one that can end comes with a finite text of it that xgrammar accepts whole."""
 
 from __future__ import annotations
 
@@ -44,6 +45,55 @@ def _refused(outputs: StructuredOutputs, constraint: StructuredOutput) -> Invali
         outputs.matcher(constraint)
     assert err.value.http_status == 400 and err.value.param == constraint.param
     return err.value
+
+
+# ---- EBNF grammars that cannot end ----------------------------------------------------------------------------
+
+# (grammar, a finite text of it written by hand; None: judged by hand to derive none)
+ENDLESS_OR_NOT = [
+    ('root ::= "a" root', None),
+    ('root ::= root "a"', None),
+    ("root ::= x\nx ::= x", None),
+    ('root ::= ("a" root) | ("b" root)', None),
+    ("root ::= [a-z]+ root", None),
+    ('root ::= "(" root ")"', None),
+    ('root ::= "a" x\nx ::= "b" root', None),
+    ("root ::= x{1,3}\nx ::= x", None),
+    ('root ::= obj\nobj ::= "{" pair "}"\npair ::= [a-z]+ ":" obj', None),
+    ('root ::= "a" | root "b"', "abb"),
+    ('root ::= "a"*', ""),
+    ("root ::= x{0,3}\nx ::= x", ""),
+    ('root ::= "a"{2,} x\nx ::= "b" (= "c")', "aab"),
+    ('root ::= x\nx ::= "(" x ")" | ""', "(())"),
+    ('root ::= "a" | "b" x\nx ::= x "c"', "a"),
+    (
+        'root ::= obj\nobj ::= "{" (pair ("," pair)*)? "}"\npair ::= [a-z]+ ":" val\nval ::= obj | [0-9]+',
+        "{a:{b:1},c:2}",
+    ),
+    ('root ::= [\\u0100-\\u0200]* "\\"|()"', 'ĀĂ"|()'),
+]
+
+
+@pytest.mark.parametrize("ebnf, text", ENDLESS_OR_NOT)
+def test_a_grammar_that_cannot_end_is_refused(tokenizer, ebnf, text):
+    outputs, constraint = _outputs(tokenizer), StructuredOutput("grammar", ebnf)
+    if text is None:
+        with pytest.raises(InvalidRequestError) as err:
+            outputs.check(constraint)
+        assert err.value.param == "guided_grammar" and "derives no finite text" in err.value.message
+    else:
+        assert xgr_testing._is_grammar_accept_string(ebnf, text)
+        outputs.check(constraint)
+
+
+def test_a_long_chain_of_rules_is_checked_in_one_pass(tokenizer):
+    """3,000 rules each needing the next: a naive fixed point would take 3,000 passes over them."""
+    chain = "\n".join(["root ::= r0", *(f'r{i} ::= "a" r{i + 1}' for i in range(3000)), 'r3000 ::= "end"'])
+    _outputs(tokenizer).check(StructuredOutput("grammar", chain))
+    assert xgr_testing._is_grammar_accept_string(chain, "a" * 3000 + "end")
+    endless = chain.replace('r3000 ::= "end"', 'r3000 ::= "end" r0')
+    with pytest.raises(InvalidRequestError):
+        _outputs(tokenizer).check(StructuredOutput("grammar", endless))
 
 
 # ---- sizes --------------------------------------------------------------------------------------------------

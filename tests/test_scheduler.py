@@ -400,8 +400,11 @@ def test_queue_full_at_the_bound():
 # ---- randomized ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunked,seed", [(True, 0), (True, 1), (False, 2)])
-def test_randomized_run(chunked, seed):
+@pytest.mark.parametrize(
+    "chunked,seed,limits", [(True, 0, False), (True, 1, False), (False, 2, False), (True, 3, True)]
+)
+def test_randomized_run(chunked, seed, limits):
+    """``limits``: a long-prefill cap of 8 tokens, one long prompt and two prompts in all prefilling at once."""
     rng = random.Random(seed)
     block_size, num_blocks, max_len = 4, 20, 64
     budget = 24 if chunked else max_len
@@ -415,6 +418,9 @@ def test_randomized_run(chunked, seed):
         num_blocks=num_blocks,
         block_size=block_size,
     )
+    if limits:
+        sched.config.long_prefill_token_threshold = 8
+        sched.config.max_long_partial_prefills, sched.config.max_num_partial_prefills = 1, 2
     all_requests: list[Request] = []
     rejected = aborted = 0
     for step_no in range(3000):
@@ -459,10 +465,17 @@ def test_randomized_run(chunked, seed):
         # order: decodes, then running prefills (both in running order), then admitted in arrival order
         kind = [0 if before_uncomputed.get(i) == 1 else 1 if i in before_uncomputed else 2 for i in ids]
         assert kind == sorted(kind)
-        old = [r for r, _ in work.items if r in before_running]
-        assert old == [r for r in before_running if r in old]
+        for k in (0, 1):  # decodes, then running prefills, each in running order
+            old = [r for (r, _), kd in zip(work.items, kind, strict=True) if kd == k]
+            assert old == [r for r in before_running if r in old]
         admitted = [r for r, _ in work.items if r not in before_running]
-        assert admitted == before_waiting[: len(admitted)]
+        if not limits:
+            assert admitted == before_waiting[: len(admitted)]
+        else:  # in line order, prompts over the limits stepped over: at most 2 prefilling, 1 with over 8 left
+            assert admitted == [r for r in before_waiting if r in admitted]
+            prefilling = [u for u in before_uncomputed.values() if u > 1]
+            assert len(admitted) <= max(0, 2 - len(prefilling))
+            assert sum(r.num_tokens > 8 for r in admitted) <= max(0, 1 - sum(u > 8 for u in prefilling))
         if work.preempted:
             assert not admitted
             for p in work.preempted:
@@ -475,6 +488,7 @@ def test_randomized_run(chunked, seed):
         sched.check_integrity()
         if (
             chunked
+            and not limits
             and not work.preempted
             and sched.waiting
             and len(sched.running) < max_seqs
@@ -553,3 +567,41 @@ def test_no_cap_without_a_threshold_or_chunked_prefill():
     sched.add(a)
     sched.add(b)
     assert step(sched) == ([("a", 60), ("b", 5)], [], ["a", "b"])
+
+
+def test_one_long_prefill_at_a_time_and_short_prompts_go_ahead():
+    """max_long_partial_prefills 1: a second long prompt waits while the first has more than the threshold left;
+    a short prompt behind it is admitted at once; waiting long prompts that cannot start leave the running one
+    the whole budget; the second starts in the step after the first's prompt is computed."""
+    sched, _ = make(budget=32, block_size=4, num_blocks=128)
+    sched.config.long_prefill_token_threshold = 8
+    sched.config.max_long_partial_prefills = 1
+    l1, l2, short = new("l1", 120), new("l2", 120), new("short", 5, max_tokens=2)
+    sched.add(l1)
+    sched.add(l2)
+    assert step(sched) == ([("l1", 8)], [], [])  # both could start when the cap was set: l1 capped, l2 waits
+    assert step(sched) == ([("l1", 32)], [], [])  # l2 cannot start: nobody to leave room for
+    sched.add(short)
+    assert step(sched) == ([("l1", 8), ("short", 5)], [], ["short"])  # short ahead of l2
+    assert step(sched) == ([("short", 1), ("l1", 8)], [], ["short"])
+    assert short.status is RequestStatus.FINISHED
+    assert step(sched) == ([("l1", 32)], [], [])
+    assert l1.num_computed_tokens == 88 and l2.status is RequestStatus.WAITING
+    assert step(sched) == ([("l1", 32)], [], ["l1"])  # l1's last 32 prompt tokens, and its first token
+    assert step(sched) == ([("l1", 1), ("l2", 8)], [], ["l1"])
+
+
+def test_at_most_max_num_partial_prefills_prompts_at_once():
+    sched, _ = make(budget=32, block_size=4, num_blocks=128)
+    sched.config.long_prefill_token_threshold = 8
+    sched.config.max_num_partial_prefills = 1
+    for rid in "abc":
+        sched.add(new(rid, 5, max_tokens=3))
+    assert step(sched) == ([("a", 5)], [], ["a"])
+    assert step(sched) == ([("a", 1), ("b", 5)], [], ["a", "b"])
+    assert step(sched) == ([("a", 1), ("b", 1), ("c", 5)], [], ["a", "b", "c"])
+    sched, _ = make(budget=32, block_size=4, num_blocks=128, chunked=False)  # whole prompts: no partial prefills
+    sched.config.max_num_partial_prefills = 1
+    for rid in "abc":
+        sched.add(new(rid, 5, max_tokens=3))
+    assert step(sched) == ([("a", 5), ("b", 5), ("c", 5)], [], ["a", "b", "c"])

@@ -6,7 +6,9 @@
    the first length) is what a kernel-bound prefill's ``ratio`` would be; a ratio above it is waste that grows.
 2. A short request's time to first token alone, and next to a ``--long-len`` prompt that started one step before
    it, with the long-prefill cap (``--long-prefill-token-threshold``, default a quarter of the budget) and without
-   it (0): the same trace on a fresh engine each, in the same run."""
+   it (0); then next to ``--long-prompts`` such prompts that started together one step before it, with the
+   partial-prefill limit (``--max-long-partial-prefills``, default 1) and without it (0: each long prompt takes
+   its capped chunk, and enough of them fill the step). The same trace on a fresh engine each, in the same run."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ class PrefillCost:
 
 @dataclass
 class ShortTTFT:
+    long_prompts: int  # started one step before the short request
     long_prefill_token_threshold: int
+    max_long_partial_prefills: int
     ttft_s: float
     steps: int  # engine steps from the short request's arrival to its first token
     ratio_to_alone: float
@@ -73,16 +77,17 @@ def prefill_costs(config: EngineConfig, lengths: list[int]) -> list[PrefillCost]
     return out
 
 
-def short_ttft(config: EngineConfig, long_len: int, short_len: int, beside_long: bool) -> tuple[float, int]:
-    """(seconds, steps) from the short request's arrival to its first token: alone, or one step after a long
-    prompt started (the long one is aborted once the short one has its token)."""
+def short_ttft(config: EngineConfig, long_len: int, short_len: int, long_prompts: int) -> tuple[float, int]:
+    """(seconds, steps) from the short request's arrival to its first token: alone (``long_prompts`` 0), or one step
+    after that many long prompts started together (they are aborted once the short one has its token)."""
     engine = Engine(config)
     engine.generate([_prompt(engine, 64, 0)], ONE_TOKEN)  # warm
-    if beside_long:
-        long = engine.make_request(_prompt(engine, long_len, 2), ONE_TOKEN)
+    longs = [engine.make_request(_prompt(engine, long_len, 2 + i), ONE_TOKEN) for i in range(long_prompts)]
+    for long in longs:
         engine.add(long)
+    if longs:
         engine.step()
-    short = engine.make_request(_prompt(engine, short_len, 3), ONE_TOKEN)
+    short = engine.make_request(_prompt(engine, short_len, 1000), ONE_TOKEN)
     start, steps = time.perf_counter(), 0
     engine.add(short)
     while True:
@@ -90,7 +95,7 @@ def short_ttft(config: EngineConfig, long_len: int, short_len: int, beside_long:
         if any(o.request_id == short.request_id and o.token_ids for o in engine.step()):
             break
     seconds = time.perf_counter() - start
-    if beside_long:
+    for long in longs:
         engine.abort(long.request_id)
     return seconds, steps
 
@@ -103,23 +108,29 @@ def bench(args, config: EngineConfig) -> dict:
     print(f"{'tokens':>8} {'seconds':>9} {'ms/token':>9} {'ratio':>7} {'FLOPs ratio':>12}")
     for c in costs:
         print(f"{c.tokens:>8} {c.seconds:>9.2f} {c.ms_per_token:>9.2f} {c.ratio:>7.2f} {c.model_ratio:>12.2f}")
-    alone, alone_steps = short_ttft(config, args.long_len, args.short_len, beside_long=False)
+    alone, alone_steps = short_ttft(config, args.long_len, args.short_len, 0)
     budget = config.max_num_batched_tokens
-    default = budget // 4 if config.long_prefill_token_threshold is None else config.long_prefill_token_threshold
+    cap = budget // 4 if config.long_prefill_token_threshold is None else config.long_prefill_token_threshold
+    limit = config.max_long_partial_prefills
+    cases = [(1, cap, limit), (1, 0, limit)]  # one long prompt: the cap, and no cap
+    if args.long_prompts > 1 and cap and limit:  # several: the partial-prefill limit, and none
+        cases += [(args.long_prompts, cap, limit), (args.long_prompts, cap, 0)]
     runs = []
-    for threshold in (default, 0):
+    for n, threshold, long_limit in cases:
         seconds, steps = short_ttft(
-            dataclasses.replace(config, long_prefill_token_threshold=threshold),
+            dataclasses.replace(config, long_prefill_token_threshold=threshold, max_long_partial_prefills=long_limit),
             args.long_len,
             args.short_len,
-            beside_long=True,
+            n,
         )
-        runs.append(ShortTTFT(threshold, seconds, steps, seconds / alone))
+        runs.append(ShortTTFT(n, threshold, long_limit, seconds, steps, seconds / alone))
     print(f"\na {args.short_len}-token request's TTFT: alone {alone:.2f} s ({alone_steps} step)")
     for r in runs:
-        cap = f"cap {r.long_prefill_token_threshold}" if r.long_prefill_token_threshold else "no cap"
+        how = f"cap {r.long_prefill_token_threshold}" if r.long_prefill_token_threshold else "no cap"
+        if r.long_prompts > 1:
+            how += f", long prompts at once: {r.max_long_partial_prefills or 'no limit'}"
         print(
-            f"  beside a {args.long_len}-token prompt, {cap}: {r.ttft_s:.2f} s ({r.steps} steps), "
+            f"  beside {r.long_prompts} x {args.long_len}-token prompt, {how}: {r.ttft_s:.2f} s ({r.steps} steps), "
             f"{r.ratio_to_alone:.1f} x alone"
         )
     figures = {

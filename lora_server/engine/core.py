@@ -138,6 +138,8 @@ class EngineCore:
                 long_prefill_token_threshold=(
                     budget // 4 if config.long_prefill_token_threshold is None else config.long_prefill_token_threshold
                 ),
+                max_num_partial_prefills=config.max_num_partial_prefills,
+                max_long_partial_prefills=config.max_long_partial_prefills,
             ),
             self.pool,
             self.adapters,

@@ -6,7 +6,10 @@ is one code path. Decodes go first, then running prefills, then waiting requests
 (engine.fair_queue: weighted fair sharing across tenants, each tenant's cap of running requests, then priority and
 arrival; or arrival order alone with fair sharing off). While a prefill shares the engine with other requests,
 running or waiting, it computes at most long_prefill_token_threshold tokens a step, so a long prompt leaves room in
-each step for the others' decodes and short prompts (alone, it takes the whole budget). When KV blocks run out the
+each step for the others' decodes and short prompts (alone, it takes the whole budget); and at most
+max_long_partial_prefills prompts with more than that threshold left prefill at once (max_num_partial_prefills
+prompts in all), so several long prompts cannot fill the budget between them: a long prompt beyond the limit waits
+and the shorter ones behind it are admitted (vLLM's partial-prefill limits). When KV blocks run out the
 most recently admitted running request is preempted: its blocks are freed, it goes back to the front of its tenant's
 line and is recomputed from its tokens later.
 
@@ -58,6 +61,35 @@ class SchedulerConfig:
     # the most tokens of one prefill in a step while other requests run or wait (0: no cap), so that a long prompt
     # leaves room in every step for the others' decodes and short prompts (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 0
+    # with chunked prefill, the most prompts that prefill at once (0: no limit), and of them the most with more than
+    # long_prefill_token_threshold tokens left to compute (0: no limit; needs the threshold)
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
+
+
+@dataclass(slots=True)
+class PrefillSlots:
+    """The prompts that may still start prefilling this step: at most ``free`` more, of them at most ``free_long``
+    with more than ``threshold`` tokens left to compute (a cached prefix is not known before admission and counts
+    as left). None: no limit."""
+
+    free: int | None
+    free_long: int | None
+    threshold: int
+
+    def allows(self, request: Request) -> bool:
+        long = request.num_uncomputed_tokens > self.threshold
+        return self.free != 0 and not (long and self.free_long == 0)
+
+    def take(self, request: Request) -> bool:
+        """Take a slot for the request if it may start; returns whether it may."""
+        if not self.allows(request):
+            return False
+        if self.free is not None:
+            self.free -= 1
+        if self.free_long is not None and request.num_uncomputed_tokens > self.threshold:
+            self.free_long -= 1
+        return True
 
 
 @dataclass(slots=True)
@@ -136,7 +168,8 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
         speculate = self.config.speculative_ngram > 0 and len(self.running) <= self.config.speculative_max_batch
-        chunk_cap = self._prefill_cap()
+        slots = self._prefill_slots(prefills)
+        chunk_cap = self._prefill_cap(slots)
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -168,6 +201,9 @@ class Scheduler:
                 if (new_adapter and len(in_batch) >= self.config.max_loras) or not self._staged(head):
                     passed.add(head)
                     continue
+            if not slots.take(head):  # a prompt over the partial-prefill limits: shorter ones go ahead of it
+                passed.add(head)
+                continue
             chunk = self._admit(head, min(budget, chunk_cap), now)
             if chunk is None:
                 break
@@ -184,14 +220,32 @@ class Scheduler:
             budget -= chunk
         return work
 
-    def _prefill_cap(self) -> int:
+    def _prefill_slots(self, prefills: list[Request]) -> PrefillSlots:
+        """What the partial-prefill limits leave for waiting prompts, the running prefills ``prefills`` counted
+        (they keep their slots until their prompts are computed). No limits without chunked prefill."""
+        config, threshold = self.config, self.config.long_prefill_token_threshold
+        if not config.enable_chunked_prefill:
+            return PrefillSlots(None, None, threshold)
+        free = max(0, config.max_num_partial_prefills - len(prefills)) if config.max_num_partial_prefills else None
+        free_long = None
+        if config.max_long_partial_prefills and threshold > 0:
+            running_long = sum(r.num_uncomputed_tokens > threshold for r in prefills)
+            free_long = max(0, config.max_long_partial_prefills - running_long)
+        return PrefillSlots(free, free_long, threshold)
+
+    def _prefill_cap(self, slots: PrefillSlots) -> int:
         """The most tokens one prefill computes this step: long_prefill_token_threshold while it shares the engine
-        with other requests (running or waiting), else the whole budget. A decode's one token is never capped."""
+        with other requests (running, or waiting and allowed to start by ``slots``), else the whole budget. A
+        decode's one token is never capped."""
         threshold = self.config.long_prefill_token_threshold
-        alone = len(self.running) + len(self.waiting) <= 1
-        if threshold <= 0 or alone or not self.config.enable_chunked_prefill:
+        if threshold <= 0 or not self.config.enable_chunked_prefill:
             return self.config.max_num_batched_tokens
-        return threshold
+        others = len(self.running)
+        for request in self.waiting:
+            if others > 1:
+                break
+            others += slots.allows(request)
+        return threshold if others > 1 else self.config.max_num_batched_tokens
 
     def _fail_waiting(self, work: ScheduledWork) -> None:
         """End the waiting requests of adapters the loader could not stage (their files changed or went); a later

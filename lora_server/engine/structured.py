@@ -8,7 +8,8 @@ a schema is compiled once while it is in use); each request owns its own matcher
 once per token it appends, so preemption and recompute (which only recompute KV) never advance it twice.
 
 What a constraint may cost is bounded before anything is compiled (``check``: the config's limits on bytes, depth
-and choices; JSON schema keywords the grammar would not enforce are refused, never ignored), and while it compiles:
+and choices; JSON schema keywords the grammar would not enforce are refused, never ignored, as are a JSON schema and
+an EBNF grammar that accept no finite text), and while it compiles:
 on ``grammar_compile_threads`` threads of its own, each caller waiting at most ``grammar_compile_timeout``. xgrammar
 cannot be interrupted: a compile past the budget runs on in its thread (it is bounded by the size limits) and its
 grammar is cached; its caller has had its 400. Identical constraints compiling at once share one compile.
@@ -27,12 +28,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
 
 import jsonschema
 import torch
 import xgrammar as xgr
 
 from lora_server.config import EngineConfig
+from lora_server.engine.ebnf_check import check_terminates
 from lora_server.engine.json_schema_check import check_enforceable
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError
@@ -40,6 +43,8 @@ from lora_server.model.batch import ScheduledSequence
 from lora_server.sampling_params import StructuredOutput
 
 GrammarMatcher = xgr.GrammarMatcher
+T = TypeVar("T")
+INVALID_EBNF = "is not a valid EBNF grammar"
 
 
 class StructuredOutputs:
@@ -91,7 +96,9 @@ class StructuredOutputs:
             _limit(len(c.spec.encode()), cfg.max_regex_bytes, c.param, "bytes", "--max-regex-kb")
         elif c.kind == "grammar":
             assert isinstance(c.spec, str)
-            _limit(len(c.spec.encode()), cfg.max_grammar_bytes, c.param, "bytes", "--max-grammar-kb")
+            spec = c.spec
+            _limit(len(spec.encode()), cfg.max_grammar_bytes, c.param, "bytes", "--max-grammar-kb")
+            check_terminates(_or_invalid(lambda: xgr.Grammar.from_ebnf(spec), c.param, INVALID_EBNF), c.param)
         elif c.kind == "structural_tag":
             assert isinstance(c.spec, str)
             _limit(len(c.spec.encode()), cfg.max_grammar_bytes, c.param, "bytes", "--max-grammar-kb")
@@ -221,7 +228,7 @@ class StructuredOutputs:
         if c.kind == "regex":
             return _or_invalid(lambda: compiler.compile_regex(spec), c.param, "is not a valid regular expression")
         if c.kind == "grammar":
-            return _or_invalid(lambda: compiler.compile_grammar(spec), c.param, "is not a valid EBNF grammar")
+            return _or_invalid(lambda: compiler.compile_grammar(spec), c.param, INVALID_EBNF)
         if c.kind == "structural_tag":
             tag = json.dumps(_compact_schemas(json.loads(spec), c.param))
             return _or_invalid(
@@ -310,8 +317,8 @@ def _limit(size: int, limit: int, param: str, unit: str, flag: str) -> None:
         )
 
 
-def _or_invalid(compile_: Callable[[], xgr.CompiledGrammar], param: str, what: str) -> xgr.CompiledGrammar:
-    """Run a compile call; xgrammar's errors (RuntimeError with the parser's message) become a 400."""
+def _or_invalid(compile_: Callable[[], T], param: str, what: str) -> T:
+    """Run a parse or compile call; xgrammar's errors (RuntimeError with the parser's message) become a 400."""
     try:
         return compile_()
     except (RuntimeError, ValueError) as exc:

@@ -250,9 +250,11 @@ class OpenAIServing:
         self, prepared: Prepared, model: str, meter: Meter | None, disconnected: Callable[[], Awaitable[None]]
     ) -> dict[str, Any] | AsyncIterator[str]:
         """Submit every request (all or none: a full queue aborts those already in) and answer: a JSON body, or
-        for streams an iterator of server-sent events. ``disconnected()`` is awaited only for a non-streaming
-        request (a stream learns of a gone client when its generator is closed); it completes when the client
-        goes away: its requests are aborted at once and ClientDisconnected is raised."""
+        for streams an iterator of server-sent events, returned once the first output has come (so that a request
+        that fails before its first token, an adapter whose files cannot be read, is an HTTP error, not a 200 and
+        an error event). ``disconnected()`` is awaited until the answer or the first output (later, a stream learns
+        of a gone client when its generator is closed); it completes when the client goes away: the requests are
+        aborted at once and ClientDisconnected is raised."""
         streams: list = []
         try:
             for r in prepared.requests:
@@ -265,7 +267,14 @@ class OpenAIServing:
         request_id = prepared.response_id
         created = int(time.time())
         if prepared.stream:
-            return self._sse(prepared, request_id, created, model, streams, meter)
+            merged = self._merged(prepared, streams)
+            try:
+                first = await _first_or_gone(merged, disconnected)
+            except BaseException:
+                await merged.aclose()  # aborts the requests
+                _settle(meter, {}, prepared.n)
+                raise
+            return self._sse(prepared, request_id, created, model, merged, first, meter)
         choices: dict[int, _Choice] = {}
         collect = asyncio.ensure_future(self._collect(prepared, streams, choices))
         gone = asyncio.ensure_future(disconnected())
@@ -346,16 +355,24 @@ class OpenAIServing:
             await merged.aclose()
 
     async def _sse(
-        self, prepared: Prepared, request_id: str, created: int, model: str, streams: list, meter: Meter | None
+        self,
+        prepared: Prepared,
+        request_id: str,
+        created: int,
+        model: str,
+        merged: AsyncGenerator[tuple[int, RequestOutput], None],
+        first: tuple[int, RequestOutput] | None,
+        meter: Meter | None,
     ) -> AsyncIterator[str]:
+        """The events of ``merged`` (the request's streams merged), whose first output ``first`` was already taken
+        (None: there was none)."""
         kind = prepared.kind
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         choices: dict[int, _Choice] = {}
         base = {"id": request_id, "object": obj, "created": created, "model": model}
-        merged = self._merged(prepared, streams)
         try:
             if kind == "chat":
-                for i in range(len(streams)):
+                for i in range(len(prepared.requests)):
                     yield _event(
                         {
                             **base,
@@ -369,7 +386,7 @@ class OpenAIServing:
                             ],
                         }
                     )
-            async for index, out in merged:
+            async for index, out in _chain(first, merged):
                 if index not in choices:
                     choices[index] = prepared.choice(index, out)
                 c = choices[index]
@@ -545,6 +562,34 @@ def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+async def _first_or_gone(
+    merged: AsyncGenerator[tuple[int, RequestOutput], None], disconnected: Callable[[], Awaitable[None]]
+) -> tuple[int, RequestOutput] | None:
+    """``merged``'s first output (None: it ended without one), its error, or ClientDisconnected when the client
+    goes away first."""
+    first = asyncio.ensure_future(anext(merged, None))
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([first, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+    if first.cancelled():
+        raise ClientDisconnected
+    return first.result()
+
+
+async def _chain(
+    first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if first is not None:
+        yield first
+        async for item in rest:
+            yield item
 
 
 def _settle(meter: Meter | None, choices: dict[int, _Choice], n: int) -> None:
