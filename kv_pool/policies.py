@@ -18,14 +18,23 @@ from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, AdapterNode, KVNode, Node
 
 @dataclass(frozen=True, slots=True)
 class PolicyParams:
+    """The cost model's inputs. The engine measures the copy costs on its device at start (ModelRunner.
+    measure_copy_costs) and follows the recompute cost as prefill steps run; the defaults are a PCIe 4 GPU's."""
+
     h2d_bytes_per_s: float = 25e9  # host-to-device copy bandwidth (pinned memory)
+    d2h_bytes_per_s: float = 25e9  # device-to-host copy bandwidth
+    copy_latency_s: float = 0.0  # the fixed cost of one block's (or one adapter's) copy, beside its bytes
+    # whether a copy takes its time from the forward passes (the CPU: the same cores copy and compute) rather than
+    # overlapping them (CUDA: side streams)
+    copies_stall_compute: bool = False
     recompute_s_per_token: float = 1e-4  # prefill time per token: the cost of recomputing dropped KV
     window_s: float = 60.0  # the recent window of reuse probabilities and adapter shares; the recency decay's scale
     batch_size: float = 16.0  # BS of the expected-adapter count until step batch sizes are observed
 
     def __post_init__(self) -> None:
-        if min(self.h2d_bytes_per_s, self.recompute_s_per_token, self.window_s, self.batch_size) <= 0:
-            raise ValueError("policy parameters must be positive")
+        rates = (self.h2d_bytes_per_s, self.d2h_bytes_per_s, self.recompute_s_per_token, self.window_s)
+        if min(*rates, self.batch_size) <= 0 or self.copy_latency_s < 0:
+            raise ValueError("policy parameters must be positive (the copy latency >= 0)")
 
 
 class Policy(ABC):
@@ -55,6 +64,15 @@ class Policy(ABC):
         """Restore a matched host node by swapping it in (True) rather than recomputing it."""
         return False
 
+    def keep_on_host(self, node: KVNode, now: float) -> bool:
+        """Whether an evicted GPU node is worth its copy to the host tier (policies that swap to the host)."""
+        return True
+
+    def proactive_swap_in(self, running: int, waiting: int) -> bool:
+        """Whether tick() may bring host nodes and adapters back while ``running`` requests run and ``waiting``
+        wait (proactive policies)."""
+        return True
+
 
 POLICIES: dict[str, type[Policy]] = {}
 
@@ -81,7 +99,14 @@ class TreeCost(Policy):
     adapters, expected / resident, where expected = sum_i [1 - (1 - p_i)^BS] is the number of distinct adapters a
     batch is expected to need (p_i: adapter i's share of the window's requests, base model excluded; BS: the mean
     batch size, a moving average of observed steps): with
-    fewer adapters resident than expected, adapters outrank KV; with more, KV outranks them."""
+    fewer adapters resident than expected, adapters outrank KV; with more, KV outranks them.
+
+    Copies are priced as measured on the engine's device: a block's swap costs copy_latency_s plus its bytes over
+    the direction's bandwidth. Evicted KV goes to the host only when its expected saving, reuse probability x decay
+    x (recomputing it - swapping it back), exceeds what the copy out costs now: nothing on CUDA, where copies
+    overlap the forward pass, its copy time on the CPU, where they stall it. Host nodes and adapters come back
+    ahead of need (tick) only while nothing waits for compute, and where copies stall compute only while the
+    engine is idle: there a restore at admission costs the same copy, and only when it is needed."""
 
     name = "tree-cost"
     swaps_to_host = True
@@ -124,19 +149,37 @@ class TreeCost(Policy):
         return min(1.0, hits / max(1, len(self._arrivals)))
 
     def swap_in_s(self, node: KVNode) -> float:
-        return len(node.blocks) * self.block_bytes / self.params.h2d_bytes_per_s
+        p = self.params
+        return len(node.blocks) * (p.copy_latency_s + self.block_bytes / p.h2d_bytes_per_s)
+
+    def swap_out_s(self, node: KVNode) -> float:
+        p = self.params
+        return len(node.blocks) * (p.copy_latency_s + self.block_bytes / p.d2h_bytes_per_s)
+
+    def recompute_s(self, node: KVNode) -> float:
+        return node.num_tokens * self.params.recompute_s_per_token
 
     def score(self, node: Node, now: float, resident_adapters: int) -> float:
         decay = math.exp(-max(0.0, now - node.last_access) / self.params.window_s)
         if isinstance(node, AdapterNode):
             lora_eval = self.expected_adapters() / max(1, resident_adapters)
-            restore = node.num_bytes / self.params.h2d_bytes_per_s
+            restore = self.params.copy_latency_s + node.num_bytes / self.params.h2d_bytes_per_s
             return lora_eval * restore * self.adapter_share(node.key) * decay
-        restore = min(self.swap_in_s(node), node.num_tokens * self.params.recompute_s_per_token)
+        restore = min(self.swap_in_s(node), self.recompute_s(node))
         return restore * self.reuse_probability(node, now) * decay
 
     def should_swap_in(self, node: KVNode) -> bool:
-        return self.swap_in_s(node) < node.num_tokens * self.params.recompute_s_per_token
+        return self.swap_in_s(node) < self.recompute_s(node)
+
+    def keep_on_host(self, node: KVNode, now: float) -> bool:
+        if not self.params.copies_stall_compute:
+            return True
+        decay = math.exp(-max(0.0, now - node.last_access) / self.params.window_s)
+        saving = self.reuse_probability(node, now) * decay * (self.recompute_s(node) - self.swap_in_s(node))
+        return saving > self.swap_out_s(node)
+
+    def proactive_swap_in(self, running: int, waiting: int) -> bool:
+        return waiting == 0 and not (self.params.copies_stall_compute and running > 0)
 
 
 class _Lru(Policy):

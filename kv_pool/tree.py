@@ -433,13 +433,19 @@ class PrefixTree:
                 yield from (n for n in self._subtree(adapter) if n.tier is Tier.HOST and n.parent.tier is Tier.GPU)
 
     def evict(
-        self, num_blocks: int, key: Callable[[Node], float] = lru_key, *, adapters: bool = False, to_host: bool = False
+        self,
+        num_blocks: int,
+        key: Callable[[Node], float] = lru_key,
+        *,
+        adapters: bool = False,
+        to_host: bool = False,
+        keep: Callable[[KVNode], bool] = lambda node: True,
     ) -> int:
         """Free at least num_blocks GPU blocks, or as many as can be: evictable GPU leaves go in ascending `key`
         (KV nodes, and adapters with no KV on the GPU when `adapters`). A KV victim larger than what is still
-        needed is split and only its tail goes. With `to_host` a KV victim is swapped out when the host has room or
-        can be given room by dropping colder host leaves; otherwise it is dropped with its host descendants.
-        Returns the number of GPU blocks freed."""
+        needed is split and only its tail goes. With `to_host` a KV victim that `keep` says is worth its copy is
+        swapped out when the host has room or can be given room by dropping colder host leaves; otherwise it is
+        dropped with its host descendants. Returns the number of GPU blocks freed."""
         heap = [
             (key(n), n.last_access, n.id, n)
             for a in self.adapters()
@@ -460,7 +466,7 @@ class PrefixTree:
             if len(node.blocks) > num_blocks - freed:
                 self._split(node, len(node.blocks) - (num_blocks - freed))
             parent, freed = node.parent, freed + len(node.blocks)
-            if to_host and self.host is not None:
+            if to_host and self.host is not None and keep(node):
                 if host_leaves is None:
                     host_leaves = [
                         (key(n), n.last_access, n.id, n)

@@ -444,13 +444,18 @@ class UnifiedPool:
         short = num_blocks - self._available()
         if short > 0:
             self.tree.evict(
-                short, self._key(now), adapters=not self.policy.adapter_slots, to_host=self.policy.swaps_to_host
+                short,
+                self._key(now),
+                adapters=not self.policy.adapter_slots,
+                to_host=self.policy.swaps_to_host,
+                keep=lambda node: self.policy.keep_on_host(node, now),
             )
         return self._available() >= num_blocks
 
-    def tick(self, now: float, batch_size: int = 0) -> None:
-        """Once per engine step (at least every ~100 ms): feed the policy its window and, for proactive
-        policies, swap out down to the free watermark when below it, otherwise swap in host roots and adapters in
+    def tick(self, now: float, batch_size: int = 0, waiting: int = 0) -> None:
+        """Once per engine step (at least every ~100 ms), with the running (``batch_size``) and waiting requests:
+        feed the policy its window and, for proactive policies, swap out down to the free watermark when below it,
+        otherwise, when the policy allows it now (policy.proactive_swap_in), swap in host roots and adapters in
         descending value while the free blocks stay at or above it. Pinned adapters not yet on the GPU are loaded
         first, whenever there is room for them."""
         self.policy.observe_step(now, batch_size)
@@ -462,6 +467,8 @@ class UnifiedPool:
         target = self.config.free_watermark_blocks
         if self._available() < target:
             self._room(target, now)
+            return
+        if not self.policy.proactive_swap_in(batch_size, waiting):
             return
         key = self._key(now)
         heap = [(-key(n), n.id, n) for n in self.tree.swap_in_candidates()]

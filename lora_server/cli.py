@@ -357,6 +357,11 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+# bench-pool's trace settings: by default, and with --sweep (light to saturated on this project's 2-core CPU)
+DEFAULTS = {"adapters": [20, 100], "alpha": [0.5, 1.0, 1.5], "rate": [0.3, 0.6], "sessions": 24}
+SWEEP = {"adapters": [16, 2000], "alpha": [0.5, 1.0], "rate": [0.25, 0.5, 1.0, 2.0, 4.0], "sessions": 12}
+
+
 def _bench_pool_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(
         p,
@@ -380,21 +385,21 @@ def _bench_pool_args(p: argparse.ArgumentParser) -> None:
         help="pool policies to compare; takes commas (default: all three)",
     )
     p.add_argument(
-        "--adapters", type=_ints, default=[20, 100], help="adapters in the trace (N); takes commas (default: 20,100)"
+        "--adapters", type=_ints, default=None, help="adapters in the trace (N); takes commas (default: 20,100)"
     )
     p.add_argument(
         "--alpha",
         type=_floats,
-        default=[0.5, 1.0, 1.5],
+        default=None,
         help="Zipf exponents of adapter popularity; takes commas (default: 0.5,1.0,1.5)",
     )
     p.add_argument(
         "--rate",
         type=_floats,
-        default=[0.3, 0.6],
+        default=None,
         help="session arrivals per second (Poisson); takes commas (default: 0.3,0.6)",
     )
-    p.add_argument("--sessions", type=int, default=24, help="sessions per setting (default: 24)")
+    p.add_argument("--sessions", type=int, default=None, help="sessions per setting (default: 24; 12 with --sweep)")
     p.add_argument("--turns", type=int, default=3, help="turns per session (default: 3)")
     p.add_argument("--system-tokens", type=int, default=32, help="each adapter's system prompt (default: 32)")
     p.add_argument("--user-tokens", type=int, default=48, help="new tokens per turn (default: 48)")
@@ -412,7 +417,20 @@ def _bench_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", default=None, help="the PNG of TTFT and hit rates, '' for none (default: OUT/bench-pool.png)"
     )
-    p.add_argument("--quick", action="store_true", help="one small setting: under two minutes on the CPU")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"the load sweep: N = {','.join(map(str, SWEEP['adapters']))} adapters, alpha "
+        f"{','.join(map(str, SWEEP['alpha']))}, rates {','.join(map(str, SWEEP['rate']))} sessions/s (light to "
+        f"saturated on a 2-core CPU), {SWEEP['sessions']} sessions each; --adapters, --alpha, --rate and "
+        "--sessions given with it win",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one small setting (N = 20, alpha 1.0, 0.5 sessions/s, 6 sessions of 2 turns): about a minute on a "
+        "2-core CPU",
+    )
 
 
 @command("bench-pool", "pool policies side by side on a multi-turn Zipf trace (TTFT, hit rates)", _bench_pool_args)
@@ -420,7 +438,14 @@ def _bench_pool(args: argparse.Namespace) -> int:
     from lora_server.bench.pool import bench
 
     if args.quick:
-        args.adapters, args.alpha, args.rate, args.sessions, args.turns = [20], [1.0], [0.5], 8, 3
+        args.adapters, args.alpha, args.rate, args.sessions, args.turns = [20], [1.0], [0.5], 6, 2
+    elif args.sweep:
+        for name, values in SWEEP.items():
+            if getattr(args, name) is None:
+                setattr(args, name, values)
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values)
     bench(args, config_from_flags(EngineConfig, args, show_progress=False))
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -259,6 +259,66 @@ def test_tree_cost_eval_by_hand():
     adapter.last_access = 1.0  # LoRA_Eval = 1.5 expected / 3 resident; restore = 500 B / 1000 B/s; share 1/2
     assert policy.score(adapter, 1.0, resident_adapters=3) == pytest.approx(0.5 * 0.5 * 0.5)
     assert policy.should_swap_in(node) is False  # 0.2 s to copy, 0.04 s to recompute
+
+
+def test_tree_cost_copy_prices_and_the_host_decision_by_hand():
+    """Copies priced as measured: latency plus bytes over each direction's bandwidth. Where copies stall compute
+    (the CPU), an evicted node goes to the host only when reuse x decay x (recompute - swap in) > its copy out."""
+    params = PolicyParams(
+        h2d_bytes_per_s=1000.0,
+        d2h_bytes_per_s=500.0,
+        copy_latency_s=0.01,
+        copies_stall_compute=True,
+        recompute_s_per_token=0.1,
+        window_s=10.0,
+    )
+    policy = TreeCost(params, block_bytes=100)
+    a = AdapterKey(1, 0)
+    for t in (0.0, 0.5, 1.0, 1.0):
+        policy.observe(a, t)  # 4 requests in the window
+    tree = make_tree(adapters=((a, 5),))
+    node = tree.path(put(tree, PrefixKey("chat", "t1", 1, 0), [1, 2, 3, 4], now=1.0))[-1]  # 2 blocks, 1 hit
+    assert policy.swap_in_s(node) == pytest.approx(2 * (0.01 + 100 / 1000))  # 0.22
+    assert policy.swap_out_s(node) == pytest.approx(2 * (0.01 + 100 / 500))  # 0.42
+    assert policy.recompute_s(node) == pytest.approx(0.4)
+    # saving = 1/4 x 1 x (0.4 - 0.22) = 0.045 < 0.42: dropped
+    assert policy.keep_on_host(node, 1.0) is False
+    policy.params = replace(params, recompute_s_per_token=1.0)  # saving = 1/4 x (4 - 0.22) = 0.945 > 0.42: kept
+    assert policy.keep_on_host(node, 1.0) is True
+    # 20 s later: decay e^-2, saving = 0.945 x 0.135 = 0.128 < 0.42 (the window also forgot the hit: 0)
+    assert policy.keep_on_host(node, 21.0) is False
+    assert TreeCost(replace(params, copies_stall_compute=False), 100).keep_on_host(node, 1.0) is True  # overlapped
+    # tick's swap-ins: never while requests wait; where copies stall compute, only while nothing runs
+    assert (policy.proactive_swap_in(0, 0), policy.proactive_swap_in(3, 0), policy.proactive_swap_in(0, 1)) == (
+        True,
+        False,
+        False,
+    )
+    gpu = TreeCost(replace(params, copies_stall_compute=False), 100)
+    assert (gpu.proactive_swap_in(3, 0), gpu.proactive_swap_in(3, 1)) == (True, False)
+
+
+def test_a_swap_in_waits_for_the_queue():
+    """Adapter 1's KV went to the host to make room for adapter 2's request; once that request ends, the free
+    blocks would let tick() bring it back, but not while a request waits, nor (copies stalling compute) while one
+    runs; on an idle engine it comes back."""
+    params = PolicyParams(h2d_bytes_per_s=1e6, recompute_s_per_token=1e-3, window_s=100.0, copies_stall_compute=True)
+    pool = pool_of("tree-cost", params=params)
+    pool.register_adapter(1, 0, 200, staged=True)
+    pool.register_adapter(2, 0, 200, staged=True)
+    serve(pool, K1, list(range(9)), 1.0)  # adapter 1 (2 blocks) and its KV (2 blocks)
+    serve(pool, K1, list(range(9)), 1.5)  # a second hit: worth keeping on the host
+    adm = pool.admit(PrefixKey("chat", "t1", 2, 0), list(range(100, 109)), 2.0)
+    table = pool.allocate(3, 2.0)  # 8 blocks: 2 + 2 weights, 1 KV left to adapter 1, 3 for this request
+    # the tail block's saving: 2 hits / 3 requests x e^-0.005 x (4 tokens x 1 ms - 0.1 ms) > its 0.1 ms copy out
+    assert [op.kind for op in pool.take_copy_ops()] == [OpKind.ADAPTER_LOAD, OpKind.KV_SWAP_OUT]
+    pool.release(adm, [], table, 2.0)  # nothing computed: nothing offered to the tree
+    pool.check_integrity()
+    for running, waiting in ((0, 1), (1, 0)):
+        pool.tick(3.0, batch_size=running, waiting=waiting)
+        assert pool.take_copy_ops() == []
+    pool.tick(3.0)
+    assert [op.kind for op in pool.take_copy_ops()] == [OpKind.KV_SWAP_IN]
 
 
 # ---- the pool ---------------------------------------------------------------------------------------------------

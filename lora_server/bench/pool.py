@@ -26,6 +26,7 @@ from pathlib import Path
 from lora_server.bench.engine import write_random_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.engine.core import StepTimes
 from lora_server.engine.request import Request
 from lora_server.model.arena import page_bytes
 from lora_server.model.loader import open_checkpoint
@@ -89,6 +90,12 @@ class PolicyResult:
     bytes_to_host: int
     evicted_blocks: dict[str, int]
     duration_s: float
+    # the engine's time over the run (StepTimes): the scheduler and the pool's policy, the pool's copies (KV swaps,
+    # adapter loads), the forward passes
+    schedule_s: float
+    copy_s: float
+    forward_s: float
+    steps: int
     outputs: dict[str, list[int]] = field(repr=False)  # "session/turn" -> answer tokens
 
 
@@ -106,6 +113,7 @@ def run_policy(
         engine.add_adapter(name, adapter_dir / name)
     params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
     engine.generate([list(systems[0]) + [11] * 8], SamplingParams(max_tokens=2), adapters=None)  # warm-up
+    engine.core.step_times = StepTimes()  # the trace's steps only
     history = {i: list(systems[s.adapter]) for i, s in enumerate(sessions)}
     arrivals = [(s.start, i, 0) for i, s in enumerate(sessions)]  # (time, session, turn)
     heapq.heapify(arrivals)
@@ -150,7 +158,7 @@ def run_policy(
                 heapq.heappush(arrivals, (time.monotonic() - t0 + spec.think_s, i, turn + 1))
     duration = time.monotonic() - t0
     engine.check_integrity()
-    stats = engine.snapshot().pool
+    stats, times = engine.snapshot().pool, engine.core.step_times
     engine.shutdown()
     ttfts = sorted(r.first_token_time - r.arrival_time for r in done)  # type: ignore[operator]
     n = len(done)
@@ -184,6 +192,10 @@ def run_policy(
         bytes_to_host=stats["bytes_to_host"],
         evicted_blocks=stats["evicted_blocks"],
         duration_s=duration,
+        schedule_s=times.schedule_s,
+        copy_s=times.copy_s,
+        forward_s=times.forward_s,
+        steps=times.steps,
         outputs=outputs,
     )
 
@@ -206,6 +218,7 @@ def bench(args, base: EngineConfig) -> dict:
     if probe.num_kv_blocks is not None:
         probe = dataclasses.replace(probe, num_kv_blocks=probe.num_kv_blocks * model_block_bytes // block_bytes)
     results = []
+    costs: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         names: list[str] = []
         for n, alpha, rate in settings:
@@ -229,6 +242,14 @@ def bench(args, base: EngineConfig) -> dict:
                 )
                 if not names:
                     names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
+                    costs = _copy_costs(engine)
+                    print(
+                        f"copies measured at start: {costs['h2d_bytes_per_s'] / 1e9:.2f} GB/s to the device, "
+                        f"{costs['d2h_bytes_per_s'] / 1e9:.2f} GB/s to the host, "
+                        f"{costs['copy_latency_s'] * 1e6:.1f} us a copy; they stall compute: "
+                        f"{costs['copies_stall_compute']}",
+                        flush=True,
+                    )
                 print(
                     f"N={n} alpha={alpha} rate={rate}: running {policy} on {len(sessions)} sessions x "
                     f"{spec.turns} turns ...",
@@ -239,18 +260,13 @@ def bench(args, base: EngineConfig) -> dict:
                 print(_line(n, alpha, rate, res, "device" if device == "cpu" else "GPU"), flush=True)
             outs = [r.outputs for r in row["policies"].values()]
             row["same_tokens"] = all(o == outs[0] for o in outs)  # exact KV reuse (fp32; bf16 rounding may differ)
-            if "tree-cost" in row["policies"] and "lru-separate" in row["policies"]:
-                row["ttft_ratio_tree_cost_vs_lru_separate"] = (
-                    row["policies"]["tree-cost"].ttft_mean_s / row["policies"]["lru-separate"].ttft_mean_s
-                )
-                print(
-                    f"  tree-cost mean TTFT / lru-separate: {row['ttft_ratio_tree_cost_vs_lru_separate']:.3f}; "
-                    f"same tokens under every policy: {row['same_tokens']}",
-                    flush=True,
-                )
+            row["ratios"] = _ratios(row["policies"])
+            said = ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
+            print(f"  tree-cost / LRU: {said or '-'}; same tokens under every policy: {row['same_tokens']}", flush=True)
             results.append(row)
     report = {
         "device": device,
+        "copy_costs": costs,
         "model": base.model or "SmolLM2-135M-Instruct (embedded)",
         "kv_cache_dtype": base.kv_cache_dtype,
         "kv_blocks": probe.num_kv_blocks,
@@ -281,6 +297,31 @@ def bench(args, base: EngineConfig) -> dict:
     return report
 
 
+def _copy_costs(engine: Engine) -> dict:
+    """The copy costs the engine measured at start, as its pool's cost model prices them."""
+    p = engine.core.pool.policy.params
+    return {
+        "h2d_bytes_per_s": p.h2d_bytes_per_s,
+        "d2h_bytes_per_s": p.d2h_bytes_per_s,
+        "copy_latency_s": p.copy_latency_s,
+        "copies_stall_compute": p.copies_stall_compute,
+    }
+
+
+def _ratios(policies: dict[str, PolicyResult]) -> dict[str, float]:
+    """tree-cost's mean TTFT over each LRU policy's, and its p99 over lru-separate's (the issue's acceptance)."""
+    tc = policies.get("tree-cost")
+    if tc is None:
+        return {}
+    out = {}
+    for other, key in (("lru-separate", "ttft_mean_s"), ("lru-unified", "ttft_mean_s"), ("lru-separate", "ttft_p99_s")):
+        if other in policies and getattr(policies[other], key) > 0:
+            out[f"{key.removeprefix('ttft_').removesuffix('_s')} vs {other}"] = getattr(tc, key) / getattr(
+                policies[other], key
+            )
+    return out
+
+
 def _line(n: int, alpha: float, rate: float, r: PolicyResult, device: str) -> str:
     """One policy's figures; ``device`` names the pool's device tier ("GPU", or "device" on the CPU, where both
     tiers are host memory)."""
@@ -290,12 +331,14 @@ def _line(n: int, alpha: float, rate: float, r: PolicyResult, device: str) -> st
         f"{r.adapter_loading_mean_s * 1e3:6.1f}, prefill {r.prefill_mean_s * 1e3:7.1f})  adapter hit "
         f"{r.adapter_hit_rate:5.1%}  KV hit {r.kv_token_hit_rate:5.1%}  invalid KV {r.invalid_kv_ratio:5.1%}  "
         f"to {device} {r.bytes_to_gpu / 2**20:7.1f} MiB  to host {r.bytes_to_host / 2**20:7.1f} MiB  "
-        f"{r.requests} requests in {r.duration_s:.1f} s"
+        f"{r.requests} requests in {r.duration_s:.1f} s (scheduling {r.schedule_s:.2f} s, copies {r.copy_s:.2f} s, "
+        f"forward {r.forward_s:.1f} s, {r.steps} steps)"
     )
 
 
 def plot(report: dict, path: Path) -> None:
-    """Mean and p99 TTFT, and the hit rates, per setting and policy (needs matplotlib)."""
+    """Mean (solid) and p99 (dashed) TTFT against the session rate, one line per policy, one panel per (N, alpha)
+    (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -305,24 +348,26 @@ def plot(report: dict, path: Path) -> None:
         print(f"matplotlib is not installed: no plot written to {path}")
         return
     settings = report["settings"]
-    labels = [f"N={s['adapters']} a={s['alpha']} r={s['rate']}" for s in settings]
+    panels = sorted({(s["adapters"], s["alpha"]) for s in settings})
     policies = list(settings[0]["policies"])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    width = 0.8 / len(policies)
-    panels = [("ttft_mean_s", "mean TTFT (s)"), ("ttft_p99_s", "p99 TTFT (s)"), ("kv_token_hit_rate", "KV-token hit")]
-    for ax, (key, title) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (n, alpha) in zip(axes[0], panels, strict=True):
+        rows = sorted((s for s in settings if (s["adapters"], s["alpha"]) == (n, alpha)), key=lambda s: s["rate"])
+        rates = [s["rate"] for s in rows]
         for k, policy in enumerate(policies):
-            values = [s["policies"][policy][key] for s in settings]
-            ax.bar([i + k * width for i in range(len(settings))], values, width, label=policy)
-        ax.set_xticks(
-            [i + width * (len(policies) - 1) / 2 for i in range(len(settings))], labels, rotation=20, fontsize=8
-        )
-        ax.set_title(title)
-    axes[0].legend()
+            color = f"C{k}"
+            ax.plot(rates, [s["policies"][policy]["ttft_mean_s"] for s in rows], "o-", color=color, label=policy)
+            ax.plot(rates, [s["policies"][policy]["ttft_p99_s"] for s in rows], "x--", color=color)
+        ax.set_xlabel("sessions per second")
+        ax.set_ylabel("TTFT (s): mean solid, p99 dashed")
+        ax.set_yscale("log")
+        ax.set_title(f"N = {n}, alpha = {alpha}")
+    axes[0][0].legend()
     fig.suptitle(
         f"bench-pool on {report['device']}: {report['model']}, {report['kv_blocks']} device KV blocks, "
         f"{report['host_blocks']} host blocks"
     )
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     print(f"plot written to {path}")

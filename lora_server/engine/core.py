@@ -36,7 +36,7 @@ from lora_server.errors import (
     RequestFailedError,
 )
 from lora_server.model.loader import open_checkpoint
-from lora_server.model.runner import ModelRunner
+from lora_server.model.runner import CopyCosts, ModelRunner
 from lora_server.model.sampler import NON_FINITE, SampleResult, TokenScores, verify_drafts
 from lora_server.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ class EngineCore:
                 config.block_size,
                 geometry.page_bytes,
                 config.pool_policy,
-                PolicyParams(h2d_bytes_per_s=runner.measure_h2d_bandwidth()),
+                _policy_params(runner.measure_copy_costs()),
                 config.max_loras,
                 slot_bytes,
             )
@@ -149,6 +149,7 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
+        self.step_times = StepTimes()
         self.activate_times = LatencyHistogram()  # adapters' host -> device copies (see _copy)
         self._activating: dict[int, float] = {}  # table page -> when its load was issued, until it has run
         self._structured: StructuredOutputs | None = None  # built by the first structured request (xgrammar loads)
@@ -338,8 +339,11 @@ class EngineCore:
         """One engine step. An exception raised while serving one request fails that request alone (an output
         carrying RequestFailedError; its blocks are freed, the rest of the batch goes on); a device fault, or a
         fault in the scheduler or the pool (shared state), propagates and stops the engine."""
+        t0 = time.perf_counter()
         work = self.scheduler.schedule()
+        t1 = time.perf_counter()
         adapter_s = self._copy()
+        self.step_times.add(t1 - t0, time.perf_counter() - t1)
         failed_early = [self._fail(request, _unavailable(request, reason)) for request, reason in work.failed]
         if not work.items:
             if not failed_early and self.scheduler.has_work() and self.loader.busy():
@@ -350,6 +354,7 @@ class EngineCore:
                 request.adapter_load_s += adapter_s
         start = time.perf_counter()
         sampled, failed = self._execute(work.items)
+        self.step_times.forward_s += time.perf_counter() - start
         num_tokens = work.num_tokens
         if num_tokens >= 16 and not failed:  # prefill-sized steps: what recomputing a token costs, for the policy
             self.pool.observe_recompute(num_tokens, time.perf_counter() - start)
@@ -534,6 +539,33 @@ class EngineCore:
         """An adapter's largest rank over its modules (None: the base model, or weights no longer registered)."""
         content = None if adapter_id == BASE_ADAPTER_ID else self.adapters.content(adapter_id)
         return None if content is None else max(r for _, _, r in content.ranks)
+
+
+def _policy_params(costs: CopyCosts) -> PolicyParams:
+    """The pool's cost model priced with the copies measured on this device."""
+    return PolicyParams(
+        h2d_bytes_per_s=costs.h2d_bytes_per_s,
+        d2h_bytes_per_s=costs.d2h_bytes_per_s,
+        copy_latency_s=costs.latency_s,
+        copies_stall_compute=costs.stalls_compute,
+    )
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Where the engine's steps spent their time, summed since start (host clock): scheduling (the scheduler and
+    the pool's policy: admission, eviction, swap decisions), the pool's copy operations (KV swaps and adapter
+    loads: their execution off CUDA, their issue on CUDA) and the forward pass with sampling."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    copy_s: float = 0.0
+    forward_s: float = 0.0
+
+    def add(self, schedule_s: float, copy_s: float) -> None:
+        self.steps += 1
+        self.schedule_s += schedule_s
+        self.copy_s += copy_s
 
 
 @dataclass(slots=True)

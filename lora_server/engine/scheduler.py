@@ -157,7 +157,7 @@ class Scheduler:
         now = self.clock()
         self._sync_adapters()
         if now - self._last_tick >= self.config.pool_tick_s:
-            self.pool.tick(now, len(self.running))
+            self.pool.tick(now, len(self.running), len(self.waiting))
             self._last_tick = now
         return now
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
@@ -47,6 +48,19 @@ class StagedImage(Protocol):
 
     @property
     def image(self) -> torch.Tensor: ...  # uint8 [pages, page bytes]
+
+
+COPY_PROBE_BYTES = 64 << 20  # measure_copy_costs copies at least this much (beyond the CPU's caches)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyCosts:
+    """The pool's copies as measured on the device at start (ModelRunner.measure_copy_costs)."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    latency_s: float  # one copy's fixed cost, beside its bytes
+    stalls_compute: bool  # copies take their time from the forward passes (off CUDA)
 
 
 class ModelRunner:
@@ -261,21 +275,37 @@ class ModelRunner:
         return [LayerKV(k, v, *scales) for (k, v), scales in zip(layers, self.kv_scales, strict=True)]
 
     @torch.inference_mode()
-    def measure_h2d_bandwidth(self) -> float:
-        """Bytes per second of host-tier-to-device block copies, timed on up to 8 blocks (the pool's restore cost
-        for swapped-out KV); 25 GB/s, the policy's default, when there is no host tier."""
-        n = min(8, self.num_host_blocks, self.num_blocks)
+    def measure_copy_costs(self) -> CopyCosts:
+        """What the pool's copies cost on this device, timed as apply_copy_ops makes them: one copy per block, on
+        at least 8 blocks and 64 MiB where the tiers hold them (more than a CPU's caches), best of 3. Returns the
+        bandwidth each way and the fixed cost of one copy (a 1-value copy). On the CPU copies run on the cores that
+        compute (they stall it); on CUDA on side streams. Without a host tier, a PCIe 4 GPU's defaults."""
+        n = min(max(8, -(-COPY_PROBE_BYTES // self.kv_bytes_per_block)), self.num_host_blocks, self.num_blocks)
+        stalls = self.device.type == "cpu"  # CUDA (and its meta stand-in): side streams
         if n == 0:
-            return 25e9
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for b in range(n):
-                self.arena.pages[b].copy_(self.host_kv[b], non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - start)
-        return n * self.kv_bytes_per_block / max(best, 1e-9)
+            return CopyCosts(25e9, 25e9, 0.0, stalls)
+        pages, host = self.arena.pages, self.host_kv
+
+        def best(copy: Callable[[int], None], count: int) -> float:
+            fastest = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for b in range(count):
+                    copy(b)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                fastest = min(fastest, time.perf_counter() - start)
+            return fastest
+
+        latency = best(lambda b: pages[b][:1].copy_(host[b][:1], non_blocking=True), n) / n
+        h2d = best(lambda b: pages[b].copy_(host[b], non_blocking=True), n) / n
+        d2h = best(lambda b: host[b].copy_(pages[b], non_blocking=True), n) / n
+        payload = self.kv_bytes_per_block
+
+        def rate(seconds: float) -> float:
+            return payload / max(seconds - latency, seconds / 2, 1e-9)
+
+        return CopyCosts(rate(h2d), rate(d2h), latency, stalls)
 
     @torch.inference_mode()
     def apply_copy_ops(self, ops: list[CopyOp], staged: Callable[[AdapterKey], StagedImage]) -> float:
