@@ -358,8 +358,13 @@ def _floats(text: str) -> list[float]:
 
 
 # bench-pool's trace settings: by default, and with --sweep (light to saturated on this project's 2-core CPU)
-DEFAULTS = {"adapters": [20, 100], "alpha": [0.5, 1.0, 1.5], "rate": [0.3, 0.6], "sessions": 24}
-SWEEP = {"adapters": [16, 2000], "alpha": [0.5, 1.0], "rate": [0.25, 0.5, 1.0, 2.0, 4.0], "sessions": 12}
+DEFAULTS: dict[str, Any] = {"adapters": [20, 100], "alpha": [0.5, 1.0, 1.5], "rate": [0.3, 0.6], "sessions": 24}
+SWEEP: dict[str, Any] = {
+    "adapters": [16, 2000],
+    "alpha": [0.5, 1.0],
+    "rate": [0.25, 0.5, 1.0, 2.0, 4.0],
+    "sessions": 12,
+}
 
 
 def _bench_pool_args(p: argparse.ArgumentParser) -> None:

@@ -286,7 +286,7 @@ class ModelRunner:
             return CopyCosts(25e9, 25e9, 0.0, stalls)
         pages, host = self.arena.pages, self.host_kv
 
-        def best(copy: Callable[[int], None], count: int) -> float:
+        def best(copy: Callable[[int], object], count: int) -> float:
             fastest = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
