@@ -10,9 +10,9 @@ block ids, never nodes. Per request:
     release(admission, tokens, block_table, now)   at its end or preemption: its full computed blocks are offered
                                                    to the tree, then its lock and references are dropped
 
-Per engine step: tick(now, batch_size) (its work is O(tree): about every 100 ms is enough), then take_copy_ops(),
-executed in order before the forward pass (a GPU block freed by a swap-out may be handed out again in the same step;
-its copy-out comes first in the list). `now` is the engine's monotonic clock in seconds.
+Per engine step: tick(now, batch_size, waiting) (its work is O(tree): about every 100 ms is enough), then
+take_copy_ops(), executed in order before the forward pass (a GPU block freed by a swap-out may be handed out again
+in the same step; its copy-out comes first in the list). `now` is the engine's monotonic clock in seconds.
 """
 
 from __future__ import annotations

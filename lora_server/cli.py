@@ -561,8 +561,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     from pathlib import Path
 
     from adapters import DEMO_DIR
+    from admin.store import validate_name
+    from lora_server.errors import ConfigError
 
     server = config_from_flags(ServerConfig, args, engine=EngineConfig())
+    for spec in server.adapters or ():  # the admin API's rule, so that every served name is one it accepts
+        try:
+            validate_name(spec.partition("=")[0], "--adapter name")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     preloaded = [spec.partition("=")[2] for spec in server.adapters or () if "=" in spec]
     given = config_from_flags(EngineConfig, args).adapter_roots or ()
     roots = tuple(dict.fromkeys(str(Path(r).expanduser().resolve()) for r in [*given, DEMO_DIR, *preloaded]))

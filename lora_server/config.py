@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from admin.store import validate_name
 from kv_pool.policies import POLICIES
 from lora_server.tools.parsers import TOOL_PARSERS
 
@@ -510,8 +509,6 @@ class ServerConfig:
             raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
         if self.tool_call_parser is not None:
             _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_PARSERS))
-        for spec in self.adapters or ():
-            validate_name(spec.partition("=")[0], "--adapter name")  # the admin API's rule: served names are valid
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
