@@ -151,15 +151,17 @@ class EngineConfig:
     max_num_partial_prefills: int = field(
         default=0,
         metadata=flag(
-            "with chunked prefill, the most prompts that prefill at once; more wait (vLLM's flag; 0: no limit)"
+            "with chunked prefill, the most prompts that prefill at once; more wait (vLLM's flag; 0: no limit; "
+            "refused with --no-chunked-prefill)"
         ),
     )
-    max_long_partial_prefills: int = field(
-        default=1,
+    max_long_partial_prefills: int | None = field(
+        default=None,
         metadata=flag(
             "with chunked prefill, the most prompts with more than --long-prefill-token-threshold tokens left that "
             "prefill at once, so that several long prompts cannot fill the step between them: another long prompt "
-            "waits, and shorter prompts behind it start (vLLM's flag; 0: no limit)"
+            "waits, and shorter prompts behind it start (vLLM's flag; default: 1; 0: no limit; refused with "
+            "--long-prefill-token-threshold 0 or --no-chunked-prefill, where no prompt is long)"
         ),
     )
     enforce_eager: bool = field(
@@ -318,8 +320,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.max_num_partial_prefills < 0 or self.max_long_partial_prefills < 0:
+        if self.max_num_partial_prefills < 0 or (self.max_long_partial_prefills or 0) < 0:
             raise ValueError("max_num_partial_prefills and max_long_partial_prefills must be >= 0 (0: no limit)")
+        if self.max_num_partial_prefills and not self.enable_chunked_prefill:
+            raise ValueError("max_num_partial_prefills needs chunked prefill: without it no prompt prefills in parts")
+        no_cap = not self.enable_chunked_prefill or self.long_prefill_token_threshold == 0
+        if self.max_long_partial_prefills is not None and no_cap:
+            raise ValueError(
+                "max_long_partial_prefills needs chunked prefill and a long_prefill_token_threshold above 0: "
+                "without them no prompt is long"
+            )
         if self.speculative_ngram < 0:
             raise ValueError(f"speculative_ngram must be >= 0, got {self.speculative_ngram}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
@@ -347,6 +357,17 @@ class EngineConfig:
     def torch_kv_cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: the model's dtype, or float8_e4m3fn for fp8."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
+    def long_prefill_threshold(self, budget: int) -> int:
+        """The long-prefill cap for a step budget of ``budget`` tokens: the flag's value, by default a quarter of
+        the budget; 0 (no cap) without chunked prefill."""
+        if not self.enable_chunked_prefill:
+            return 0
+        return budget // 4 if self.long_prefill_token_threshold is None else self.long_prefill_token_threshold
+
+    def long_partial_prefills(self) -> int:
+        """max_long_partial_prefills, by default 1."""
+        return 1 if self.max_long_partial_prefills is None else self.max_long_partial_prefills
 
 
 @dataclass(slots=True)

@@ -35,6 +35,19 @@ def test_bad_values_are_refused(field, value):
         EngineConfig(**{field: value})
 
 
+def test_partial_prefill_limits_that_would_mean_nothing_are_refused():
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        EngineConfig(long_prefill_token_threshold=0, max_long_partial_prefills=2)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        EngineConfig(enable_chunked_prefill=False, max_long_partial_prefills=1)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        EngineConfig(enable_chunked_prefill=False, max_num_partial_prefills=2)
+    assert EngineConfig(long_prefill_token_threshold=0).long_partial_prefills() == 1  # the default: no error
+    assert EngineConfig(long_prefill_token_threshold=64, max_long_partial_prefills=0).long_partial_prefills() == 0
+    assert EngineConfig().long_prefill_threshold(512) == 128
+    assert EngineConfig(enable_chunked_prefill=False).long_prefill_threshold(512) == 0
+
+
 def test_defaults_and_good_values():
     config = EngineConfig(pool_policy="lru-separate", gpu_memory_utilization=0.9, host_kv_bytes=0)
     assert (config.pool_policy, config.gpu_memory_utilization, config.host_kv_bytes) == ("lru-separate", 0.9, 0)

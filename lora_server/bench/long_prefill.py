@@ -110,15 +110,18 @@ def bench(args, config: EngineConfig) -> dict:
         print(f"{c.tokens:>8} {c.seconds:>9.2f} {c.ms_per_token:>9.2f} {c.ratio:>7.2f} {c.model_ratio:>12.2f}")
     alone, alone_steps = short_ttft(config, args.long_len, args.short_len, 0)
     budget = config.max_num_batched_tokens
-    cap = budget // 4 if config.long_prefill_token_threshold is None else config.long_prefill_token_threshold
-    limit = config.max_long_partial_prefills
+    cap, limit = config.long_prefill_threshold(budget), config.long_partial_prefills()
     cases = [(1, cap, limit), (1, 0, limit)]  # one long prompt: the cap, and no cap
     if args.long_prompts > 1 and cap and limit:  # several: the partial-prefill limit, and none
         cases += [(args.long_prompts, cap, limit), (args.long_prompts, cap, 0)]
     runs = []
     for n, threshold, long_limit in cases:
         seconds, steps = short_ttft(
-            dataclasses.replace(config, long_prefill_token_threshold=threshold, max_long_partial_prefills=long_limit),
+            dataclasses.replace(
+                config,
+                long_prefill_token_threshold=threshold,
+                max_long_partial_prefills=long_limit if threshold else None,  # no cap: no prompt is long
+            ),
             args.long_len,
             args.short_len,
             n,

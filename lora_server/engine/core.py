@@ -135,11 +135,9 @@ class EngineCore:
                 ngram_max=config.speculative_ngram_max,
                 speculative_max_batch=config.speculative_max_batch,
                 max_loras=config.max_loras,
-                long_prefill_token_threshold=(
-                    budget // 4 if config.long_prefill_token_threshold is None else config.long_prefill_token_threshold
-                ),
+                long_prefill_token_threshold=config.long_prefill_threshold(budget),
                 max_num_partial_prefills=config.max_num_partial_prefills,
-                max_long_partial_prefills=config.max_long_partial_prefills,
+                max_long_partial_prefills=config.long_partial_prefills(),
             ),
             self.pool,
             self.adapters,
