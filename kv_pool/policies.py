@@ -159,8 +159,11 @@ class TreeCost(Policy):
     def recompute_s(self, node: KVNode) -> float:
         return node.num_tokens * self.params.recompute_s_per_token
 
+    def decay(self, node: Node, now: float) -> float:
+        return math.exp(-max(0.0, now - node.last_access) / self.params.window_s)
+
     def score(self, node: Node, now: float, resident_adapters: int) -> float:
-        decay = math.exp(-max(0.0, now - node.last_access) / self.params.window_s)
+        decay = self.decay(node, now)
         if isinstance(node, AdapterNode):
             lora_eval = self.expected_adapters() / max(1, resident_adapters)
             restore = self.params.copy_latency_s + node.num_bytes / self.params.h2d_bytes_per_s
@@ -174,8 +177,9 @@ class TreeCost(Policy):
     def keep_on_host(self, node: KVNode, now: float) -> bool:
         if not self.params.copies_stall_compute:
             return True
-        decay = math.exp(-max(0.0, now - node.last_access) / self.params.window_s)
-        saving = self.reuse_probability(node, now) * decay * (self.recompute_s(node) - self.swap_in_s(node))
+        saving = (
+            self.reuse_probability(node, now) * self.decay(node, now) * (self.recompute_s(node) - self.swap_in_s(node))
+        )
         return saving > self.swap_out_s(node)
 
     def proactive_swap_in(self, running: int, waiting: int) -> bool:

@@ -241,10 +241,11 @@ class Scheduler:
         if threshold <= 0 or not self.config.enable_chunked_prefill:
             return self.config.max_num_batched_tokens
         others = len(self.running)
-        for request in self.waiting:
-            if others > 1:
-                break
-            others += slots.allows(request)
+        if others <= 1:  # with two running it is capped whatever waits: the queue is not walked
+            for request in self.waiting:
+                others += slots.allows(request)
+                if others > 1:
+                    break
         return threshold if others > 1 else self.config.max_num_batched_tokens
 
     def _fail_waiting(self, work: ScheduledWork) -> None:
