@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).parent / "demo"
-DEMO_NAMES = ("emoji", "pirate", "upper")  # trained by adapters/train_demo.py; adapters/demo/README.md says how
+DEMO_NAMES = ("emoji", "pirate", "upper")  # trained by adapters/demo/train.py; adapters/demo/README.md says how
 
 
 def demo_adapters() -> dict[str, Path]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
-from kernels.lora_table import GROUPS, MODULE_INDEX, NUM_MODULES, ROW_GROUP, groups, row_len, table_len
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
+from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, NUM_MODULES, ROW_GROUP, groups, row_len, table_len
 
 _ALIGN_BYTES = 128  # every unit starts on a 128-byte boundary (whole cache lines and vector loads)
 

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from admin.errors import ApiError
-from admin.keys import constant_time_equals
-from admin.store import (
+from lora_server.admin.errors import ApiError
+from lora_server.admin.keys import constant_time_equals
+from lora_server.admin.store import (
     MAX_TENANT_WEIGHT,
     AdapterRecord,
     RateLimits,

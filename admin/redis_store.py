@@ -43,7 +43,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError, MasterDownError, OutOfMemoryError, ReadOnlyError
 from redis.retry import Retry
 
-from admin.store import (
+from lora_server.admin.store import (
     DEFAULT_REDIS_PREFIX,
     MAX_KEYS_PER_TENANT,
     RATE_KINDS,

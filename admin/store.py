@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from admin.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
+from lora_server.admin.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
 
 # Tenant and adapter names: 1 to 64 ASCII letters, digits, '.', '_' or '-', a letter or digit first, no '..' (a name
 # may become a directory's name under an adapter root, and is part of Redis keys and URLs).

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_matmul import check_pack
+from lora_server.kernels.int4_matmul import check_pack
 
 
 @triton.jit

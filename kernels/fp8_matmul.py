@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
-from kernels.write_kv import _round_to_e4m3
+from lora_server.kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
+from lora_server.kernels.write_kv import _round_to_e4m3
 
 
 @triton.jit

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import dequantize_kv
+from lora_server.kernels.reference import dequantize_kv
 
 
 def gathered_decode_attention(

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int8_matmul import dot_in_fp32, split_k_output
+from lora_server.kernels.int8_matmul import dot_in_fp32, split_k_output
 
 
 @triton.jit

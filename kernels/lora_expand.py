@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
+from lora_server.kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
 
 
 @triton.jit(do_not_specialize=["row_base", "num_splits"])

@@ -11,7 +11,7 @@ from itertools import pairwise
 
 import torch
 
-from kernels import lora_table
+from lora_server.kernels import lora_table
 
 
 def _table_row(

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import lora_reference, quant_reference, reference
+from lora_server.kernels import lora_reference, quant_reference, reference
 
 if TYPE_CHECKING:
-    from kernels.segment_lora import LoraTerm
+    from lora_server.kernels.segment_lora import LoraTerm
 
 
 def use_kernels(device: torch.device | str) -> bool:
@@ -70,8 +70,8 @@ def apply_lora(
     them, where the caller has the same mapping as host segments (start, end, terms) with the adapters' views, the
     segment path (kernels.segment_lora: a few matmuls per adapter); else the twins."""
     if use_kernels(x.device):
-        from kernels.lora_expand import lora_expand
-        from kernels.lora_shrink import choose_splits, lora_shrink
+        from lora_server.kernels.lora_expand import lora_expand
+        from lora_server.kernels.lora_shrink import choose_splits, lora_shrink
 
         assert tiles is not None and y is not None and isinstance(slice_starts, torch.Tensor)
         num_slices = slice_starts.shape[0] - 1
@@ -84,7 +84,7 @@ def apply_lora(
         )
         return
     if host_segments is not None:
-        from kernels.segment_lora import apply_lora_segments
+        from lora_server.kernels.segment_lora import apply_lora_segments
 
         apply_lora_segments(x, out, host_segments())
         return
@@ -112,7 +112,7 @@ def write_kv_cache(
     """In place: k_cache.view(-1, KVH, D)[slot_mapping] = k, and v alike; an fp8 cache stores k / k_scale[:, None]
     clamped to +-448; tokens with a negative slot write nothing (kernels.write_kv)."""
     if use_kernels(k.device):
-        from kernels.write_kv import write_kv_cache as kernel
+        from lora_server.kernels.write_kv import write_kv_cache as kernel
 
         kernel(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
@@ -134,7 +134,7 @@ def rotary_write_kv(
     qk.roll(D // 2, -1) * sin_signed, cos and sin_signed [T, 1, D]), then the rotated keys qk[:, H:] and v written
     to their slots as write_kv_cache does (kernels.rotary_write_kv: one launch)."""
     if use_kernels(qk.device):
-        from kernels.rotary_write_kv import rotary_write_kv as kernel
+        from lora_server.kernels.rotary_write_kv import rotary_write_kv as kernel
 
         kernel(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
@@ -164,18 +164,18 @@ def paged_attention(
     decode = max_query_len == 1 and q.shape[0] == block_tables.shape[0]
     if use_kernels(q.device):
         if decode:
-            from kernels.decode_attention import paged_decode_attention
+            from lora_server.kernels.decode_attention import paged_decode_attention
 
             return paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits=num_splits
             )
-        from kernels.paged_attention import paged_attention as kernel
+        from lora_server.kernels.paged_attention import paged_attention as kernel
 
         return kernel(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, k_scale, v_scale
         )
     if decode:
-        from kernels.gathered_attention import gathered_decode_attention
+        from lora_server.kernels.gathered_attention import gathered_decode_attention
 
         return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     return reference.paged_attention(
@@ -187,7 +187,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, hidden] = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype), HF's LlamaRMSNorm
     (kernels.rms_norm)."""
     if use_kernels(x.device):
-        from kernels.rms_norm import rms_norm as kernel
+        from lora_server.kernels.rms_norm import rms_norm as kernel
 
         return kernel(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -196,7 +196,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: residual += x, then x = rms_norm(residual, weight, eps) (kernels.rms_norm: one launch)."""
     if use_kernels(x.device):
-        from kernels.rms_norm import fused_add_rms_norm as kernel
+        from lora_server.kernels.rms_norm import fused_add_rms_norm as kernel
 
         kernel(x, residual, weight, eps)
     else:
@@ -206,7 +206,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, I] = F.silu(x[:, :I]) * x[:, I:] for the fused gate | up output x [T, 2 * I] (kernels.silu_and_mul)."""
     if use_kernels(x.device):
-        from kernels.silu_and_mul import silu_and_mul as kernel
+        from lora_server.kernels.silu_and_mul import silu_and_mul as kernel
 
         return kernel(x)
     return reference.silu_and_mul(x)
@@ -215,7 +215,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _num_sms(device: torch.device) -> int:
     """The device's SM count, which split-K aims to fill (an H100's under the interpreter on the CPU)."""
     if device.type != "cuda":
-        from kernels.quant_tiles import H100_SMS
+        from lora_server.kernels.quant_tiles import H100_SMS
 
         return H100_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -230,13 +230,13 @@ def int8_matmul(
     Without the kernels: F.linear over the twin's dequantize_int8(qweight, scales, x.dtype), which for float32 x is
     bit for bit the twin quant_reference.int8_matmul (and folds the bias in as F.linear does)."""
     if use_kernels(x.device):
-        from kernels.quant_tiles import DEQUANT_MIN_TOKENS, choose_tiles
+        from lora_server.kernels.quant_tiles import DEQUANT_MIN_TOKENS, choose_tiles
 
         if x.shape[0] >= DEQUANT_MIN_TOKENS:
-            from kernels.dequantize import dequantize_int8
+            from lora_server.kernels.dequantize import dequantize_int8
 
             return F.linear(x, dequantize_int8(qweight, scales, x.dtype), bias)
-        from kernels.int8_matmul import int8_matmul as kernel
+        from lora_server.kernels.int8_matmul import int8_matmul as kernel
 
         n, k = qweight.shape
         tiles = choose_tiles(x.shape[0], n, k, num_sms=_num_sms(x.device), itemsize=x.dtype.itemsize)
@@ -258,13 +258,13 @@ def int4_matmul(
     from quant_tiles.DEQUANT_MIN_TOKENS rows, kernels.dequantize + F.linear, as int8_matmul. Without the kernels:
     F.linear over the twin's dequantize_int4(packed, scales, mins, x.dtype, pack), as int8_matmul."""
     if use_kernels(x.device):
-        from kernels.quant_tiles import DEQUANT_MIN_TOKENS, choose_tiles
+        from lora_server.kernels.quant_tiles import DEQUANT_MIN_TOKENS, choose_tiles
 
         if x.shape[0] >= DEQUANT_MIN_TOKENS:
-            from kernels.dequantize import dequantize_int4
+            from lora_server.kernels.dequantize import dequantize_int4
 
             return F.linear(x, dequantize_int4(packed, scales, mins, x.dtype, pack=pack), bias)
-        from kernels.int4_matmul import int4_matmul as kernel
+        from lora_server.kernels.int4_matmul import int4_matmul as kernel
 
         n, k = packed.shape[0], packed.shape[1] * 2
         block_k = k // scales.shape[1] if pack is None else pack
@@ -282,8 +282,8 @@ def fp8_matmul(
     capability 8.9-9.x). Elsewhere (the CPU, older GPUs, shapes _scaled_mm does not take) the twin
     quant_reference.fp8_matmul computes the same numbers by dequantizing the codes to float32."""
     if use_kernels(x.device):
-        from kernels.fp8_matmul import fp8_matmul as kernel
-        from kernels.fp8_matmul import scaled_mm_supported
+        from lora_server.kernels.fp8_matmul import fp8_matmul as kernel
+        from lora_server.kernels.fp8_matmul import scaled_mm_supported
 
         if scaled_mm_supported(x, qweight):
             y = kernel(x, qweight, scales)

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_KV_DTYPE
-from kernels.write_kv import _round_to_e4m3
+from lora_server.kernels.reference import FP8_KV_DTYPE
+from lora_server.kernels.write_kv import _round_to_e4m3
 
 
 @triton.jit

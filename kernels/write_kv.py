@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_KV_DTYPE
+from lora_server.kernels.reference import FP8_KV_DTYPE
 
 
 @triton.jit

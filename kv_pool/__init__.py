@@ -2,10 +2,10 @@
 their KV prefixes, and the policies that decide what stays on the device. ``UnifiedPool`` is what the engine talks
 to; callers hold ``Admission`` handles and block ids under a lock/unlock contract."""
 
-from kv_pool.block_pool import BlockPool, OutOfBlocksError
-from kv_pool.policies import POLICIES, PolicyParams
-from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, CopyOp, OpKind, PrefixKey, Tier
-from kv_pool.unified_pool import AdapterPlacement, Admission, PoolConfig, PoolStats, UnifiedPool
+from lora_server.kv_pool.block_pool import BlockPool, OutOfBlocksError
+from lora_server.kv_pool.policies import POLICIES, PolicyParams
+from lora_server.kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, CopyOp, OpKind, PrefixKey, Tier
+from lora_server.kv_pool.unified_pool import AdapterPlacement, Admission, PoolConfig, PoolStats, UnifiedPool
 
 __all__ = [
     "BASE_ADAPTER_ID",

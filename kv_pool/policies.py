@@ -13,7 +13,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, AdapterNode, KVNode, Node
+from lora_server.kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, AdapterNode, KVNode, Node
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kv_pool.block_pool import BlockPool
+from lora_server.kv_pool.block_pool import BlockPool
 
 BASE_ADAPTER_ID = -1
 HIT_HISTORY = 256  # hit times kept per node; enough for any reuse window the policies use

@@ -22,9 +22,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kv_pool.block_pool import BlockPool, OutOfBlocksError
-from kv_pool.policies import POLICIES, PolicyParams, make_policy
-from kv_pool.tree import (
+from lora_server.kv_pool.block_pool import BlockPool, OutOfBlocksError
+from lora_server.kv_pool.policies import POLICIES, PolicyParams, make_policy
+from lora_server.kv_pool.tree import (
     BASE_ADAPTER_ID,
     AdapterKey,
     AdapterNode,

@@ -560,8 +560,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     the directories of adapters given with --adapter NAME=PATH (the operator's own choice)."""
     from pathlib import Path
 
-    from adapters import DEMO_DIR
-    from admin.store import validate_name
+    from lora_server.adapters import DEMO_DIR
+    from lora_server.admin.store import validate_name
     from lora_server.errors import ConfigError
 
     server = config_from_flags(ServerConfig, args, engine=EngineConfig())
@@ -578,7 +578,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _register_adapter(engine, spec: str) -> str:
     """NAME (a demo adapter) or NAME=PATH -> the registered name."""
-    from adapters import demo_adapters
+    from lora_server.adapters import demo_adapters
     from lora_server.errors import InvalidRequestError
 
     name, _, path = spec.partition("=")
@@ -605,7 +605,7 @@ def main_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = main_parser().parse_args(argv)
-    from adapters.peft_format import AdapterError
+    from lora_server.adapters.peft_format import AdapterError
     from lora_server.errors import LoraServerError
 
     try:

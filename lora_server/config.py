@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kv_pool.policies import POLICIES
+from lora_server.kv_pool.policies import POLICIES
 from lora_server.tools.parsers import TOOL_PARSERS
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")

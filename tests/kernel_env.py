@@ -31,7 +31,7 @@ TOL_VS_EXACT = {
 def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Make kernels.ops take the Triton kernels (path "kernels"; on the CPU they run in the interpreter) or the
     torch twins ("twins") on every device, for the rest of the test."""
-    from kernels import ops
+    from lora_server.kernels import ops
 
     assert path in ("kernels", "twins"), path
     monkeypatch.setattr(ops, "use_kernels", lambda device: path == "kernels")

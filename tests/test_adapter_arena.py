@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from safetensors.torch import load_file, save_file
 
-from adapters.peft_format import AdapterError
+from lora_server.adapters.peft_format import AdapterError
 from lora_server.bench.stream_recorder import record_copy_order
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
@@ -139,7 +139,7 @@ def test_adapters_and_kv_trade_pages(fillers):
 
 
 def _key(adapter_id: int):
-    from kv_pool.tree import AdapterKey
+    from lora_server.kv_pool.tree import AdapterKey
 
     return AdapterKey(adapter_id)
 

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from adapters.peft_format import (
+from lora_server.adapters.peft_format import (
     NO_EFFECT_KEYS,
     READ_KEYS,
     UNSUPPORTED_KEYS,

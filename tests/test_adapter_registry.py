@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.peft_format import AdapterError
+from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.adapter_registry import UnknownAdapterError

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
@@ -375,7 +375,7 @@ def test_the_file_digest_is_a_hash_of_the_bytes_read(tmp_path):
 REWRITE_LOOP = """
 import sys, threading, time
 from pathlib import Path
-from adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
 
 path = Path(sys.argv[1])
 weights = path / "adapter_model.safetensors"

@@ -27,10 +27,10 @@ import random
 import pytest
 import torch
 
-from kernels import ops
-from kernels import reference as ref
-from kernels.paged_attention import paged_attention
-from kernels.write_kv import write_kv_cache
+from lora_server.kernels import ops
+from lora_server.kernels import reference as ref
+from lora_server.kernels.paged_attention import paged_attention
+from lora_server.kernels.write_kv import write_kv_cache
 from tests.kernel_env import DEVICE, TOL_VS_TWIN, force_path
 from tests.kernel_env import TOL_VS_EXACT as TOL_VS_LOOP
 
@@ -585,7 +585,7 @@ def test_gathered_decode_attention_matches_loop(case: Case, fp8: bool):
     """One query per sequence over caches whose unowned slots and padded table entries hold NaN: the gathered
     path against the float64 loop (NaN anywhere in the result would fail), and ops.paged_attention takes it on
     the CPU."""
-    from kernels.gathered_attention import gathered_decode_attention
+    from lora_server.kernels.gathered_attention import gathered_decode_attention
 
     batch = make_batch(
         case.dtype,

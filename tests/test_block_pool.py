@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kv_pool import BlockPool, OutOfBlocksError
+from lora_server.kv_pool import BlockPool, OutOfBlocksError
 
 
 def test_constructor_validates():

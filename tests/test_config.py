@@ -90,7 +90,7 @@ def test_a_commands_own_default_is_in_the_flags_unit():
 def test_flags_convert_units_and_lists():
     from pathlib import Path
 
-    from adapters import DEMO_DIR
+    from lora_server.adapters import DEMO_DIR
     from lora_server.cli import server_config
 
     config = server_config(

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from adapters import demo_adapters
+from lora_server.adapters import demo_adapters
 from lora_server.bench.host_work import no_sync_or_pageable_copy
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine

@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from kernels import ops
-from kernels import reference as ref
-from kernels.decode_attention import MAX_SPLITS, default_num_splits, paged_decode_attention
+from lora_server.kernels import ops
+from lora_server.kernels import reference as ref
+from lora_server.kernels.decode_attention import MAX_SPLITS, default_num_splits, paged_decode_attention
 from tests.kernel_env import DEVICE, TOL_VS_EXACT, TOL_VS_TWIN, force_path
 from tests.test_attention_kernels import Batch, make_batch, to_fp8
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters import demo_adapters
+from lora_server.adapters import demo_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.model.cuda_graphs import decode_buckets

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from adapters import demo_adapters
+from lora_server.adapters import demo_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
 
-QUESTIONS = [  # not among the training prompts of adapters/train_demo.py
+QUESTIONS = [  # not among the training prompts of adapters/demo/train.py
     "What is your favourite season and why?",
     "What makes a good friend?",
     "Give me a tip for learning a new language.",

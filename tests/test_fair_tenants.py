@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 
-from kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine, TenantShare
 from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.request import FinishReason, Request
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.errors import InvalidRequestError
+from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.sampling_params import SamplingParams
 from tests.servers import BASE, Server
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters import demo_adapters
-from kernels.reference import dequantize_kv
-from kv_pool.tree import CopyOp, OpKind
+from lora_server.adapters import demo_adapters
 from lora_server.cli import main_parser
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.kernels.reference import dequantize_kv
+from lora_server.kv_pool.tree import CopyOp, OpKind
 from lora_server.model.arena import page_bytes
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import ops
-from kernels import quant_reference as ref
-from kernels.fp8_matmul import quantize_per_token, scaled_mm_supported
+from lora_server.kernels import ops
+from lora_server.kernels import quant_reference as ref
+from lora_server.kernels.fp8_matmul import quantize_per_token, scaled_mm_supported
 from lora_server.model.loader import FloatWeight, GGUFBlocksWeight
 from lora_server.model.quant import Fp8Linear, cat_linears, make_linear, quantize_fp8, resident_bytes, tensor_mode
 from tests.kernel_env import DEVICE, force_path
@@ -220,7 +220,7 @@ def test_fp8_engine_agrees_with_fp32(engine_fp32):
 def test_scaled_mm_matches_twin(dtype: torch.dtype):
     """On capability 8.9-9.x: the quantization kernel + torch._scaled_mm against the twin at Llama-3-8B's shapes
     (the kernel rounds the product to bfloat16 once more than the twin)."""
-    from kernels.fp8_matmul import fp8_matmul
+    from lora_server.kernels.fp8_matmul import fp8_matmul
 
     gen = torch.Generator().manual_seed(6)
     for n, k in ((6144, 4096), (4096, 14336)):

@@ -13,7 +13,7 @@ import pkgutil
 import pytest
 import torch
 
-import kernels
+from lora_server import kernels
 from lora_server.bench.engine import write_random_adapters
 from lora_server.bench.kernel_aot import serve_random
 from lora_server.config import EngineConfig
@@ -45,7 +45,7 @@ def _compiled_variants() -> int:
 
     total = 0
     for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"lora_server.kernels.{info.name}")
         for value in vars(module).values():
             if isinstance(value, JITFunction):
                 total += sum(len(cache[0]) for cache in value.device_caches.values())

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.page_layout import PageGeometry, PageLayout
-from adapters.peft_format import BaseShapes, LoraAdapter
-from kernels import ops
-from kernels.lora_table import GROUPS, MODULE_INDEX, max_tiles, tile_map
+from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.peft_format import BaseShapes, LoraAdapter
+from lora_server.kernels import ops
+from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, max_tiles, tile_map
 from lora_server.model.arch import PRESETS, ModelArch
 from lora_server.model.arena import Arena, ResidentAdapters
 from lora_server.model.lora import workspace_shape

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.page_layout import PageGeometry, PageLayout
-from adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
-from kernels.lora_table import MODULE_INDEX, MODULES, ROW_GROUP, groups, row_len
+from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
+from lora_server.kernels.lora_table import MODULE_INDEX, MODULES, ROW_GROUP, groups, row_len
 
 # 2 layers, hidden 8, intermediate 16, q 8, kv 4
 SHAPES = BaseShapes.llama(2, 8, 16, 8, 4)

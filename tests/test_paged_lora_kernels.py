@@ -31,13 +31,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels.lora_expand as lora_expand_module
-import kernels.lora_shrink as lora_shrink_module
-from kernels import lora_reference as ref
-from kernels import lora_table
-from kernels.lora_expand import lora_expand
-from kernels.lora_shrink import lora_shrink
+import lora_server.kernels.lora_expand as lora_expand_module
+import lora_server.kernels.lora_shrink as lora_shrink_module
 from lora_server.bench.host_work import _ALLOCATIONS
+from lora_server.kernels import lora_reference as ref
+from lora_server.kernels import lora_table
+from lora_server.kernels.lora_expand import lora_expand
+from lora_server.kernels.lora_shrink import lora_shrink
 from tests.kernel_env import DEVICE, TOL_VS_TWIN
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,12 +29,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
-from kernels import quant_reference as ref
-from kernels.dequantize import dequantize_int4, dequantize_int8
-from kernels.int4_matmul import int4_matmul
-from kernels.int8_matmul import int8_matmul
-from kernels.quant_tiles import DEQUANT_MIN_TOKENS, Tiles, choose_tiles, int4_pack_width
+from lora_server.kernels import ops
+from lora_server.kernels import quant_reference as ref
+from lora_server.kernels.dequantize import dequantize_int4, dequantize_int8
+from lora_server.kernels.int4_matmul import int4_matmul
+from lora_server.kernels.int8_matmul import int8_matmul
+from lora_server.kernels.quant_tiles import DEQUANT_MIN_TOKENS, Tiles, choose_tiles, int4_pack_width
 from tests.kernel_env import DEVICE, TOL_VS_TWIN, force_path
 from tests.kernel_env import TOL_VS_EXACT as TOL_VS_FLOAT64
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from adapters import DEMO_DIR
+from lora_server.adapters import DEMO_DIR
 from lora_server.config import EngineConfig, ServerConfig
 from tests.servers import ADMIN, Server, free_port, write_adapter
 

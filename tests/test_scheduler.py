@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from kv_pool import BlockPool
-from kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.engine.request import FinishReason, Request, RequestStatus
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.errors import QueueFullError
+from lora_server.kv_pool import BlockPool
+from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.sampling_params import SamplingParams
 
 EOS = 2

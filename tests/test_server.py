@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from adapters import demo_adapters
+from lora_server.adapters import demo_adapters
 from tests.servers import BASE, Server, free_port, write_adapter
 
 
@@ -400,7 +400,7 @@ def test_first_hour(tmp_path):
 
 
 def test_only_the_shipped_demo_adapters_are_served(tmp_path, monkeypatch):
-    import adapters
+    from lora_server import adapters
 
     for name in ("upper", "dropped"):
         (tmp_path / name).mkdir()

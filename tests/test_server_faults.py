@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis as redis_client
 
-from admin.store import SQLITE_FILENAME
+from lora_server.admin.store import SQLITE_FILENAME
 from tests.device_fault_server import FAULT_MAX_TOKENS
 from tests.redis_servers import NO_PERSISTENCE, refuse_writes, start_redis, stop_redis
 from tests.servers import ADMIN, BASE, Server, free_port, write_adapter

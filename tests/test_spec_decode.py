@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters import demo_adapters
-from kv_pool.unified_pool import PoolConfig, UnifiedPool
+from lora_server.adapters import demo_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.ngram import propose_ngram
 from lora_server.engine.request import FinishReason, Request
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
+from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.model.batch import DraftPosition
 from lora_server.model.sampler import Sampler, verify_drafts
 from lora_server.sampling_params import SamplingParams

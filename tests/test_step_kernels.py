@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels import reference as ref
-from kernels.reference import FP8_KV_DTYPE
-from kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kernels.rotary_write_kv import rotary_write_kv
-from kernels.silu_and_mul import silu_and_mul
+from lora_server.kernels import ops
+from lora_server.kernels import reference as ref
+from lora_server.kernels.reference import FP8_KV_DTYPE
+from lora_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from lora_server.kernels.rotary_write_kv import rotary_write_kv
+from lora_server.kernels.silu_and_mul import silu_and_mul
 from tests.kernel_env import DEVICE, TOL_VS_EXACT, TOL_VS_TWIN, force_path
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

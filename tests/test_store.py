@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import redis
 
-from admin.change_feed import PollingFeed, RedisFeed, open_feed
-from admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
-from admin.open_store import open_store
-from admin.sqlite_store import SQLiteStore
-from admin.store import (
+from lora_server.admin.change_feed import PollingFeed, RedisFeed, open_feed
+from lora_server.admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
+from lora_server.admin.open_store import open_store
+from lora_server.admin.sqlite_store import SQLiteStore
+from lora_server.admin.store import (
     SQLITE_FILENAME,
     AdapterRecord,
     RateLimits,
@@ -143,7 +143,9 @@ def _run_threads(n: int, target: Callable[[int], None]) -> None:
 
 
 def _redis_store(url: str, **kwargs: Any) -> RegistryStore:
-    from admin.redis_store import RedisStore  # imported here: the SQLite tests run without the redis package
+    from lora_server.admin.redis_store import (
+        RedisStore,  # imported here: the SQLite tests run without the redis package
+    )
 
     return RedisStore(url, **kwargs)
 

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from adapters import demo_adapters
+from lora_server.adapters import demo_adapters
 from lora_server.errors import InvalidRequestError
 from lora_server.sampling_params import SamplingParams, StructuredOutput
 from tests.servers import BASE, Server

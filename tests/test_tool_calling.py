@@ -20,7 +20,7 @@ import openai
 import pytest
 import transformers
 
-from adapters import demo_adapters
+from lora_server.adapters import demo_adapters
 from lora_server.sampling_params import SamplingParams, StructuredOutput
 from lora_server.server.protocol import ChatCompletionRequest
 from lora_server.tools.calling import plan_tool_calls

@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from kv_pool.block_pool import BlockPool, OutOfBlocksError
-from kv_pool.policies import POLICIES, PolicyParams, TreeCost
-from kv_pool.tree import (
+from lora_server.kv_pool.block_pool import BlockPool, OutOfBlocksError
+from lora_server.kv_pool.policies import POLICIES, PolicyParams, TreeCost
+from lora_server.kv_pool.tree import (
     BASE_ADAPTER_ID,
     AdapterKey,
     CopyOp,
@@ -21,7 +21,7 @@ from kv_pool.tree import (
     PrefixTree,
     Tier,
 )
-from kv_pool.unified_pool import PoolConfig, UnifiedPool
+from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 
 A1 = AdapterKey(1, 0)
 K1 = PrefixKey("chat", "t1", 1, 0)

@@ -405,7 +405,7 @@ def stand_in_cuda(triton_runs: bool = False) -> Iterator[torch.device]:
     compiles), ``torch.Generator(device=...)`` gives a CPU generator, and pinned host memory is emulated
     (_EmulatedPinning). Yields the device."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch("kernels.ops.use_kernels", _use_kernels))
+        stack.enter_context(mock.patch("lora_server.kernels.ops.use_kernels", _use_kernels))
         stack.enter_context(mock.patch.object(torch, "Generator", _HostGenerator))
         if not triton_runs:
             stack.enter_context(_triton_launches(None, run=False))

@@ -298,8 +298,8 @@ def stand_in_engine(shape: EngineShape, workdir: Path, sms: int) -> Iterator[Eng
     with (
         stand_in_cuda(triton_runs=True),
         HostWorkCounter("meta", emulate=True),
-        mock.patch("kernels.ops._num_sms", lambda device: sms),
-        mock.patch("kernels.decode_attention.DEFAULT_SMS", sms),
+        mock.patch("lora_server.kernels.ops._num_sms", lambda device: sms),
+        mock.patch("lora_server.kernels.decode_attention.DEFAULT_SMS", sms),
     ):
         engine = Engine(config)
         names = write_random_adapters(workdir / shape.label.replace(" ", "-"), 2, [8, shape.max_lora_rank], engine)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from adapters.page_layout import PageGeometry, PageLayout
-from adapters.peft_format import AdapterError, load_peft_adapter
+from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.peft_format import AdapterError, load_peft_adapter
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
 from lora_server.engine.load_times import LatencyHistogram
 from lora_server.model.pinned import pinned_empty

@@ -17,11 +17,11 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
-from adapters.peft_format import AdapterError, LoraAdapter, load_peft_adapter
-from kv_pool import PoolConfig
-from kv_pool.tree import AdapterKey
+from lora_server.adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
+from lora_server.adapters.peft_format import AdapterError, LoraAdapter, load_peft_adapter
 from lora_server.errors import InvalidRequestError
+from lora_server.kv_pool import PoolConfig
+from lora_server.kv_pool.tree import AdapterKey
 
 
 class UnknownAdapterError(InvalidRequestError):

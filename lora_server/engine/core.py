@@ -15,10 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from adapters.page_layout import PageLayout
-from kernels.lora_table import MODULES
-from kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
-from kv_pool.tree import OpKind
+from lora_server.adapters.page_layout import PageLayout
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_loader import AdapterLoader, StagedAdapter
 from lora_server.engine.adapter_registry import AdapterRegistry
@@ -35,6 +32,9 @@ from lora_server.errors import (
     LoraServerError,
     RequestFailedError,
 )
+from lora_server.kernels.lora_table import MODULES
+from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from lora_server.kv_pool.tree import OpKind
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.runner import CopyCosts, ModelRunner
 from lora_server.model.sampler import NON_FINITE, SampleResult, TokenScores, verify_drafts

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from adapters.peft_format import AdapterError
+from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter, UnknownAdapterError
 from lora_server.engine.core import EngineCore, Prompt

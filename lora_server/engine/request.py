@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kv_pool.unified_pool import Admission
 from lora_server.engine.adapter_registry import AdapterHandle
 from lora_server.engine.outputs import TokenLogprob
+from lora_server.kv_pool.unified_pool import Admission
 from lora_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

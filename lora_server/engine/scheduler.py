@@ -33,15 +33,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kv_pool import OutOfBlocksError
-from kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, PrefixKey
-from kv_pool.unified_pool import UnifiedPool
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.ngram import propose_ngram
 from lora_server.engine.request import FinishReason, Request, RequestStatus
 from lora_server.errors import QueueFullError
+from lora_server.kv_pool import OutOfBlocksError
+from lora_server.kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, PrefixKey
+from lora_server.kv_pool.unified_pool import UnifiedPool
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.page_layout import PageGeometry, PageLayout
-from kernels.lora_table import GROUPS
-from kernels.segment_lora import LoraTerm
+from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.kernels.lora_table import GROUPS
+from lora_server.kernels.segment_lora import LoraTerm
 from lora_server.model.arch import ModelArch
 
 

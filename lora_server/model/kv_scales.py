@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import FP8_KV_DTYPE
+from lora_server.kernels.reference import FP8_KV_DTYPE
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.llama import LayerKV, LlamaModel

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kernels import ops
 from lora_server.errors import ModelLoadError
+from lora_server.kernels import ops
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.loader import Checkpoint

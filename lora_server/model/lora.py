@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.lora_table import GROUPS, MODULE_INDEX, groups
-from kernels.segment_lora import LoraTerm
+from lora_server.kernels import ops
+from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, groups
+from lora_server.kernels.segment_lora import LoraTerm
 
 
 @dataclass(slots=True)
@@ -88,6 +88,6 @@ class LoraLinear(nn.Module):
 
 def workspace_shape(max_tokens: int, max_rank: int) -> tuple[int, int, int, int]:
     """The kernels' partial sums for steps of up to max_tokens rows: [splits, 3 slices, max_tokens, groups * 16]."""
-    from kernels.lora_shrink import MAX_SPLITS
+    from lora_server.kernels.lora_shrink import MAX_SPLITS
 
     return MAX_SPLITS, 3, max_tokens, groups(max_rank) * 16

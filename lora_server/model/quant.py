@@ -24,8 +24,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.quant_reference import (
+from lora_server.kernels import ops
+from lora_server.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_MIN_AMAX,
@@ -329,7 +329,7 @@ def swap_for_cuda(module: nn.Module, dtype: torch.dtype) -> None:
     """The CUDA module swap: every Int4Linear below ``module`` repacked to the GPU kernel's pack width for ``dtype``
     activations (kernels.quant_tiles.int4_pack_width: each K step's activations load as two contiguous runs), where
     K allows another pack than its own."""
-    from kernels.quant_tiles import int4_pack_width
+    from lora_server.kernels.quant_tiles import int4_pack_width
 
     for name, child in module.named_children():
         if isinstance(child, Int4Linear):

@@ -14,13 +14,13 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from adapters.page_layout import PageGeometry, PageLayout
-from adapters.peft_format import AdapterError, BaseShapes
-from kernels import ops
-from kernels.lora_table import MODULES, max_tiles, tile_map
-from kernels.reference import FP8_KV_DTYPE
-from kv_pool.tree import AdapterKey, CopyOp, OpKind
+from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.peft_format import AdapterError, BaseShapes
 from lora_server.config import EngineConfig
+from lora_server.kernels import ops
+from lora_server.kernels.lora_table import MODULES, max_tiles, tile_map
+from lora_server.kernels.reference import FP8_KV_DTYPE
+from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
 from lora_server.model.batch import DraftPosition, ForwardBatch, PromptScoring, ScheduledSequence
 from lora_server.model.copy_order import CopyOrder, CudaStreams

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant_tiles import DECODE_TILES, DEQUANT_MIN_TOKENS
+from lora_server.kernels.quant_tiles import DECODE_TILES, DEQUANT_MIN_TOKENS
 from lora_server.model.batch import DraftPosition
 from lora_server.sampling_params import SamplingParams
 

@@ -27,11 +27,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from adapters.peft_format import AdapterError
-from admin.api import admin_router, checked_name, presented_key, require_admin_key
-from admin.errors import ApiError
-from admin.keys import API_KEY_PREFIX, constant_time_equals
-from admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
+from lora_server.adapters.peft_format import AdapterError
+from lora_server.admin.api import admin_router, checked_name, presented_key, require_admin_key
+from lora_server.admin.errors import ApiError
+from lora_server.admin.keys import API_KEY_PREFIX, constant_time_equals
+from lora_server.admin.store import RateDecision, RegistryStore, StoreUnavailableError, TenantRecord
 from lora_server.config import ServerConfig
 from lora_server.engine import Engine
 from lora_server.engine.adapter_registry import CheckedAdapter, UnknownAdapterError

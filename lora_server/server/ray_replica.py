@@ -24,7 +24,7 @@ from typing import Any
 from ray import serve
 from starlette.types import Message
 
-from admin.store import StoreUnavailableError
+from lora_server.admin.store import StoreUnavailableError
 from lora_server.config import ServerConfig
 from lora_server.server.serve import build
 

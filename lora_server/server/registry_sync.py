@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from adapters.peft_format import AdapterError
-from admin.change_feed import ChangeFeed, open_feed
-from admin.store import AdapterRecord, RegistryStore, StoreUnavailableError
+from lora_server.adapters.peft_format import AdapterError
+from lora_server.admin.change_feed import ChangeFeed, open_feed
+from lora_server.admin.store import AdapterRecord, RegistryStore, StoreUnavailableError
 from lora_server.engine import Engine
 
 log = logging.getLogger("lora_server")

