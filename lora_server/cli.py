@@ -372,10 +372,17 @@ def _bench_pool_args(p: argparse.ArgumentParser) -> None:
         p,
         EngineConfig,
         quantization="none",
-        max_loras=4,
         max_num_seqs=16,
         max_num_batched_tokens=256,
         num_kv_blocks=112,
+    )
+    p.add_argument(
+        "--separate-slots",
+        type=int,
+        default=4,
+        help="lru-separate's adapter slots, reserved up front at the largest rank: its --max-loras, as vLLM's "
+        "(default: 4, its best at the 112-block budget: 2 and 6 slots queue longer); the arena policies batch up "
+        "to --max-loras distinct adapters within the same budget",
     )
     p.add_argument(
         "--kv-blocks",

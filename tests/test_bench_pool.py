@@ -112,6 +112,8 @@ def _bench(tmp_path, kv_blocks: int, max_loras: int, plot: bool = False) -> dict
             "40",
             "--max-loras",
             str(max_loras),
+            "--separate-slots",  # lru-separate's slots: as many as the arena policies batch, here
+            str(max_loras),
             "--json",
             str(out),
             "--plot",

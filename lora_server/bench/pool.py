@@ -28,6 +28,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.core import StepTimes
 from lora_server.engine.request import Request
+from lora_server.kv_pool.policies import POLICIES as POLICY_CLASSES
 from lora_server.model.arena import page_bytes
 from lora_server.model.loader import open_checkpoint
 from lora_server.sampling_params import SamplingParams
@@ -238,7 +239,12 @@ def bench(args, base: EngineConfig) -> dict:
             row = {"adapters": n, "alpha": alpha, "rate": rate, "policies": {}}
             for policy in args.policies:
                 engine = Engine(
-                    dataclasses.replace(probe, pool_policy=policy, host_kv_bytes=args.host_blocks * model_block_bytes)
+                    dataclasses.replace(
+                        probe,
+                        pool_policy=policy,
+                        host_kv_bytes=args.host_blocks * model_block_bytes,
+                        max_loras=args.separate_slots if POLICY_CLASSES[policy].adapter_slots else probe.max_loras,
+                    )
                 )
                 if not names:
                     names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine, targets=TARGETS)
@@ -272,7 +278,8 @@ def bench(args, base: EngineConfig) -> dict:
         "kv_blocks": probe.num_kv_blocks,
         "host_blocks": args.host_blocks * model_block_bytes // block_bytes,
         "block_bytes": block_bytes,
-        "max_loras": base.max_loras,
+        "max_loras": base.max_loras,  # the arena policies'
+        "separate_slots": args.separate_slots,  # lru-separate's max_loras
         "rank": args.rank,
         "targets": list(TARGETS),
         "sessions": args.sessions,
