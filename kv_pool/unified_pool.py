@@ -85,6 +85,7 @@ class PoolConfig:
     @classmethod
     def for_budget(
         cls,
+        *,
         num_gpu_blocks: int,
         num_host_blocks: int,
         block_size: int,

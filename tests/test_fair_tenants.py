@@ -21,10 +21,11 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine, TenantShare
 from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.request import FinishReason, Request
-from lora_server.engine.scheduler import Scheduler, SchedulerConfig
+from lora_server.engine.scheduler import Scheduler
 from lora_server.errors import InvalidRequestError
 from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.sampling_params import SamplingParams
+from tests.scheduler_setup import scheduler_config
 from tests.servers import BASE, Server
 
 EOS = 2
@@ -194,7 +195,7 @@ def test_tenant_share_and_priority_are_validated():
 
 def make_scheduler(fair: bool = True, max_num_seqs: int = 8, budget: int = 256, num_blocks: int = 256) -> Scheduler:
     pool = UnifiedPool(PoolConfig(num_blocks, 0, 4, block_bytes=1, policy="lru-unified"))
-    config = SchedulerConfig(max_num_seqs, budget, 256, fair_sharing=fair)
+    config = scheduler_config(max_num_seqs, budget, 256, fair_sharing=fair)
     return Scheduler(config, pool)
 
 

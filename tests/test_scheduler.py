@@ -9,11 +9,12 @@ import random
 import pytest
 
 from lora_server.engine.request import FinishReason, Request, RequestStatus
-from lora_server.engine.scheduler import Scheduler, SchedulerConfig
+from lora_server.engine.scheduler import Scheduler
 from lora_server.errors import QueueFullError
 from lora_server.kv_pool import BlockPool
 from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.sampling_params import SamplingParams
+from tests.scheduler_setup import scheduler_config
 
 EOS = 2
 TOKEN = 7  # an ordinary sampled token
@@ -32,12 +33,8 @@ def make(
     """A scheduler on a unified pool; lru-unified keeps no KV after a request ends, so the device BlockPool
     returned holds exactly the running requests' blocks."""
     pool = UnifiedPool(PoolConfig(num_blocks, 0, block_size, block_bytes=1, policy=policy))
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=chunked,
-        max_waiting_requests=max_waiting,
+    config = scheduler_config(
+        max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked, max_waiting_requests=max_waiting
     )
     return Scheduler(config, pool), pool.gpu
 

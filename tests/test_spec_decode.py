@@ -14,12 +14,13 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.ngram import propose_ngram
 from lora_server.engine.request import FinishReason, Request
-from lora_server.engine.scheduler import Scheduler, SchedulerConfig
+from lora_server.engine.scheduler import Scheduler
 from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.model.batch import DraftPosition
 from lora_server.model.sampler import Sampler, verify_drafts
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS
+from tests.scheduler_setup import scheduler_config
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
@@ -53,10 +54,10 @@ EOS = 2
 
 def _scheduler(k: int = 3, block_size: int = 4, max_batch: int = 8) -> Scheduler:
     pool = UnifiedPool(PoolConfig(64, 0, block_size, block_bytes=1, policy="lru-unified"))
-    config = SchedulerConfig(
-        max_num_seqs=8,
-        max_num_batched_tokens=100,
-        max_model_len=256,
+    config = scheduler_config(
+        8,
+        100,
+        256,
         speculative_ngram=k,
         ngram_min=1,
         ngram_max=3,

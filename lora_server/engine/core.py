@@ -36,7 +36,7 @@ from lora_server.kernels.lora_table import MODULES
 from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.kv_pool.tree import OpKind
 from lora_server.model.loader import open_checkpoint
-from lora_server.model.runner import CopyCosts, ModelRunner
+from lora_server.model.runner import ModelRunner
 from lora_server.model.sampler import NON_FINITE, SampleResult, TokenScores, verify_drafts
 from lora_server.sampling_params import SamplingParams
 
@@ -98,47 +98,12 @@ class EngineCore:
         self.runner = ModelRunner(config, checkpoint, wanted_len)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
         runner = self.runner
-        geometry = runner.geometry
-        # the slot policies' slot: the pages of an adapter of the largest rank on every module
-        slot_bytes = 0
-        if POLICIES[config.pool_policy].adapter_slots:
-            full = {(i, m): config.max_lora_rank for i in range(self.arch.num_layers) for m in MODULES}
-            slot_bytes = PageLayout(geometry, full).nbytes
-        self.pool = UnifiedPool(
-            PoolConfig.for_budget(
-                runner.num_blocks,
-                runner.num_host_blocks,
-                config.block_size,
-                geometry.page_bytes,
-                config.pool_policy,
-                _policy_params(runner.measure_copy_costs()),
-                config.max_loras,
-                slot_bytes,
-            )
-        )
-        self.adapters = AdapterRegistry(geometry, roots, self.pool.config)
-        self.loader = AdapterLoader(self.adapters, geometry, runner.device, capacity=config.max_cpu_loras)
+        self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers))
+        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config)
+        self.loader = AdapterLoader(self.adapters, runner.geometry, runner.device, capacity=config.max_cpu_loras)
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
-        budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs,
-                budget,
-                self.max_model_len,
-                config.enable_chunked_prefill,
-                config.max_waiting_requests,
-                fair_sharing=config.fair_sharing,
-                speculative_ngram=config.speculative_ngram,
-                ngram_min=config.speculative_ngram_min,
-                ngram_max=config.speculative_ngram_max,
-                speculative_max_batch=config.speculative_max_batch,
-                max_loras=config.max_loras,
-                long_prefill_token_threshold=config.long_prefill_threshold(budget),
-                max_num_partial_prefills=config.max_num_partial_prefills,
-                max_long_partial_prefills=config.long_partial_prefills(),
-            ),
+            SchedulerConfig.from_engine(config, self.max_model_len),
             self.pool,
             self.adapters,
             self.loader,
@@ -539,13 +504,28 @@ class EngineCore:
         return None if content is None else max(r for _, _, r in content.ranks)
 
 
-def _policy_params(costs: CopyCosts) -> PolicyParams:
-    """The pool's cost model priced with the copies measured on this device."""
-    return PolicyParams(
-        h2d_bytes_per_s=costs.h2d_bytes_per_s,
-        d2h_bytes_per_s=costs.d2h_bytes_per_s,
-        copy_latency_s=costs.latency_s,
-        copies_stall_compute=costs.stalls_compute,
+def _pool_config(config: EngineConfig, runner: ModelRunner, num_layers: int) -> PoolConfig:
+    """The pool of ``config`` on the runner's arena, its cost model priced with the copies measured on this device.
+    A slot policy's slot is the pages of an adapter of the largest rank on every module."""
+    slot_bytes = 0
+    if POLICIES[config.pool_policy].adapter_slots:
+        full = {(i, m): config.max_lora_rank for i in range(num_layers) for m in MODULES}
+        slot_bytes = PageLayout(runner.geometry, full).nbytes
+    costs = runner.measure_copy_costs()
+    return PoolConfig.for_budget(
+        num_gpu_blocks=runner.num_blocks,
+        num_host_blocks=runner.num_host_blocks,
+        block_size=config.block_size,
+        block_bytes=runner.geometry.page_bytes,
+        policy=config.pool_policy,
+        params=PolicyParams(
+            h2d_bytes_per_s=costs.h2d_bytes_per_s,
+            d2h_bytes_per_s=costs.d2h_bytes_per_s,
+            copy_latency_s=costs.latency_s,
+            copies_stall_compute=costs.stalls_compute,
+        ),
+        max_loras=config.max_loras,
+        adapter_slot_bytes=slot_bytes,
     )
 
 

@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lora_server.config import EngineConfig
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.fair_queue import FairQueue
@@ -46,25 +47,52 @@ from lora_server.kv_pool.unified_pool import UnifiedPool
 
 @dataclass(slots=True)
 class SchedulerConfig:
+    """What the scheduler reads of the engine's config, derived by from_engine: the defaults live in EngineConfig
+    alone."""
+
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int  # the step's token budget (without chunked prefill, at least a whole prompt)
     max_model_len: int
-    enable_chunked_prefill: bool = True
-    max_waiting_requests: int = 1024
-    pool_tick_s: float = 0.1  # the pool's policy runs at least this often (and on every allocation failure)
-    fair_sharing: bool = True  # admission by weighted fair sharing across tenants (False: arrival order)
-    speculative_ngram: int = 0  # draft tokens per decode at most; 0: no speculation
-    ngram_min: int = 2
-    ngram_max: int = 4
-    speculative_max_batch: int = 8  # no drafts while more requests than this run
-    max_loras: int = 1 << 30  # the most distinct adapters among the running requests (one batch)
+    enable_chunked_prefill: bool
+    max_waiting_requests: int
+    fair_sharing: bool  # admission by weighted fair sharing across tenants (False: arrival order)
+    speculative_ngram: int  # draft tokens per decode at most; 0: no speculation
+    ngram_min: int
+    ngram_max: int
+    speculative_max_batch: int  # no drafts while more requests than this run
+    max_loras: int  # the most distinct adapters among the running requests (one batch)
     # the most tokens of one prefill in a step while other requests run or wait (0: no cap), so that a long prompt
     # leaves room in every step for the others' decodes and short prompts (vLLM's long_prefill_token_threshold)
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int
     # with chunked prefill, the most prompts that prefill at once (0: no limit), and of them the most with more than
     # long_prefill_token_threshold tokens left to compute (0: no limit; needs the threshold)
-    max_num_partial_prefills: int = 0
-    max_long_partial_prefills: int = 0
+    max_num_partial_prefills: int
+    max_long_partial_prefills: int
+    pool_tick_s: float = 0.1  # the pool's policy runs at least this often (and on every allocation failure)
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's view of ``config`` for requests of at most ``max_model_len`` tokens (the engine's,
+        after the model and the pool have bounded it)."""
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            budget = max(budget, max_model_len)  # a whole prompt must fit one step
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_waiting_requests=config.max_waiting_requests,
+            fair_sharing=config.fair_sharing,
+            speculative_ngram=config.speculative_ngram,
+            ngram_min=config.speculative_ngram_min,
+            ngram_max=config.speculative_ngram_max,
+            speculative_max_batch=config.speculative_max_batch,
+            max_loras=config.max_loras,
+            long_prefill_token_threshold=config.long_prefill_threshold(budget),
+            max_num_partial_prefills=config.max_num_partial_prefills,
+            max_long_partial_prefills=config.long_partial_prefills(),
+        )
 
 
 @dataclass(slots=True)
