@@ -16,9 +16,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from lora_server.adapters.peft_format import AdapterError
-from lora_server.bench.stream_recorder import record_copy_order
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.instrument.stream_recorder import record_copy_order
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import ADAPTERS, CHAT_PROMPTS
 from tests.servers import write_adapter
@@ -79,7 +79,7 @@ def test_churn_through_a_small_arena_matches_peft(peft_dirs, peft_model, fillers
     holds, and more than the host keeps staged (4): mixed batches of them churn through the device (tree-cost, KV
     swapped to the host tier and back) and are read from disk again, and every request of the PEFT adapters still
     gets HF + PEFT's greedy tokens. The copies run as on CUDA, on the recording stand-in for its streams
-    (bench.stream_recorder): loads stay in flight for two forward passes, and no two accesses to a page race."""
+    (instrument.stream_recorder): loads stay in flight for two forward passes, and no two accesses to a page race."""
     engine = _engine(40, max_loras=4, max_cpu_loras=4)
     for name in ADAPTERS:
         engine.add_adapter(name, peft_dirs / name)

@@ -1,6 +1,6 @@
 """The runner's copies never race over an arena page (model.copy_order), checked on the CPU by the recording stand-in
-for CUDA's streams (bench.stream_recorder): every access to a page (KV swaps, adapter loads, forward passes) with its
-stream and the waits issued, and every two accesses to one page, at least one a write, that no wait orders.
+for CUDA's streams (instrument.stream_recorder): every access to a page (KV swaps, adapter loads, forward passes) with
+its stream and the waits issued, and every two accesses to one page, at least one a write, that no wait orders.
 
 The two races found in review, each driven on a tiny engine until it happens: a KV page swapped out and given to an
 adapter load in the same step; an adapter unloaded while its load is in flight and its pages written by the next
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from lora_server.bench.engine import write_random_adapters
-from lora_server.bench.stream_recorder import COMPUTE, RecordingStreams, record_copy_order
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.instrument.stream_recorder import COMPUTE, RecordingStreams, record_copy_order
 from lora_server.model.arch import PRESETS
 from lora_server.model.copy_order import CopyOrder
 from lora_server.sampling_params import SamplingParams

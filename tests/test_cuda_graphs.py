@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lora_server.adapters import demo_adapters
-from lora_server.bench.host_work import no_sync_or_pageable_copy
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.instrument.host_work import no_sync_or_pageable_copy
 from lora_server.model.cuda_graphs import decode_buckets
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS

@@ -1,4 +1,4 @@
-"""lora_server.bench.host_work: the counter against hand-built sequences of ops on the meta stand-in (each count
+"""lora_server.instrument.host_work: the counter against hand-built sequences of ops on the meta stand-in (each count
 known in advance), Triton launches counted and not run, the guard (raises on a sync or a pageable copy, passes
 otherwise), the sampler's one staging copy and one transfer back, the guard around the real runner's decode step,
 and the benchmark on a 2-layer tiny Llama."""
@@ -10,16 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_server.bench.host_work import (
+from lora_server.bench.host_work import measure, stand_in_engine
+from lora_server.engine.request import Request
+from lora_server.instrument.host_work import (
     HostWorkCounter,
     HostWorkError,
     counting_triton_launches,
-    measure,
     no_sync_or_pageable_copy,
     stand_in_cuda,
-    stand_in_engine,
 )
-from lora_server.engine.request import Request
 from lora_server.model.sampler import Sampler
 from lora_server.sampling_params import SamplingParams
 

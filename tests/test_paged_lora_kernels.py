@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora_server.kernels.lora_expand as lora_expand_module
 import lora_server.kernels.lora_shrink as lora_shrink_module
-from lora_server.bench.host_work import _ALLOCATIONS
+from lora_server.instrument.host_work import _ALLOCATIONS
 from lora_server.kernels import lora_reference as ref
 from lora_server.kernels import lora_table
 from lora_server.kernels.lora_expand import lora_expand

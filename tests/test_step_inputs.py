@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_server.bench.host_work import HostWorkCounter, stand_in_cuda
+from lora_server.instrument.host_work import HostWorkCounter, stand_in_cuda
 from lora_server.model.cuda_graphs import bucket_for, decode_buckets
 from lora_server.model.step_inputs import BlockTables, StepInputs
 

@@ -3,7 +3,7 @@
 A variant is one compilation of one ``@triton.jit`` kernel: its argument types, constexprs, the specialization of
 its integer and pointer arguments, and its launch options. Which variants an engine reaches is the engine's own
 business, so they are found by running it: an engine is built on the meta stand-in for CUDA
-(bench.host_work.stand_in_cuda: the CUDA code path with tensors that hold no data) with a stand-in Triton driver
+(instrument.host_work.stand_in_cuda: the CUDA code path with tensors that hold no data) with a stand-in Triton driver
 that reports the target (``GPUTarget("cuda", 90, 32)`` for an H100), and every launch on the way is caught where
 Triton would compile it (``capture_variants``): its variant is kept and nothing is launched. Each variant is then
 compiled for its target by ``triton.compile`` with the ptxas that ships inside the triton wheel
@@ -264,8 +264,8 @@ def stand_in_engine(shape: EngineShape, workdir: Path, sms: int) -> Iterator[Eng
     the caller's capture_variants, so its warm-up's launches are caught), with two random adapters of ranks 8 and
     the shape's largest registered."""
     from lora_server.bench.engine import write_random_adapters
-    from lora_server.bench.host_work import HostWorkCounter, StandInConfig, stand_in_cuda
     from lora_server.engine import Engine
+    from lora_server.instrument.host_work import HostWorkCounter, StandInConfig, stand_in_cuda
     from lora_server.model.arch import PRESETS
     from lora_server.model.loader import default_model_path
 

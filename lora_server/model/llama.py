@@ -260,6 +260,6 @@ def build_llama(
         swap_for_cpu(model, keep=("embed",))
         if model.lm_head is None and cpu_head_copy:  # a tied head multiplies: its own copy (see cpu_head)
             model.lm_head = cpu_head(model.embed, dtype)
-    else:  # CUDA, or the meta device that stands for it (bench.host_work)
+    else:  # CUDA, or the meta device that stands for it (instrument.host_work)
         swap_for_cuda(model, dtype)
     return model

@@ -20,7 +20,7 @@ PAGE = 4096  # registration covers whole pages: the buffer starts on one
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialized host tensor of ``shape`` and ``dtype`` from which copies to ``device`` are asynchronous:
     on CUDA registered memory of exactly its bytes; elsewhere ordinary memory (the CPU needs no pinning; the meta
-    stand-in for CUDA, bench.host_work, emulates torch's pin_memory and is asked for it)."""
+    stand-in for CUDA, instrument.host_work, emulates torch's pin_memory and is asked for it)."""
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype, pin_memory=device.type != "cpu")
     nbytes = math.prod(shape) * dtype.itemsize
