@@ -2,6 +2,7 @@
 in ``kernels.reference`` (attention, KV writes), ``kernels.lora_reference`` (LoRA shrink/expand) or
 ``kernels.quant_reference`` (quantized matmuls and dequantizers; ``kernels.quant_tiles`` holds their GPU launch
 table). ``kernels.ops`` holds the one switch between kernel and twin
-(``use_kernels(device)``) and the ops the model calls through it.
+(``use_kernels(device)``) and the ops the model calls through it; ``kernels.checks`` the argument checks that the
+wrappers share.
 
 Imports nothing from the rest of the project."""

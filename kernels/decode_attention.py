@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_server.kernels.reference import FP8_KV_DTYPE
+from lora_server.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, dot_tiles, expect, expect_kv_cache
 
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128
@@ -232,29 +232,16 @@ def paged_decode_attention(
     block_n: keys per loop step (a power of two >= 16); a split's chunk is a multiple of block_n."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
-    assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
     assert kv_dim == head_dim, f"cache head_dim {kv_dim} != q's {head_dim}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
-    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
-    kv_fp8 = k_cache.dtype == FP8_KV_DTYPE
-    assert kv_fp8 or k_cache.dtype == q.dtype, (q.dtype, k_cache.dtype)
-    if kv_fp8:
-        for kv_scale in (k_scale, v_scale):
-            assert kv_scale is not None, "an fp8 cache needs k_scale and v_scale"
-            assert kv_scale.shape == (num_kv_heads,) and kv_scale.dtype == torch.float32, kv_scale
-            assert kv_scale.device == q.device, (kv_scale.device, q.device)
-    else:
-        assert k_scale is None and v_scale is None, f"scales are for fp8 caches, not {k_cache.dtype}"
-    assert block_tables.shape[0] == batch and block_tables.dim() == 2, tuple(block_tables.shape)
-    assert block_tables.dtype == torch.int32, block_tables.dtype
-    assert seq_lens.shape == (batch,) and seq_lens.dtype in (torch.int32, torch.int64), (seq_lens.shape, seq_lens)
-    for t in (k_cache, v_cache, block_tables, seq_lens):
-        assert t.device == q.device, (t.device, q.device)
+    expect(q, "q", dtype=FLOAT_DTYPES)
+    kv_fp8 = expect_kv_cache(k_cache, v_cache, k_scale, v_scale, dtype=q.dtype, device=q.device)
+    expect(block_tables, "block_tables", dtype=torch.int32, shape=(batch, None), device=q.device)
+    expect(seq_lens, "seq_lens", dtype=INDEX_DTYPES, shape=(batch,), device=q.device)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
     assert isinstance(num_splits, int) and num_splits >= 1, num_splits
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, "tl.dot needs a power of two >= 16"
+    dot_tiles(block_n=block_n)
 
     out = torch.empty_like(q)
     if batch == 0:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import expect_int4_weight, expect_int8_weight
 from lora_server.kernels.int4_matmul import check_pack
 
 
@@ -84,10 +85,7 @@ def dequantize_int8(
 ) -> torch.Tensor:
     """[N, K] in dtype, one launch: (qweight.float() * scales.float().repeat_interleave(group, 1)).to(dtype).
     qweight int8 [N, K]; scales any float [N, K // group]."""
-    n, k = qweight.shape
-    assert qweight.dtype == torch.int8, qweight.dtype
-    assert scales.dim() == 2 and scales.shape[0] == n and k % scales.shape[1] == 0, (scales.shape, qweight.shape)
-    assert scales.device == qweight.device
+    n, k, group = expect_int8_weight(qweight, scales, device=qweight.device)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     if n == 0 or k == 0:
         return out
@@ -104,7 +102,7 @@ def dequantize_int8(
         scales.stride(1),
         out.stride(0),
         out.stride(1),
-        GROUP=k // scales.shape[1],
+        GROUP=group,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
@@ -124,13 +122,7 @@ def dequantize_int4(
     pack).to(dtype). packed uint8 [N, K // 2] with nibbles paired within blocks of ``pack`` columns (None: the
     group); scales, mins any float [N, K // group]; pack as int4_matmul.check_pack allows. block_n rows a program
     (64 rows of a 128-column pack spilled 152-264 bytes on sm_90a / sm_80)."""
-    n, num_bytes = packed.shape
-    k = num_bytes * 2
-    assert packed.dtype == torch.uint8, packed.dtype
-    assert scales.shape == mins.shape and scales.dim() == 2 and scales.shape[0] == n, (scales.shape, mins.shape)
-    assert k % scales.shape[1] == 0, (scales.shape, packed.shape)
-    assert scales.device == packed.device and mins.device == packed.device
-    group = k // scales.shape[1]
+    n, k, group = expect_int4_weight(packed, scales, mins, device=packed.device)
     pack = group if pack is None else pack
     check_pack(k, group, pack)
     out = torch.empty(n, k, dtype=dtype, device=packed.device)

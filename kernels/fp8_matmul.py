@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, expect
 from lora_server.kernels.quant_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
 from lora_server.kernels.write_kv import _round_to_e4m3
 
@@ -55,7 +56,7 @@ def quantize_per_token(x: torch.Tensor, *, block_k: int = 1024) -> tuple[torch.T
         q = (x.float() / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
 
     x: [M, K] fp32, fp16 or bf16, any strides. block_k: a power of two, the chunk each program reads at a time."""
-    assert x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16), (x.shape, x.dtype)
+    expect(x, "x", dtype=FLOAT_DTYPES, ndim=2)
     assert block_k >= 16 and block_k & (block_k - 1) == 0, block_k
     num_rows, k = x.shape
     q = torch.empty(num_rows, k, dtype=FP8_DTYPE, device=x.device)
@@ -100,7 +101,7 @@ def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     num_rows, k = x.shape
     n = qweight.shape[0]
     assert qweight.shape == (n, k), f"qweight {tuple(qweight.shape)} vs x {tuple(x.shape)}"
-    assert scales.shape == (n,) and scales.dtype == torch.float32, (scales.shape, scales.dtype)
+    expect(scales, "scales", dtype=torch.float32, shape=(n,))
     assert scaled_mm_supported(x, qweight), "fp8_matmul needs CUDA capability 8.9-9.x and K, N multiples of 16"
     if num_rows == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)

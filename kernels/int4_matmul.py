@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, dot_tiles, expect, expect_int4_weight
 from lora_server.kernels.int8_matmul import dot_in_fp32, split_k_output
 
 
@@ -151,22 +152,13 @@ def int4_matmul(
     bit-reproducible; one more pass to cast). block_m and block_n: powers of two >= 16; num_stages: the software
     pipeline's depth (compiled GPU code only)."""
     num_rows, k = x.shape
-    n, num_bytes = packed.shape
-    assert num_bytes * 2 == k, f"packed holds {num_bytes * 2} in-features, x has {k}"
-    assert packed.dtype == torch.uint8, packed.dtype
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert scales.shape == mins.shape, f"scales {tuple(scales.shape)} != mins {tuple(mins.shape)}"
-    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, (
-        f"scales {tuple(scales.shape)} do not group packed {tuple(packed.shape)}"
-    )
-    assert scales.is_floating_point() and mins.is_floating_point(), (scales.dtype, mins.dtype)
-    for t in (packed, scales, mins):
-        assert t.device == x.device, (t.device, x.device)
+    n, packed_k, group = expect_int4_weight(packed, scales, mins, device=x.device)
+    assert packed_k == k, f"packed holds {packed_k} in-features, x has {k}"
+    expect(x, "x", dtype=FLOAT_DTYPES)
     num_groups = scales.shape[1]
-    group = k // num_groups
     pack = group if pack is None else pack
     groups_per_half = check_pack(k, group, pack)
-    assert all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n)), "tl.dot needs powers of two >= 16"
+    dot_tiles(block_m=block_m, block_n=block_n)
     assert split_k >= 1
 
     y = split_k_output(x, n, split_k)

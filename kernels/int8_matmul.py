@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, dot_tiles, expect, expect_int8_weight
+
 
 @triton.jit(do_not_specialize=["M"])
 def _int8_matmul_kernel(
@@ -141,19 +143,12 @@ def int8_matmul(
     powers of two >= 16, and block_k and group must line up (see groups_per_tile); num_stages: the software
     pipeline's depth (compiled GPU code only)."""
     num_rows, k = x.shape
-    n, qk = qweight.shape
+    n, qk, group = expect_int8_weight(qweight, scales, device=x.device)
     assert qk == k, f"qweight in-features {qk} != x's {k}"
-    assert qweight.dtype == torch.int8, qweight.dtype
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] >= 1 and k % scales.shape[1] == 0, (
-        f"scales {tuple(scales.shape)} do not group qweight {tuple(qweight.shape)}"
-    )
-    assert scales.is_floating_point(), scales.dtype
-    assert qweight.device == x.device and scales.device == x.device
-    assert all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, block_k)), "tl.dot needs powers of two >= 16"
+    expect(x, "x", dtype=FLOAT_DTYPES)
+    dot_tiles(block_m=block_m, block_n=block_n, block_k=block_k)
     assert split_k >= 1
     num_groups = scales.shape[1]
-    group = k // num_groups
     gpt = groups_per_tile(k, group, block_k)
 
     y = split_k_output(x, n, split_k)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, dot_tiles, expect, expect_lora_operands
 from lora_server.kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
 
 
@@ -139,24 +140,17 @@ def lora_expand(
 
     (float32 accumulation; y[..., r:] is never read). Rows outside the tiles, and slices of rank 0, keep their
     exact bits. Allocates nothing and copies nothing (CUDA-graph safe)."""
-    num_tokens, _ = out.shape
     num_tiles = tiles.shape[0]
     num_slices = slice_starts.shape[0] - 1
     num_groups = groups(max_rank)
-    assert out.dtype in (torch.float32, torch.float16, torch.bfloat16), out.dtype
-    assert arena_w.dtype == out.dtype, f"arena_w dtype {arena_w.dtype} != out dtype {out.dtype}"
-    assert arena_w.dim() == 1 and arena_w.stride(0) == 1, "arena_w must be a flat contiguous view"
-    assert arena_table.dtype == torch.int64 and arena_table.dim() == 1 and arena_table.stride(0) == 1
-    assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 3 and tiles.is_contiguous()
-    assert slice_starts.dtype == torch.int32 and slice_starts.dim() == 1 and num_slices >= 1, slice_starts.shape
-    assert y.dtype == torch.float32 and y.dim() == 4, f"y must be float32 [S, K, T, R], got {y.dtype} {y.shape}"
-    assert y.shape[0] >= num_splits and y.shape[1] >= num_slices, (tuple(y.shape), num_splits, num_slices)
-    assert y.shape[2] >= num_tokens and y.shape[3] >= num_groups * ROW_GROUP, (tuple(y.shape), num_tokens, max_rank)
-    assert y.device == arena_w.device == arena_table.device == tiles.device == slice_starts.device == out.device
+    expect(out, "out", dtype=FLOAT_DTYPES, ndim=2)
+    expect(slice_starts, "slice_starts", dtype=torch.int32, ndim=1, device=out.device)
+    expect_lora_operands(
+        out, arena_w, arena_table, tiles, y, num_slices=num_slices, num_splits=num_splits, max_rank=max_rank
+    )
     assert module_base >= 0 and module_base + num_slices <= NUM_MODULES and layer >= 0, (layer, module_base)
-    assert num_splits >= 1 and max_rank >= 1 and table_stride >= 1 and max_width >= 0
-    assert min(block_t, block_n) >= 16, "tl.dot needs tile sides >= 16"
-    assert all(b & (b - 1) == 0 for b in (block_t, block_n)), "block sizes must be powers of two"
+    assert table_stride >= 1 and max_width >= 0, (table_stride, max_width)
+    dot_tiles(block_t=block_t, block_n=block_n)
 
     if num_tiles == 0 or max_width == 0:
         return

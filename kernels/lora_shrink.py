@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, dot_tiles, expect, expect_lora_operands
 from lora_server.kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
 
 MAX_SPLITS = 8
@@ -149,22 +150,16 @@ def lora_shrink(
 
     Allocates nothing and copies nothing (CUDA-graph safe); block_t must bound every tile's length (not checked:
     that would read the map back)."""
-    num_tokens, in_features = x.shape
+    _, in_features = x.shape
     num_tiles = tiles.shape[0]
     num_groups = groups(max_rank)
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert arena_w.dtype == x.dtype, f"arena_w dtype {arena_w.dtype} != x dtype {x.dtype}"
-    assert arena_w.dim() == 1 and arena_w.stride(0) == 1, "arena_w must be a flat contiguous view"
-    assert arena_table.dtype == torch.int64 and arena_table.dim() == 1 and arena_table.stride(0) == 1
-    assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 3 and tiles.is_contiguous()
-    assert y.dtype == torch.float32 and y.dim() == 4, f"y must be float32 [S, K, T, R], got {y.dtype} {y.shape}"
-    assert y.shape[0] >= num_splits and y.shape[1] >= num_slices, (tuple(y.shape), num_splits, num_slices)
-    assert y.shape[2] >= num_tokens and y.shape[3] >= num_groups * ROW_GROUP, (tuple(y.shape), num_tokens, max_rank)
-    assert x.device == arena_w.device == arena_table.device == tiles.device == y.device
+    expect(x, "x", dtype=FLOAT_DTYPES)
+    expect_lora_operands(
+        x, arena_w, arena_table, tiles, y, num_slices=num_slices, num_splits=num_splits, max_rank=max_rank
+    )
     assert module_base >= 0 and module_base + num_slices <= NUM_MODULES and layer >= 0, (layer, module_base)
-    assert num_slices >= 1 and num_splits >= 1 and max_rank >= 1 and table_stride >= 1
-    assert min(block_t, block_k) >= 16, "tl.dot needs tile sides >= 16"
-    assert all(b & (b - 1) == 0 for b in (block_t, block_k)), "block sizes must be powers of two"
+    assert table_stride >= 1, table_stride
+    dot_tiles(block_t=block_t, block_k=block_k)
 
     if num_tiles == 0:
         return

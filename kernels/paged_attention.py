@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_server.kernels.reference import FP8_KV_DTYPE
+from lora_server.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, dot_tiles, expect, expect_kv_cache
 
 
 @triton.jit(do_not_specialize=["stride_tb"])
@@ -185,34 +185,20 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
     batch = seq_lens.shape[0]
-    assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
     assert kv_dim == head_dim, f"cache head_dim {kv_dim} != q's {head_dim}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
-    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
-    kv_fp8 = k_cache.dtype == FP8_KV_DTYPE
-    assert kv_fp8 or k_cache.dtype == q.dtype, (q.dtype, k_cache.dtype)
-    if kv_fp8:
-        for kv_scale in (k_scale, v_scale):
-            assert kv_scale is not None, "an fp8 cache needs k_scale and v_scale"
-            assert kv_scale.shape == (num_kv_heads,) and kv_scale.dtype == torch.float32, kv_scale
-            assert kv_scale.device == q.device, (kv_scale.device, q.device)
-    else:
-        assert k_scale is None and v_scale is None, f"scales are for fp8 caches, not {k_cache.dtype}"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == batch, tuple(block_tables.shape)
-    assert block_tables.dtype == torch.int32, block_tables.dtype
-    assert query_start_loc.shape == (batch + 1,), f"query_start_loc {tuple(query_start_loc.shape)} != ({batch + 1},)"
-    for t in (seq_lens, query_start_loc):
-        assert t.dtype in (torch.int32, torch.int64), t.dtype
-    for t in (k_cache, v_cache, block_tables, seq_lens, query_start_loc):
-        assert t.device == q.device, (t.device, q.device)
+    expect(q, "q", dtype=FLOAT_DTYPES)
+    kv_fp8 = expect_kv_cache(k_cache, v_cache, k_scale, v_scale, dtype=q.dtype, device=q.device)
+    expect(block_tables, "block_tables", dtype=torch.int32, shape=(batch, None), device=q.device)
+    expect(seq_lens, "seq_lens", dtype=INDEX_DTYPES, device=q.device)
+    expect(query_start_loc, "query_start_loc", dtype=INDEX_DTYPES, shape=(batch + 1,), device=q.device)
     assert isinstance(max_query_len, int) and max_query_len >= 0, max_query_len
     group = num_heads // num_kv_heads
     tiles = default_tiles(max_query_len * group, head_dim, q.dtype)
     block_m = tiles[0] if block_m is None else block_m
     block_n = tiles[1] if block_n is None else block_n
     num_warps = tiles[2] if num_warps is None else num_warps
-    assert all(x >= 16 and x & (x - 1) == 0 for x in (block_m, block_n)), "tl.dot needs powers of two >= 16"
+    dot_tiles(block_m=block_m, block_n=block_n)
 
     out = torch.empty_like(q)
     if num_tokens == 0 or batch == 0 or max_query_len == 0:

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, expect
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -44,10 +46,8 @@ def _rms_norm_kernel(
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, hidden] with contiguous rows, got {x.stride()}"
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
-    assert weight.is_contiguous() and weight.device == x.device, (weight.stride(), weight.device)
+    expect(x, "x", dtype=FLOAT_DTYPES, ndim=2, contiguous="rows")
+    expect(weight, "weight", dtype=x.dtype, shape=(x.shape[1],), contiguous=True, device=x.device)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float):
@@ -84,6 +84,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """In place, one launch: residual += x (rounded to the dtype), then x = rms_norm(residual, weight, eps).
     x, residual: [T, hidden], same dtype, rows contiguous (any row strides), not overlapping; weight: [hidden]."""
     _check(x, weight)
-    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
-    assert residual.stride(1) == 1 and residual.device == x.device, (residual.stride(), residual.device)
+    expect(residual, "residual", dtype=x.dtype, shape=x.shape, contiguous="rows", device=x.device)
     _launch(x, residual, weight, x, eps)

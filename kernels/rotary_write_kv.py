@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, expect, expect_kv_cache
 from lora_server.kernels.reference import FP8_KV_DTYPE
 from lora_server.kernels.write_kv import _round_to_e4m3
 
@@ -132,24 +133,13 @@ def rotary_write_kv(
     num_kv_heads = k_cache.shape[2]
     num_q_heads = num_heads_total - num_kv_heads
     assert num_q_heads > 0 and head_dim % 2 == 0, (tuple(qk.shape), tuple(k_cache.shape))
-    assert qk.dtype in (torch.float32, torch.float16, torch.bfloat16), qk.dtype
-    assert v.shape == (num_tokens, num_kv_heads, head_dim) and v.dtype == qk.dtype, (tuple(v.shape), v.dtype)
-    for table in (cos, sin_signed):
-        assert table.shape == (num_tokens, 1, head_dim) and table.dtype == qk.dtype, (tuple(table.shape), table.dtype)
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, v_cache.shape)
-    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
-    assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
-    for t in (v, cos, sin_signed, k_cache, v_cache, slot_mapping):
-        assert t.device == qk.device, (t.device, qk.device)
-    quantize = k_cache.dtype == FP8_KV_DTYPE
-    assert v_cache.dtype == k_cache.dtype and (quantize or k_cache.dtype == qk.dtype), (k_cache.dtype, qk.dtype)
-    if quantize:
-        for scale in (k_scale, v_scale):
-            assert scale is not None, "an fp8 cache needs k_scale and v_scale"
-            assert scale.shape == (num_kv_heads,) and scale.dtype == torch.float32, (scale.shape, scale.dtype)
-            assert scale.is_contiguous() and scale.device == qk.device, (scale.stride(), scale.device)
-    else:
-        assert k_scale is None and v_scale is None, f"scales are for fp8 caches, not {k_cache.dtype}"
+    expect(qk, "qk", dtype=FLOAT_DTYPES)
+    expect(v, "v", dtype=qk.dtype, shape=(num_tokens, num_kv_heads, head_dim), device=qk.device)
+    expect(cos, "cos", dtype=qk.dtype, shape=(num_tokens, 1, head_dim), device=qk.device)
+    expect(sin_signed, "sin_signed", dtype=qk.dtype, shape=(num_tokens, 1, head_dim), device=qk.device)
+    assert k_cache.shape[3] == head_dim, f"cache {tuple(k_cache.shape)} vs qk {tuple(qk.shape)}"
+    expect(slot_mapping, "slot_mapping", dtype=INDEX_DTYPES, shape=(num_tokens,), device=qk.device)
+    quantize = expect_kv_cache(k_cache, v_cache, k_scale, v_scale, dtype=qk.dtype, device=qk.device)
     if num_tokens == 0:
         return
     _rotary_write_kv_kernel[(num_tokens,)](

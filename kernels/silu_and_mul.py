@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import FLOAT_DTYPES, expect
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -34,9 +36,8 @@ def _silu_and_mul_kernel(
 def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """out [T, I] in x's dtype = F.silu(x[:, :I]) * x[:, I:] for x [T, 2 * I] (gate | up), float32, float16 or
     bfloat16, rows contiguous (any row stride). block: columns per program, a power of two."""
-    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2 * I], got {tuple(x.shape)}"
-    assert x.stride(1) == 1, f"x's rows must be contiguous, got strides {x.stride()}"
-    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    expect(x, "x", dtype=FLOAT_DTYPES, ndim=2, contiguous="rows")
+    assert x.shape[1] % 2 == 0, f"x must be [T, 2 * I], got {tuple(x.shape)}"
     assert block > 0 and block & (block - 1) == 0, block
     num_rows, intermediate = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, intermediate, dtype=x.dtype, device=x.device)

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_server.kernels.checks import INDEX_DTYPES, expect, expect_kv_cache
 from lora_server.kernels.reference import FP8_KV_DTYPE
 
 
@@ -107,22 +108,10 @@ def write_kv_cache(
     distinct; k_scale, v_scale: [KVH] float32, given exactly when the caches are fp8. Tokens with a negative slot
     are skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"
-    assert k_cache.shape == v_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
+    expect(v, "v", shape=k.shape, device=k.device)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim), f"cache {tuple(k_cache.shape)} vs k {tuple(k.shape)}"
-    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
-    assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
-    for t in (v, k_cache, v_cache, slot_mapping):
-        assert t.device == k.device, (t.device, k.device)
-    quantize = k_cache.dtype == FP8_KV_DTYPE
-    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
-    if quantize:
-        for scale in (k_scale, v_scale):
-            assert scale is not None, "an fp8 cache needs k_scale and v_scale"
-            assert scale.shape == (num_kv_heads,) and scale.dtype == torch.float32, (scale.shape, scale.dtype)
-            assert scale.is_contiguous() and scale.device == k.device, (scale.stride(), scale.device)
-    else:
-        assert k_scale is None and v_scale is None, f"scales are for fp8 caches, not {k_cache.dtype}"
+    expect(slot_mapping, "slot_mapping", dtype=INDEX_DTYPES, shape=(num_tokens,), device=k.device)
+    quantize = expect_kv_cache(k_cache, v_cache, k_scale, v_scale, device=k.device)
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](

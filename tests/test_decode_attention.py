@@ -214,3 +214,13 @@ def test_decode_attention_real_shapes(dtype: torch.dtype, shape: str):
     torch.testing.assert_close(run_kernel(batch), run_twin(batch), **TOL_VS_TWIN[dtype])
     fp8 = to_fp8(batch, seed=4)
     torch.testing.assert_close(run_kernel(fp8), run_twin(fp8), **TOL_VS_TWIN[dtype])
+
+
+def test_strided_fp8_scales_are_refused():
+    """The kernels read an fp8 cache's per-head scales with stride 1: a strided view (every other value of a longer
+    tensor) would be read as other heads' scales, so it is refused, naming the argument."""
+    batch = to_fp8(make_batch(torch.float32, 4, 16, 4, 2, [5], [1]), seed=0)
+    strided = torch.stack([batch.k_scale, batch.k_scale], dim=1).reshape(-1)[::2]
+    assert torch.equal(strided, batch.k_scale) and not strided.is_contiguous()
+    with pytest.raises(AssertionError, match="k_scale"):
+        run_kernel(dataclasses.replace(batch, k_scale=strided))
