@@ -154,6 +154,7 @@ class PoolStats:
     kv_token_hit_rate: float  # prompt tokens served from cached KV (on the GPU or swapped in) at admission
     invalid_kv_ratio: float  # GPU KV blocks whose adapter is not on the GPU, over all cached GPU KV blocks
     bytes_to_gpu: int  # KV swap-ins and adapter loads
+    adapter_bytes_to_gpu: int  # of them, adapter loads
     bytes_to_host: int  # KV swap-outs
     evicted_blocks: dict[str, int]  # kv_swap_out, kv_drop, kv_drop_host, adapter_unload, adapter_drop
     resident_adapters: int  # adapters (not the base model) with weights on the GPU
@@ -514,6 +515,7 @@ class UnifiedPool:
             kv_token_hit_rate=self._cached_tokens / max(1, self._prompt_tokens),
             invalid_kv_ratio=invalid / max(1, kv_gpu),
             bytes_to_gpu=c["kv_swap_in"] * bb + c["adapter_bytes_h2d"],
+            adapter_bytes_to_gpu=c["adapter_bytes_h2d"],
             bytes_to_host=c["kv_swap_out"] * bb,
             evicted_blocks={
                 k: c[k] for k in ("kv_swap_out", "kv_drop", "kv_drop_host", "adapter_unload", "adapter_drop")

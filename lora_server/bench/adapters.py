@@ -110,7 +110,8 @@ def bench_registered(args, base: EngineConfig) -> dict:
                 tokens += len(requests) * args.output_len
             wall = time.perf_counter() - t0
             engine.check_integrity()
-            counters = engine.core.pool.tree.counters
+            pool = engine.snapshot().pool
+            device_bytes = _device_bytes(engine, names[0])
             row = {
                 "registered": n,
                 "register_s": round(register_s, 2),
@@ -121,10 +122,10 @@ def bench_registered(args, base: EngineConfig) -> dict:
                 "decode_ms_per_step": round(sum(decode) / max(1, len(decode)) * 1e3, 2),
                 "output_tok_per_s": round(tokens / wall, 1),
                 "ttft_mean_s": round(sum(ttfts) / len(ttfts), 3),
-                "stagings_from_disk": engine.core.loader.num_staged,
-                "adapter_loads": counters["adapter_bytes_h2d"] // engine.core.adapters.get(names[0]).device_nbytes,
-                "adapter_unloads_blocks": counters["adapter_unload"],
-                "resident_adapters": engine.core.pool.stats().resident_adapters,
+                "stagings_from_disk": pool["device_memory"]["adapter_stagings"],
+                "adapter_loads": pool["adapter_bytes_to_gpu"] // device_bytes,
+                "adapter_unloads_blocks": pool["evicted_blocks"]["adapter_unload"],
+                "resident_adapters": pool["resident_adapters"],
             }
             rows.append(row)
             print(
@@ -177,7 +178,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
 
         _decode_steps(engine, requests("warm"))
         quiet, _ = _decode_steps(engine, requests("quiet"))
-        loaded_before = engine.core.pool.tree.counters["adapter_bytes_h2d"]
+        loaded_before = engine.snapshot().pool["adapter_bytes_to_gpu"]
         done = threading.Event()
 
         def register() -> None:
@@ -191,7 +192,8 @@ def bench_loads(args, base: EngineConfig) -> dict:
         busy, _ = _decode_steps(engine, requests("busy"))
         done.set()
         thread.join()
-        loaded = engine.core.pool.tree.counters["adapter_bytes_h2d"] - loaded_before
+        loaded = engine.snapshot().pool["adapter_bytes_to_gpu"] - loaded_before
+        device_bytes = _device_bytes(engine, names[0])
         engine.check_integrity()
         engine.shutdown()
 
@@ -208,7 +210,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
         "batch": batch,
         "no_loads": stats(quiet),
         "while_loading": stats(busy),
-        "adapters_loaded": loaded // engine.core.adapters.get(names[0]).device_nbytes,
+        "adapters_loaded": loaded // device_bytes,
         "bytes_loaded": loaded,
     }
     result["mean_ratio"] = round(result["while_loading"]["mean_ms"] / result["no_loads"]["mean_ms"], 3)
@@ -229,3 +231,11 @@ def _write(args, default: str, result: dict) -> dict:
     path.write_text(json.dumps(result, indent=1))
     print(f"figures written to {path}")
     return result
+
+
+def _device_bytes(engine: Engine, name: str) -> int:
+    """A registered adapter's bytes on the device."""
+    info = engine.adapter_info(name)
+    if info is None:
+        raise RuntimeError(f"adapter {name} is not registered")
+    return info["device_bytes"]

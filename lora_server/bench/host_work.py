@@ -14,22 +14,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from unittest import mock
-
-import torch
 
 from lora_server.instrument.host_work import (
     STAND_IN,
     HostWorkCounter,
     StandInConfig,
+    counting_forward_passes,
     counting_triton_launches,
+    decode_bucket,
     stand_in_cuda,
 )
-from lora_server.model.cuda_graphs import bucket_for
 
 if TYPE_CHECKING:
     from lora_server.engine import Engine
-    from lora_server.model.batch import ForwardBatch
     from lora_server.sampling_params import SamplingParams
 
 # Targets for one decode step at batch 64 / 16 adapters / 32 layers.
@@ -132,23 +129,13 @@ def measure(
     """Build the engine on the meta stand-in for CUDA, prefill ``batch`` greedy requests spread over ``adapters``
     rank-``rank`` adapters, then count ``steps`` decode steps one by one (and, apart, each one's forward pass)."""
     with stand_in_engine(layers, batch, adapters, rank, prompt_len, steps + 2, enforce_eager=enforce_eager) as engine:
-        runner = engine.core.runner
         counter = HostWorkCounter(STAND_IN.type, emulate=True)
         counted: list[dict[str, Any]] = []
         times: list[float] = []
-        forward_counts: list[dict[str, int]] = []
-        eager_forward = runner._eager_forward
-
-        def counted_forward(forward_batch: ForwardBatch) -> torch.Tensor:
-            before = counter.work.totals()
-            hidden = eager_forward(forward_batch)
-            forward_counts.append({k: v - before[k] for k, v in counter.work.totals().items()})
-            return hidden
-
         with (
             counter,
             counting_triton_launches(counter, run=False),
-            mock.patch.object(runner, "_eager_forward", counted_forward),
+            counting_forward_passes(engine, counter) as forward_counts,
         ):
             for _ in range(prompt_len + 1):  # the prefill (in chunks, should the budget ask for them)
                 if engine.snapshot().decoding:
@@ -166,7 +153,7 @@ def measure(
                 summary["host_ms"] = round(times[-1], 2)
                 [summary["forward"]] = forward_counts
                 counted.append(summary)
-        bucket = bucket_for(batch, runner.decode_buckets)
+        bucket = decode_bucket(engine, batch)
     return HostWorkResult(layers, batch, adapters, rank, bucket, counted, round(statistics.median(times), 2))
 
 

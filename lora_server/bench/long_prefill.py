@@ -54,7 +54,7 @@ def _prompt(engine: Engine, n: int, seed: int) -> list[int]:
 def _flops_per_token(engine: Engine, length: int) -> float:
     """Mean FLOPs per prompt token of a prefill of ``length`` tokens: 2 per linear weight, and attention's 4 per
     head dimension per earlier key (scores and values; causal: length / 2 keys on average)."""
-    arch = engine.core.runner.arch
+    arch = engine.describe().arch
     h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
     linear = 2 * arch.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size)
     attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * (length + 1) / 2

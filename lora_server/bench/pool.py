@@ -26,7 +26,6 @@ from pathlib import Path
 from lora_server.bench.engine import write_random_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.engine.core import StepTimes
 from lora_server.engine.request import Request
 from lora_server.kv_pool.policies import POLICIES as POLICY_CLASSES
 from lora_server.model.arena import page_bytes
@@ -114,7 +113,7 @@ def run_policy(
         engine.add_adapter(name, adapter_dir / name)
     params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
     engine.generate([list(systems[0]) + [11] * 8], SamplingParams(max_tokens=2), adapters=None)  # warm-up
-    engine.core.step_times = StepTimes()  # the trace's steps only
+    start_times = engine.snapshot().step_times  # the trace's steps only: those after it
     history = {i: list(systems[s.adapter]) for i, s in enumerate(sessions)}
     arrivals = [(s.start, i, 0) for i, s in enumerate(sessions)]  # (time, session, turn)
     heapq.heapify(arrivals)
@@ -159,7 +158,8 @@ def run_policy(
                 heapq.heappush(arrivals, (time.monotonic() - t0 + spec.think_s, i, turn + 1))
     duration = time.monotonic() - t0
     engine.check_integrity()
-    stats, times = engine.snapshot().pool, engine.core.step_times
+    snapshot = engine.snapshot()
+    stats, times = snapshot.pool, snapshot.step_times.since(start_times)
     engine.shutdown()
     ttfts = sorted(r.first_token_time - r.arrival_time for r in done)  # type: ignore[operator]
     n = len(done)
@@ -306,12 +306,12 @@ def bench(args, base: EngineConfig) -> dict:
 
 def _copy_costs(engine: Engine) -> dict:
     """The copy costs the engine measured at start, as its pool's cost model prices them."""
-    p = engine.core.pool.policy.params
+    c = engine.describe().copy_costs
     return {
-        "h2d_bytes_per_s": p.h2d_bytes_per_s,
-        "d2h_bytes_per_s": p.d2h_bytes_per_s,
-        "copy_latency_s": p.copy_latency_s,
-        "copies_stall_compute": p.copies_stall_compute,
+        "h2d_bytes_per_s": c.h2d_bytes_per_s,
+        "d2h_bytes_per_s": c.d2h_bytes_per_s,
+        "copy_latency_s": c.latency_s,
+        "copies_stall_compute": c.stalls_compute,
     }
 
 

@@ -36,7 +36,7 @@ from lora_server.kernels.lora_table import MODULES
 from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.kv_pool.tree import OpKind
 from lora_server.model.loader import open_checkpoint
-from lora_server.model.runner import ModelRunner
+from lora_server.model.runner import CopyCosts, ModelRunner
 from lora_server.model.sampler import NON_FINITE, SampleResult, TokenScores, verify_drafts
 from lora_server.sampling_params import SamplingParams
 
@@ -98,7 +98,8 @@ class EngineCore:
         self.runner = ModelRunner(config, checkpoint, wanted_len)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
         runner = self.runner
-        self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers))
+        self.copy_costs = runner.measure_copy_costs()
+        self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers, self.copy_costs))
         self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config)
         self.loader = AdapterLoader(self.adapters, runner.geometry, runner.device, capacity=config.max_cpu_loras)
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
@@ -504,14 +505,13 @@ class EngineCore:
         return None if content is None else max(r for _, _, r in content.ranks)
 
 
-def _pool_config(config: EngineConfig, runner: ModelRunner, num_layers: int) -> PoolConfig:
-    """The pool of ``config`` on the runner's arena, its cost model priced with the copies measured on this device.
+def _pool_config(config: EngineConfig, runner: ModelRunner, num_layers: int, costs: CopyCosts) -> PoolConfig:
+    """The pool of ``config`` on the runner's arena, its cost model priced with ``costs`` (measured on the device).
     A slot policy's slot is the pages of an adapter of the largest rank on every module."""
     slot_bytes = 0
     if POLICIES[config.pool_policy].adapter_slots:
         full = {(i, m): config.max_lora_rank for i in range(num_layers) for m in MODULES}
         slot_bytes = PageLayout(runner.geometry, full).nbytes
-    costs = runner.measure_copy_costs()
     return PoolConfig.for_budget(
         num_gpu_blocks=runner.num_blocks,
         num_host_blocks=runner.num_host_blocks,
@@ -544,6 +544,15 @@ class StepTimes:
         self.steps += 1
         self.schedule_s += schedule_s
         self.copy_s += copy_s
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        """The steps after ``earlier`` (a copy taken before them)."""
+        return StepTimes(
+            self.steps - earlier.steps,
+            self.schedule_s - earlier.schedule_s,
+            self.copy_s - earlier.copy_s,
+            self.forward_s - earlier.forward_s,
+        )
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ Imports nothing from the web stack."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -21,7 +22,7 @@ import torch
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter, UnknownAdapterError
-from lora_server.engine.core import EngineCore, Prompt
+from lora_server.engine.core import EngineCore, Prompt, StepTimes
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
 from lora_server.engine.request import NO_TENANT, Request, TenantShare
@@ -34,6 +35,7 @@ from lora_server.errors import (
 )
 from lora_server.model.arch import ModelArch
 from lora_server.model.quant import resident_bytes
+from lora_server.model.runner import CopyCosts
 from lora_server.sampling_params import SamplingParams
 from lora_server.tools.prompt import render_tools_in_messages
 
@@ -57,6 +59,7 @@ class ModelInfo:
     startup_s: dict[str, float]  # seconds per start-up phase: weights, warm-up (where kernels compile), graphs
     activation_bytes: int  # device memory of the largest step's activations, measured at warm-up (CUDA; else 0)
     graph_bytes: int  # the decode graphs' share, estimated at warm-up (CUDA with graphs; else 0)
+    copy_costs: CopyCosts  # the pool's copies as measured at start (their prices in the pool's cost model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,7 @@ class EngineSnapshot:
     waiting_adapters: tuple[str, ...]
     resident_pages: dict[int, int]  # adapter weights (adapter_id) on the device -> their table page
     pool: dict[str, Any]  # EngineCore.pool_figures()
+    step_times: StepTimes  # where the steps spent their time since start (a copy)
     spec_draft_tokens: int = 0  # speculative draft tokens verified since start
     spec_accepted_tokens: int = 0  # of them, those accepted
 
@@ -133,6 +137,7 @@ class Engine:
             names(scheduler.waiting),
             {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
             self.core.pool_figures(),
+            dataclasses.replace(self.core.step_times),
             spec_draft_tokens=scheduler.num_draft_tokens,
             spec_accepted_tokens=scheduler.num_accepted_drafts,
         )
@@ -156,6 +161,7 @@ class Engine:
             dict(runner.startup_s),
             runner.memory.activations,
             runner.memory.graphs,
+            self.core.copy_costs,
         )
 
     @property

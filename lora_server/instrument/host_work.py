@@ -44,9 +44,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from lora_server.config import EngineConfig
+from lora_server.model.cuda_graphs import bucket_for
 
 if TYPE_CHECKING:
-    pass
+    from lora_server.engine import Engine
+    from lora_server.model.batch import ForwardBatch
 
 aten = torch.ops.aten
 STAND_IN = torch.device("meta")  # the device that stands for CUDA (see the module's docstring)
@@ -408,3 +410,26 @@ class StandInConfig(EngineConfig):
     @property
     def torch_device(self) -> torch.device:
         return STAND_IN
+
+
+@contextlib.contextmanager
+def counting_forward_passes(engine: Engine, counter: HostWorkCounter) -> Iterator[list[dict[str, int]]]:
+    """Within the block, each forward pass of the engine's runner (its eager forward: the decode graph's body)
+    appends the counter's totals it added to the list yielded."""
+    runner = engine.core.runner
+    counts: list[dict[str, int]] = []
+    eager_forward = runner._eager_forward
+
+    def counted_forward(forward_batch: ForwardBatch) -> torch.Tensor:
+        before = counter.work.totals()
+        hidden = eager_forward(forward_batch)
+        counts.append({k: v - before[k] for k, v in counter.work.totals().items()})
+        return hidden
+
+    with mock.patch.object(runner, "_eager_forward", counted_forward):
+        yield counts
+
+
+def decode_bucket(engine: Engine, batch: int) -> int | None:
+    """The decode bucket a batch of ``batch`` is padded to on the engine (None: not padded)."""
+    return bucket_for(batch, engine.core.runner.decode_buckets)
