@@ -53,8 +53,8 @@ _KEY = re.compile(
 
 
 ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand: every linear layer but the output head
-# Every key of PEFT's LoraConfig (peft 0.21) is in one of three groups (README, "Adapter files"). Keys whose values
-# this loader computes with (_plan):
+# Every key of PEFT's LoraConfig (peft 0.21) is in one of three groups (docs/adapters.md, "Which PEFT
+# configurations are served"). Keys whose values this loader computes with (_plan):
 READ_KEYS = frozenset(
     {
         "peft_type",  # LORA only

@@ -1,4 +1,4 @@
-"""lora-server bench-gpu (issue 13's GPU acceptance in one command): its arithmetic against hand-computed values,
+"""lora-server bench-gpu (the GPU acceptance run in one command): its arithmetic against hand-computed values,
 and the command itself run on the CPU at tiny shapes (the GPU figures need the device machine)."""
 
 from __future__ import annotations

@@ -245,13 +245,13 @@ def test_plot_draws_a_png(tmp_path):
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# --- parity with vllm bench serve: the README's tables ------------------------------------------------------------
+# --- parity with vllm bench serve: docs/bench-serve.md's tables --------------------------------------------------
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "bench-serve.md"
 
 
 def readme_table(header: str) -> list[list[str]]:
-    """The rows (cells) of the README table whose header line is ``header``."""
+    """The rows (cells) of the docs/bench-serve.md table whose header line is ``header``."""
     lines = README.read_text().splitlines()
     start = lines.index(header) + 2
     rows = []
@@ -271,7 +271,7 @@ def test_every_vllm_flag_is_known_as_the_readme_says(capsys):
     table = {row[0].strip("`"): row[1] for row in readme_table("| flag | status | note |")}
     assert set(table.values()) == {"supported", "no effect", "refused", "ours"}
     options = {o for a in serve_parser()._actions for o in a.option_strings} - {"-h", "--help"}
-    assert set(table) == options  # the README lists exactly the parser's flags
+    assert set(table) == options  # docs/bench-serve.md lists exactly the parser's flags
     for flag, status in table.items():
         if status == "refused":
             with pytest.raises(SystemExit):
@@ -288,7 +288,7 @@ def test_every_vllm_flag_is_known_as_the_readme_says(capsys):
 
 
 def expected_keys(percentiles: list[str]) -> tuple[set[str], set[str]]:
-    """The README's result keys: (those written in a run with every option on, those never written here)."""
+    """docs/bench-serve.md's result keys: (those written in a run with every option on, those never written here)."""
     written, never = set(), set()
     for keys, when in readme_table("| keys | when |"):
         if ": each as" in keys:
@@ -307,8 +307,8 @@ def expected_keys(percentiles: list[str]) -> tuple[set[str], set[str]]:
 
 @pytest.mark.slow
 def test_a_run_writes_every_key_of_vllms_result(server, tmp_path, smollm2_path):
-    """Every option that adds keys, against our server: the JSON holds every key the README lists (and none of
-    those it says are never written); the warm-up and the ready check are sent but not counted; requests carry
+    """Every option that adds keys, against our server: the JSON holds every key docs/bench-serve.md lists (and
+    none of those it says are never written); the warm-up and the ready check are sent but not counted; requests carry
     their x-request-id; prompts are exact in the exported tokenizer's tokens."""
     from lora_server.engine.tokenizer import Tokenizer
 

@@ -1,6 +1,6 @@
-"""The request-field audit: every row of lora_server.server.request_fields' table (the README's "Request fields",
-checked equal here) is sent through the openai client to a real server. Honoured fields are checked for their
-effect against hand-computed expectations (the chat template's text written out by hand and tokenized, greedy
+"""The request-field audit: every row of lora_server.server.request_fields' table (docs/http-api.md's "Request
+fields", checked equal here) is sent through the openai client to a real server. Honoured fields are checked for
+their effect against hand-computed expectations (the chat template's text written out by hand and tokenized, greedy
 equivalents of sampling cut-offs, counts), no-effect fields for an answer identical to the one without them,
 refused fields for a 400 naming them (and a 200 for the values that ask for nothing). Message fields and content
 types likewise, on SmolLM2's template (which writes role and content only) and on one that writes names,
@@ -22,7 +22,7 @@ from lora_server.server.request_fields import CHAT, COMPLETIONS, FIELDS, Request
 from tests.servers import BASE, Server
 
 pytestmark = pytest.mark.slow
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "http-api.md"
 SYSTEM = {"role": "system", "content": "You are terse."}
 ASK = {"role": "user", "content": "Name three colours."}
 SYSTEM_T, ASK_T = ("system", SYSTEM["content"]), ("user", ASK["content"])
@@ -128,7 +128,7 @@ def refused(call: Callable[[], object], param: str, words: str = "") -> None:
 
 
 def readme_rows(heading: str) -> list[list[str]]:
-    """The rows of the first table under ``heading`` in the README, cells stripped of backticks."""
+    """The rows of the first table under ``heading`` in docs/http-api.md, cells stripped of backticks."""
     text = README.read_text()
     section = text[text.index(heading) :]
     rows = []

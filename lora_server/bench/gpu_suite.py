@@ -1,4 +1,4 @@
-"""``lora-server bench-gpu``: issue 13's GPU acceptance in one command.
+"""``lora-server bench-gpu``: the GPU acceptance run in one command.
 
 In order: the GPU test tier (``pytest -m gpu`` over the test files that carry the mark, in this checkout), the
 device's bf16 matmul peak measured now, ``bench-engine`` once per quantization mode (one engine at a time, its

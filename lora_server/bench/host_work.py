@@ -39,7 +39,7 @@ TARGET_SYNCS = 1
 
 
 def tiny_llama_config(layers: int) -> dict[str, Any]:
-    """The tiny-llama preset with ``layers`` layers (the issue's shape: 32)."""
+    """The tiny-llama preset with ``layers`` layers (the acceptance shape: 32)."""
     from lora_server.model.arch import PRESETS
 
     return {**PRESETS["tiny-llama"], "num_hidden_layers": layers}

@@ -316,7 +316,7 @@ def _copy_costs(engine: Engine) -> dict:
 
 
 def _ratios(policies: dict[str, PolicyResult]) -> dict[str, float]:
-    """tree-cost's mean TTFT over each LRU policy's, and its p99 over lru-separate's (the issue's acceptance)."""
+    """tree-cost's mean TTFT over each LRU policy's, and its p99 over lru-separate's (the acceptance ratios)."""
     tc = policies.get("tree-cost")
     if tc is None:
         return {}

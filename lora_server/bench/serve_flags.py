@@ -1,7 +1,7 @@
 """The flags of ``lora-server bench serve``: every flag of ``vllm bench serve`` (vLLM's benchmarks/serve.py and its
 dataset parser), with vLLM's names and defaults, plus our own (tenant keys, multi-turn conversations, rate sweeps).
-A vLLM flag that means nothing against this client is still known: giving it is an error that says why (README,
-"bench serve", holds the same list as a table, which a test checks against this parser)."""
+A vLLM flag that means nothing against this client is still known: giving it is an error that says why
+(docs/bench-serve.md holds the same list as a table, which a test checks against this parser)."""
 
 from __future__ import annotations
 

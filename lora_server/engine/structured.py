@@ -304,7 +304,7 @@ def _tag_schemas(node: object) -> list[object]:
 
 def _release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): without it the
-    memory of evicted grammars mostly stays in the process (README: structured output)."""
+    memory of evicted grammars mostly stays in the process (docs/structured-output.md)."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -1,6 +1,6 @@
 """Every field of OpenAI's and vLLM's chat and completions requests, and what this server does with it: the table
-behind the README's "Request fields" (tests/test_request_fields.py keeps the two equal and sends every row) and the
-refusals ``parse_body`` makes before a body is validated.
+behind docs/http-api.md's "Request fields" (tests/test_request_fields.py keeps the two equal and sends every
+row) and the refusals ``parse_body`` makes before a body is validated.
 
 - honoured: the request gets what the field asks for;
 - refused: a 400 naming the field, unless its value is one that asks for nothing (``accepts``: the default);
