@@ -139,9 +139,9 @@ def test_host_swap_round_trip(engine_fp8):
     cache[list(src)] = values.clamp(-448, 448).to(torch.float8_e4m3fn)
     original = cache[list(src)].clone()
     assert host[0].nbytes == FP8_BLOCK_BYTES
-    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_OUT, src=src, dst=host_blocks)], lambda key: None)
+    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_OUT, src=src, dst=host_blocks)])
     cache[list(src)] = torch.zeros_like(original)
-    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_IN, src=host_blocks, dst=dst)], lambda key: None)
+    runner.apply_copy_ops([CopyOp(OpKind.KV_SWAP_IN, src=host_blocks, dst=dst)])
     back = cache[list(dst)]
     assert torch.equal(back.view(torch.uint8), original.view(torch.uint8))
     scales = runner.kv_scales  # [layers, 2, kv_heads]

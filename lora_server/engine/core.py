@@ -282,8 +282,13 @@ class EngineCore:
         """Execute the pool's copy operations (runner.apply_copy_ops; returns its seconds of adapter loads) and time
         adapter activations: from issuing a load to the step that learns its copy ran (at once off CUDA)."""
         ops = self.pool.take_copy_ops()
+        images = {
+            op.adapter: self._staged(op.adapter)
+            for op in ops
+            if op.adapter is not None and op.kind is OpKind.ADAPTER_LOAD
+        }
         issued = time.perf_counter()
-        adapter_s = self.runner.apply_copy_ops(ops, self._staged)
+        adapter_s = self.runner.apply_copy_ops(ops, images)
         for op in ops:
             if op.kind is OpKind.ADAPTER_LOAD:
                 self._activating[op.dst[0]] = issued

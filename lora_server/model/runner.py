@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -308,9 +308,10 @@ class ModelRunner:
         return CopyCosts(rate(h2d), rate(d2h), latency, stalls)
 
     @torch.inference_mode()
-    def apply_copy_ops(self, ops: list[CopyOp], staged: Callable[[AdapterKey], StagedImage]) -> float:
+    def apply_copy_ops(self, ops: list[CopyOp], images: Mapping[AdapterKey, StagedImage] | None = None) -> float:
         """Execute the pool's moves in order, before this step's forward pass: KV pages between the device and the
-        host tier, adapters into and out of the arena (``staged``: an adapter's staged layout and pinned image).
+        host tier, adapters into and out of the arena (``images``: the staged layout and pinned image of each
+        adapter an op loads).
         On CUDA the copies run on side streams, ordered by the pages they touch (model.copy_order): the next
         forward pass waits for the KV copies on the device, not for adapter loads (the scheduler holds back the
         requests of an adapter until ``adapter_loaded`` says its copy ran); the host never blocks on a copy.
@@ -333,7 +334,8 @@ class ModelRunner:
             elif op.kind is OpKind.ADAPTER_LOAD:
                 assert op.adapter is not None
                 start = time.perf_counter()
-                image = staged(op.adapter)
+                assert images is not None and op.adapter in images, f"no staged image for {op.adapter}"
+                image = images[op.adapter]
                 with order.adapter_load(list(op.dst), image.image):
                     self.adapters.load(list(op.dst), image.layout, image.image)
                 adapter_s += time.perf_counter() - start
