@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lora_server.admin.sqlite_store import SQLiteStore
 from lora_server.admin.store import AdapterRecord
+from lora_server.admin.store.sqlite import SQLiteStore
 from lora_server.engine.outputs import TokenLogprob
 from lora_server.server.logprobs import LogprobsFormatter
 from tests.servers import ADMIN, BASE, Server, write_adapter

@@ -1,6 +1,6 @@
 """The registry store, one suite over both backends: SQLite on a temporary file, and Redis on a real
 ``redis-server`` that this module starts (``tests.redis_servers``). The fault and persistence tests start, stop and
-freeze redis-servers of their own, on free ports. The change feed (``admin.change_feed``) is tested here too: it
+freeze redis-servers of their own, on free ports. The change feed (``admin.store.change_feed``) is tested here too: it
 is the stores' revision heard by another process."""
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ from typing import Any
 import pytest
 import redis
 
-from lora_server.admin.change_feed import PollingFeed, RedisFeed, open_feed
-from lora_server.admin.keys import API_KEY_PREFIX, constant_time_equals, generate_api_key, hash_api_key, verify_api_key
-from lora_server.admin.open_store import open_store
-from lora_server.admin.sqlite_store import SQLiteStore
 from lora_server.admin.store import (
     SQLITE_FILENAME,
     AdapterRecord,
@@ -41,6 +37,16 @@ from lora_server.admin.store import (
     Usage,
     key_id,
 )
+from lora_server.admin.store.change_feed import PollingFeed, RedisFeed, open_feed
+from lora_server.admin.store.keys import (
+    API_KEY_PREFIX,
+    constant_time_equals,
+    generate_api_key,
+    hash_api_key,
+    verify_api_key,
+)
+from lora_server.admin.store.open import open_store
+from lora_server.admin.store.sqlite import SQLiteStore
 from tests.redis_servers import NO_PERSISTENCE, free_port, refuse_writes, stop_redis
 from tests.redis_servers import start_redis as start_redis_server
 
@@ -143,7 +149,7 @@ def _run_threads(n: int, target: Callable[[int], None]) -> None:
 
 
 def _redis_store(url: str, **kwargs: Any) -> RegistryStore:
-    from lora_server.admin.redis_store import (
+    from lora_server.admin.store.redis import (
         RedisStore,  # imported here: the SQLite tests run without the redis package
     )
 

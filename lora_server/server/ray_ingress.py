@@ -27,8 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lora_server.admin.api import presented_key
-from lora_server.admin.errors import ApiError
-from lora_server.admin.keys import constant_time_equals
+from lora_server.admin.api.errors import ApiError
+from lora_server.admin.store.keys import constant_time_equals
 from lora_server.server.ray_replica import RequestHead, ResponseHead
 
 REPLICA_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)

@@ -5,7 +5,7 @@ The store is the source of truth for adapters registered through the admin API (
 ``--adapter`` adapters are the process's own and are left alone. ``catch_up`` makes the engine serve what the store
 records (loads what is new, reloads what has a newer version, another path or another pin, unloads API-registered
 adapters the store no longer has) and tells the app to forget what it caches of tenants. ``start`` runs it on a
-thread of its own each time the store's change feed (``admin.change_feed``) reports a new revision: within
+thread of its own each time the store's change feed (``admin.store.change_feed``) reports a new revision: within
 milliseconds over Redis pub/sub, within ``POLL_S`` on a shared SQLite file. A server catches up once when it
 starts (``serve.build``), so one that was down has every change made meanwhile.
 
@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 
 from lora_server.adapters.peft_format import AdapterError
-from lora_server.admin.change_feed import ChangeFeed, open_feed
 from lora_server.admin.store import AdapterRecord, RegistryStore, StoreUnavailableError
+from lora_server.admin.store.change_feed import ChangeFeed, open_feed
 from lora_server.engine import Engine
 
 log = logging.getLogger("lora_server")

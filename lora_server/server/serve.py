@@ -18,9 +18,9 @@ from fastapi import FastAPI
 from lora_server import envs
 from lora_server.adapters import demo_adapters
 from lora_server.adapters.peft_format import AdapterError
-from lora_server.admin.change_feed import POLL_S
-from lora_server.admin.open_store import open_store
 from lora_server.admin.store import RegistryStore, StoreStatus
+from lora_server.admin.store.change_feed import POLL_S
+from lora_server.admin.store.open import open_store
 from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
 from lora_server.model.loader import default_model_path

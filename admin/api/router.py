@@ -15,8 +15,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from lora_server.admin.errors import ApiError
-from lora_server.admin.keys import constant_time_equals
+from lora_server.admin.api.errors import ApiError
 from lora_server.admin.store import (
     MAX_TENANT_WEIGHT,
     AdapterRecord,
@@ -28,6 +27,7 @@ from lora_server.admin.store import (
     UnknownTenantError,
     validate_name,
 )
+from lora_server.admin.store.keys import constant_time_equals
 
 
 class AdapterControl(Protocol):

@@ -18,12 +18,12 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from lora_server.admin.store import RegistryStore, StoreUnavailableError
+from lora_server.admin.store.base import RegistryStore, StoreUnavailableError
 
 if TYPE_CHECKING:  # the redis package is needed only with a Redis store
     import redis
 
-    from lora_server.admin.redis_store import RedisStore
+    from lora_server.admin.store.redis import RedisStore
 
 POLL_S = 0.1  # PollingFeed: how often the revision is read
 
@@ -73,7 +73,7 @@ class RedisFeed(ChangeFeed):
         self._closed = threading.Event()
 
     def wait(self, seen: int, timeout: float) -> int:
-        from lora_server.admin.redis_store import UNREACHABLE_ERRORS
+        from lora_server.admin.store.redis import UNREACHABLE_ERRORS
 
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -118,10 +118,10 @@ class RedisFeed(ChangeFeed):
 
 def open_feed(store: RegistryStore) -> ChangeFeed:
     """The feed for ``store``: Redis pub/sub for a Redis store, polling for any other."""
-    from lora_server.admin.sqlite_store import SQLiteStore
+    from lora_server.admin.store.sqlite import SQLiteStore
 
     if isinstance(store, SQLiteStore):
         return PollingFeed(store)
-    from lora_server.admin.redis_store import RedisStore  # the redis package is needed only for a Redis store
+    from lora_server.admin.store.redis import RedisStore  # the redis package is needed only for a Redis store
 
     return RedisFeed(store) if isinstance(store, RedisStore) else PollingFeed(store)

@@ -4,8 +4,8 @@ one Redis prefix, by several server processes.
 It holds adapters registered through the admin API, tenants (API keys stored only hashed, up to two per tenant so
 that a key can be rotated without downtime), fixed one-minute rate-limit windows and usage counters. ``RegistryStore``
 validates its arguments and states the contract; a backend implements the ``_``-prefixed storage hooks atomically.
-``admin.open_store`` picks the backend. A revision counter, bumped by every write to adapters and tenants, tells
-processes sharing a store that it changed (``admin.change_feed``).
+``admin.store.open`` picks the backend. A revision counter, bumped by every write to adapters and tenants, tells
+processes sharing a store that it changed (``admin.store.change_feed``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from lora_server.admin.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
+from lora_server.admin.store.keys import API_KEY_PREFIX, generate_api_key, hash_api_key, verify_api_key
 
 # Tenant and adapter names: 1 to 64 ASCII letters, digits, '.', '_' or '-', a letter or digit first, no '..' (a name
 # may become a directory's name under an adapter root, and is part of Redis keys and URLs).
@@ -214,7 +214,7 @@ class RegistryStore(ABC):
     def revision(self) -> int:
         """The store's revision: 0 for a new store, one more after each write that changed an adapter or a tenant
         (a write refused, or given a name that does not exist, leaves it). Processes sharing the store compare it to
-        tell whether they have seen every change (``admin.change_feed``). It only grows, except when the storage
+        tell whether they have seen every change (``admin.store.change_feed``). It only grows, except when the storage
         itself is lost (a Redis without persistence that restarts starts again from 0)."""
         return self._revision()
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from lora_server.admin.store import (
+from lora_server.admin.store.base import (
     MAX_KEYS_PER_TENANT,
     AdapterRecord,
     RateLimits,

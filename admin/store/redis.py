@@ -17,7 +17,7 @@ a former one's late requests left); usage is added only for the tenant created a
 
 Every transaction that changes an adapter or a tenant ends by incrementing ``{prefix}revision`` and publishing the new
 value on the channel ``{prefix}changes`` (``_BUMP_SCRIPT``): subscribers hear of a change only once it is visible
-(``admin.change_feed.RedisFeed``).
+(``admin.store.change_feed.RedisFeed``).
 
 Names cannot contain ':' (see ``NAME_PATTERN``), so these keys and fields split back unambiguously. Tenant JSON
 written before tenants had two keys holds ``"key_hash"`` instead of ``"key_hashes"``; it is read as is, and opening a
@@ -43,7 +43,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError, MasterDownError, OutOfMemoryError, ReadOnlyError
 from redis.retry import Retry
 
-from lora_server.admin.store import (
+from lora_server.admin.store.base import (
     DEFAULT_REDIS_PREFIX,
     MAX_KEYS_PER_TENANT,
     RATE_KINDS,
@@ -203,7 +203,7 @@ class RedisStore(RegistryStore):
         pipe.eval(_BUMP_SCRIPT, 1, self._revision_key, self.changes_channel)
 
     def pubsub(self) -> redis.client.PubSub:
-        """A new subscriber connection of this store's client (for ``admin.change_feed.RedisFeed``); the caller
+        """A new subscriber connection of this store's client (for ``admin.store.change_feed.RedisFeed``); the caller
         subscribes it to ``changes_channel`` and closes it."""
         return self._redis.pubsub(ignore_subscribe_messages=True)
 

@@ -1,0 +1,97 @@
+"""``EngineAdapters``: the serving side of the admin API (``lora_server.admin.api.AdapterControl``) over one Engine.
+
+Contract: every method is called from a worker thread, never on the event loop; a refusal the client caused is an
+``ApiError`` 400 (nothing changed). ``lock`` is the one lock under which an adapter changes in the engine and in the
+registry store together (the admin API) and under which a ``RegistrySync`` brings the engine in step with the store;
+``load_on_demand`` takes it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from lora_server.adapters.peft_format import AdapterError
+from lora_server.admin.api.errors import ApiError
+from lora_server.engine import Engine
+from lora_server.engine.adapter_registry import CheckedAdapter, UnknownAdapterError
+
+log = logging.getLogger("lora_server")
+
+
+class EngineAdapters:
+    """The admin API's view of the engine's adapters (admin.api.AdapterControl). Owns ``lock``: held while an adapter
+    changes in the engine and in the registry store together (the admin API) and while a RegistrySync brings the
+    engine in step with the store."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+
+    def check_adapter(self, name: str, path: str, pinned: bool) -> CheckedAdapter:
+        try:
+            return self.engine.check_adapter(name, path, pinned)
+        except AdapterError as exc:
+            raise ApiError(400, str(exc), param="path") from exc
+
+    def serve_adapter(self, checked: CheckedAdapter, pinned: bool, version: int) -> dict[str, Any]:
+        try:
+            handle = self.engine.install_adapter(checked, pinned, version)
+        except AdapterError as exc:
+            raise ApiError(400, str(exc), param="pinned") from exc
+        return {"name": handle.name, "adapter_id": handle.adapter_id, **(self.adapter_info(handle.name) or {})}
+
+    def next_version(self, name: str) -> int:
+        return self.engine.next_adapter_version(name)
+
+    def unload_adapter(self, name: str) -> bool:
+        try:
+            self.engine.remove_adapter(name)
+        except UnknownAdapterError:
+            return False
+        return True
+
+    def load_on_demand(self, name: str) -> bool:
+        """Register ``<adapter root>/<name>`` under ``name`` if one of the engine's adapter roots has that directory
+        (vLLM's filesystem resolver), as this server's own (source "on-demand": not written to the registry
+        store, left alone by its sync); True when ``name`` is served afterwards. ``name`` must be a plain name
+        (a valid adapter name: the caller checks). ApiError 400 when the directory exists but cannot be served."""
+        roots = self.engine.config.adapter_roots or ()
+        with self.lock:
+            if name in self.engine.adapter_names():
+                return True
+            for root in roots:
+                path = Path(root) / name
+                if (path / "adapter_config.json").is_file():
+                    try:
+                        self.engine.add_adapter(name, path, source="on-demand")
+                    except AdapterError as exc:  # the caller may be anyone: the reason without paths
+                        log.info("adapter %s from %s cannot be loaded: %s", name, path, exc)
+                        raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc.public}", param="model") from exc
+                    log.info("adapter %s registered on first use from %s", name, path)
+                    return True
+        return False
+
+    def served_adapters(self) -> list[str]:
+        return self.engine.adapter_names()
+
+    def adapter_info(self, name: str) -> dict[str, Any] | None:
+        return self.engine.adapter_info(name)
+
+    def pool_figures(self) -> dict[str, Any]:
+        """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
+        scheduler's queues."""
+        snap = self.engine.snapshot()
+        return {
+            **snap.pool,
+            "num_preemptions": snap.num_preemptions,
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "max_loras": self.engine.config.max_loras,
+            "registered_adapters": self.engine.adapter_names(),
+        }
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
