@@ -193,7 +193,7 @@ def test_staged_copies_are_bounded_and_pins_are_kept(fillers):
         engine.generate([prompt], GREEDY, adapters=f"a{i}")
         staged = engine.core.loader.staged_ids()
         assert pin_id in staged and len(staged) <= 2 + 1  # the pin, and at most max_cpu_loras others
-    assert engine.adapter_info("pin")["state"] == "resident"
+    assert engine.adapter_info("pin").state == "resident"
     engine.check_integrity()
 
 

@@ -31,7 +31,7 @@ def paths(tmp_path_factory):
 
 
 def _resident(engine: Engine) -> set[str]:
-    return {n for n in engine.adapter_names() if engine.adapter_info(n)["state"] == "resident"}
+    return {n for n in engine.adapter_names() if engine.adapter_info(n).state == "resident"}
 
 
 def test_pinned_adapter_loads_first_and_stays_while_others_churn(engine, paths):
@@ -50,7 +50,7 @@ def test_pinned_adapter_loads_first_and_stays_while_others_churn(engine, paths):
         assert {"pin", name} <= _resident(engine)
         engine.check_integrity()
     assert engine.core.pool.tree.counters["adapter_unload"] > 0
-    assert engine.adapter_info("pin")["pinned"] is True and engine.adapter_info("pin")["table_page"] >= 0
+    assert engine.adapter_info("pin").pinned is True and engine.adapter_info("pin").table_page >= 0
 
 
 def test_versions_count_registrations_and_a_request_keeps_its_version(engine, paths):
@@ -59,7 +59,7 @@ def test_versions_count_registrations_and_a_request_keeps_its_version(engine, pa
     v1_alone = engine.generate([prompt], GREEDY, adapters="x")[0].token_ids
     held = engine.make_request(prompt, GREEDY, adapter="x")  # resolves version 1 now
     second = engine.add_adapter("x", paths["x2"])
-    assert (first.version, second.version) == (1, 2) and engine.adapter_info("x")["version"] == 2
+    assert (first.version, second.version) == (1, 2) and engine.adapter_info("x").version == 2
     assert engine.add_adapter("x", paths["x2"], version=7).version == 7  # the registry store's, when reloading
     engine.remove_adapter("x")
     with pytest.raises(UnknownAdapterError):

@@ -61,7 +61,7 @@ def test_hits_only_under_the_same_adapter_weights_and_salt():
     assert _cached(engine, prompt, "upper") == 0
     assert _cached(engine, prompt, "upper") == _hit(prompt)
     engine.core.check_integrity()
-    figures = engine.pool_figures()
+    figures = engine.pool_report().as_json()
     p = len(prompt)
     assert figures["kv_tokens_by_salt"] == {
         "": {"prompt_tokens": 8 * p, "cached_tokens": 4 * _hit(prompt)},

@@ -122,10 +122,10 @@ def bench_registered(args, base: EngineConfig) -> dict:
                 "decode_ms_per_step": round(sum(decode) / max(1, len(decode)) * 1e3, 2),
                 "output_tok_per_s": round(tokens / wall, 1),
                 "ttft_mean_s": round(sum(ttfts) / len(ttfts), 3),
-                "stagings_from_disk": pool["device_memory"]["adapter_stagings"],
-                "adapter_loads": pool["adapter_bytes_to_gpu"] // device_bytes,
-                "adapter_unloads_blocks": pool["evicted_blocks"]["adapter_unload"],
-                "resident_adapters": pool["resident_adapters"],
+                "stagings_from_disk": pool.device_memory.adapter_stagings,
+                "adapter_loads": pool.stats.adapter_bytes_to_gpu // device_bytes,
+                "adapter_unloads_blocks": pool.stats.evicted_blocks["adapter_unload"],
+                "resident_adapters": pool.stats.resident_adapters,
             }
             rows.append(row)
             print(
@@ -178,7 +178,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
 
         _decode_steps(engine, requests("warm"))
         quiet, _ = _decode_steps(engine, requests("quiet"))
-        loaded_before = engine.snapshot().pool["adapter_bytes_to_gpu"]
+        loaded_before = engine.snapshot().pool.stats.adapter_bytes_to_gpu
         done = threading.Event()
 
         def register() -> None:
@@ -192,7 +192,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
         busy, _ = _decode_steps(engine, requests("busy"))
         done.set()
         thread.join()
-        loaded = engine.snapshot().pool["adapter_bytes_to_gpu"] - loaded_before
+        loaded = engine.snapshot().pool.stats.adapter_bytes_to_gpu - loaded_before
         device_bytes = _device_bytes(engine, names[0])
         engine.check_integrity()
         engine.shutdown()
@@ -238,4 +238,4 @@ def _device_bytes(engine: Engine, name: str) -> int:
     info = engine.adapter_info(name)
     if info is None:
         raise RuntimeError(f"adapter {name} is not registered")
-    return info["device_bytes"]
+    return info.device_bytes

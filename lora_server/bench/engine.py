@@ -182,7 +182,7 @@ def bench(args, base: EngineConfig) -> dict:
             engine.add_adapter(name, Path(tmp) / name)
         # an adapter's bytes as held on the device (model dtype; the host copy is fp32)
         first = engine.adapter_info(names[0]) if names else None
-        adapter_bytes = first["device_bytes"] if first else 0
+        adapter_bytes = first.device_bytes if first else 0
         for prompt_len in args.prompt_len:
             for batch in args.batch:
                 for n in args.adapters:

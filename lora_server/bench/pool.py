@@ -136,7 +136,7 @@ def run_policy(
             requests[request.request_id] = request
             engine.add(request)
         if now >= next_sample:
-            invalid.append(engine.snapshot().pool["invalid_kv_ratio"])
+            invalid.append(engine.snapshot().pool.stats.invalid_kv_ratio)
             next_sample = now + 0.25
         if not engine.has_work():
             time.sleep(max(0.0, min(0.05, arrivals[0][0] - now)))
@@ -159,7 +159,7 @@ def run_policy(
     duration = time.monotonic() - t0
     engine.check_integrity()
     snapshot = engine.snapshot()
-    stats, times = snapshot.pool, snapshot.step_times.since(start_times)
+    stats, times = snapshot.pool.stats, snapshot.step_times.since(start_times)
     engine.shutdown()
     ttfts = sorted(r.first_token_time - r.arrival_time for r in done)  # type: ignore[operator]
     n = len(done)
@@ -189,9 +189,9 @@ def run_policy(
         adapter_hit_rate=sum(not r.adapter_loaded for r in done) / max(1, n),
         kv_token_hit_rate=sum(r.num_cached_tokens for r in done) / max(1, sum(r.num_prompt_tokens for r in done)),
         invalid_kv_ratio=mean(invalid),
-        bytes_to_gpu=stats["bytes_to_gpu"],
-        bytes_to_host=stats["bytes_to_host"],
-        evicted_blocks=stats["evicted_blocks"],
+        bytes_to_gpu=stats.bytes_to_gpu,
+        bytes_to_host=stats.bytes_to_host,
+        evicted_blocks=stats.evicted_blocks,
         duration_s=duration,
         schedule_s=times.schedule_s,
         copy_s=times.copy_s,

@@ -21,7 +21,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -29,6 +28,7 @@ from lora_server.adapters.page_layout import PageGeometry, PageLayout
 from lora_server.adapters.peft_format import AdapterError, load_peft_adapter
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
 from lora_server.engine.load_times import LatencyHistogram
+from lora_server.engine.reports import Histogram
 from lora_server.model.pinned import pinned_empty
 
 log = logging.getLogger("lora_server")
@@ -137,8 +137,8 @@ class AdapterLoader:
             self._events = LoaderEvents()
         return events
 
-    def load_times(self) -> dict[str, Any]:
-        """How long the stagings took, disk to host memory (LatencyHistogram.figures)."""
+    def load_times(self) -> Histogram:
+        """How long the stagings took, disk to host memory."""
         with self._lock:
             return self._load_times.figures()
 

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +22,7 @@ from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
 from lora_server.engine.load_times import LatencyHistogram
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
+from lora_server.engine.reports import BASE_NAME, AdapterResidency, DeviceMemory, PoolReport, TtftFigures
 from lora_server.engine.request import MAX_PRIORITY, MIN_PRIORITY, NO_TENANT, FinishReason, Request, TenantShare
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.engine.tokenizer import Tokenizer
@@ -457,52 +458,50 @@ class EngineCore:
         placed = (set(self.pool.resident_adapters().values()) - loads) | unloads
         assert self.runner.adapters.table_pages() == placed, "the arena's adapters differ from the pool's"
 
-    def pool_figures(self) -> dict[str, Any]:
-        """The pool's figures and the TTFT split, as plain data (engine thread)."""
-        stats = self.pool.stats()
-        figures: dict[str, Any] = {name: getattr(stats, name) for name in stats.__slots__}
-        figures["kv_tokens_by_salt"] = {
-            salt: {"prompt_tokens": p, "cached_tokens": c} for salt, (p, c) in stats.kv_tokens_by_salt.items()
-        }
+    def pool_report(self) -> PoolReport:
+        """The pool's figures, its adapters' placement and the TTFT split (engine thread)."""
         names = self.adapters.names_by_id()
-        placement = [
-            {
-                "name": "<base>"
-                if p.key.adapter_id == BASE_ADAPTER_ID
-                else next(iter(names.get(p.key.adapter_id, [])), None),
-                "names": ["<base>"] if p.key.adapter_id == BASE_ADAPTER_ID else names.get(p.key.adapter_id, []),
-                "tier": p.tier,
-                "table_page": p.table_page,
-                "staged": p.staged,
-                "pinned": p.pinned,
-                "rank": self._rank(p.key.adapter_id),
-                "weight_blocks": p.weight_blocks,
-                "kv_blocks_gpu": p.kv_blocks_gpu,
-                "kv_blocks_host": p.kv_blocks_host,
-            }
+
+        def served(adapter_id: int) -> tuple[str, ...]:
+            return (BASE_NAME,) if adapter_id == BASE_ADAPTER_ID else tuple(names.get(adapter_id, ()))
+
+        placement = tuple(
+            AdapterResidency(
+                name=next(iter(served(p.key.adapter_id)), None),
+                names=served(p.key.adapter_id),
+                tier=p.tier,
+                table_page=p.table_page,
+                staged=p.staged,
+                pinned=p.pinned,
+                rank=self._rank(p.key.adapter_id),
+                weight_blocks=p.weight_blocks,
+                kv_blocks_gpu=p.kv_blocks_gpu,
+                kv_blocks_host=p.kv_blocks_host,
+            )
             for p in self.pool.adapter_placement()
-        ]
-        runner = self.runner
-        return {
-            "device_memory": {
-                "weights_bytes": runner.weight_bytes,
-                "arena_bytes": runner.arena.nbytes,
-                "workspace_bytes": runner.workspace_bytes,
-                "host_tier_bytes": runner.host_kv.nbytes,
-                "staged_adapters": len(self.loader.staged_ids()),
-                "adapter_stagings": self.loader.num_staged,
-            },
-            "policy": self.pool.config.policy,
-            "block_size": self.config.block_size,
-            "gpu_blocks": self.pool.config.num_gpu_blocks,
-            "host_blocks": self.pool.config.num_host_blocks,
-            "block_bytes": self.pool.config.block_bytes,
-            "request_blocks": len(self.pool.held_blocks()),
-            **figures,
-            "adapters": placement,
-            "ttft": self.ttft.figures(),
-            "adapter_load_seconds": {"load": self.loader.load_times(), "activate": self.activate_times.figures()},
-        }
+        )
+        runner, pool = self.runner, self.pool.config
+        return PoolReport(
+            device_memory=DeviceMemory(
+                weights_bytes=runner.weight_bytes,
+                arena_bytes=runner.arena.nbytes,
+                workspace_bytes=runner.workspace_bytes,
+                host_tier_bytes=runner.host_kv.nbytes,
+                staged_adapters=len(self.loader.staged_ids()),
+                adapter_stagings=self.loader.num_staged,
+            ),
+            policy=pool.policy,
+            block_size=self.config.block_size,
+            gpu_blocks=pool.num_gpu_blocks,
+            host_blocks=pool.num_host_blocks,
+            block_bytes=pool.block_bytes,
+            request_blocks=len(self.pool.held_blocks()),
+            stats=self.pool.stats(),
+            adapters=placement,
+            ttft=self.ttft.figures(),
+            adapter_load=self.loader.load_times(),
+            adapter_activate=self.activate_times.figures(),
+        )
 
     def _rank(self, adapter_id: int) -> int | None:
         """An adapter's largest rank over its modules (None: the base model, or weights no longer registered)."""
@@ -578,15 +577,15 @@ class TtftSplit:
         self.adapter_s += request.adapter_load_s
         self.prefill_s += request.first_token_time - request.scheduled_time - request.adapter_load_s
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> TtftFigures:
         n = max(1, self.count)
-        return {
-            "requests": self.count,
-            "mean_s": (self.queueing_s + self.adapter_s + self.prefill_s) / n,
-            "queueing_mean_s": self.queueing_s / n,
-            "adapter_loading_mean_s": self.adapter_s / n,
-            "prefill_mean_s": self.prefill_s / n,
-        }
+        return TtftFigures(
+            requests=self.count,
+            mean_s=(self.queueing_s + self.adapter_s + self.prefill_s) / n,
+            queueing_mean_s=self.queueing_s / n,
+            adapter_loading_mean_s=self.adapter_s / n,
+            prefill_mean_s=self.prefill_s / n,
+        )
 
 
 def _output(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:

@@ -25,6 +25,7 @@ from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter, U
 from lora_server.engine.core import EngineCore, Prompt, StepTimes
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
+from lora_server.engine.reports import AdapterInfo, PoolReport
 from lora_server.engine.request import NO_TENANT, Request, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
@@ -74,7 +75,7 @@ class EngineSnapshot:
     running_adapters: tuple[str, ...]  # adapter names of running requests (sorted, distinct)
     waiting_adapters: tuple[str, ...]
     resident_pages: dict[int, int]  # adapter weights (adapter_id) on the device -> their table page
-    pool: dict[str, Any]  # EngineCore.pool_figures()
+    pool: PoolReport
     step_times: StepTimes  # where the steps spent their time since start (a copy)
     spec_draft_tokens: int = 0  # speculative draft tokens verified since start
     spec_accepted_tokens: int = 0  # of them, those accepted
@@ -116,7 +117,7 @@ class Engine:
             self._snapshot = self._take_snapshot()
         return self._snapshot
 
-    def pool_figures(self) -> dict[str, Any]:
+    def pool_report(self) -> PoolReport:
         return self.snapshot().pool
 
     def _take_snapshot(self) -> EngineSnapshot:
@@ -136,7 +137,7 @@ class Engine:
             names(scheduler.running),
             names(scheduler.waiting),
             {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
-            self.core.pool_figures(),
+            self.core.pool_report(),
             dataclasses.replace(self.core.step_times),
             spec_draft_tokens=scheduler.num_draft_tokens,
             spec_accepted_tokens=scheduler.num_accepted_drafts,
@@ -232,25 +233,26 @@ class Engine:
     def adapter_names(self) -> list[str]:
         return self.core.adapters.names()
 
-    def adapter_info(self, name: str) -> dict[str, Any] | None:
-        """Where an adapter's current version is served from: its path, bytes, and table page if resident."""
+    def adapter_info(self, name: str) -> AdapterInfo | None:
+        """Where an adapter's current version is served from: its path, bytes, and table page if resident (None:
+        no such adapter)."""
         adapters = self.core.adapters
         try:
             handle, path, nbytes = adapters.get(name), adapters.path(name), adapters.nbytes(name)
         except UnknownAdapterError:
             return None
         page = self.snapshot().resident_pages.get(handle.adapter_id)
-        return {
-            "path": str(path),
-            "source": handle.source,
-            "version": handle.version,
-            "pinned": handle.pinned,
-            "registered_at": handle.registered_at,
-            "state": "resident" if page is not None else "registered",
-            "table_page": page,
-            "bytes": nbytes,
-            "device_bytes": handle.device_nbytes,
-        }
+        return AdapterInfo(
+            path=str(path),
+            source=handle.source,
+            version=handle.version,
+            pinned=handle.pinned,
+            registered_at=handle.registered_at,
+            state="resident" if page is not None else "registered",
+            table_page=page,
+            bytes=nbytes,
+            device_bytes=handle.device_nbytes,
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a prompt's text (blocking; see EngineCore.encode: errors name ``param``);

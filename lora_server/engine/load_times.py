@@ -7,7 +7,8 @@ ran)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from lora_server.engine.reports import Histogram
 
 # upper bounds in seconds (Prometheus adds +Inf): adapter reads of a few MB to a few GB, copies of microseconds up
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -16,7 +17,7 @@ TRANSITIONS = ("load", "activate")
 
 @dataclass(slots=True)
 class LatencyHistogram:
-    """Durations counted in fixed buckets; its owner observes, others read ``figures()`` (plain values)."""
+    """Durations counted in fixed buckets; its owner observes, others read ``figures()`` (a frozen copy)."""
 
     buckets: tuple[float, ...] = LOAD_BUCKETS
     counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))  # per bucket, +Inf last
@@ -26,11 +27,5 @@ class LatencyHistogram:
         self.counts[next((i for i, le in enumerate(self.buckets) if seconds <= le), len(self.buckets))] += 1
         self.total += seconds
 
-    def figures(self) -> dict[str, Any]:
-        """{"buckets": upper bounds, "counts": observations per bucket (not cumulative, +Inf last), "sum", "count"}"""
-        return {
-            "buckets": list(self.buckets),
-            "counts": list(self.counts),
-            "sum": self.total,
-            "count": sum(self.counts),
-        }
+    def figures(self) -> Histogram:
+        return Histogram(self.buckets, tuple(self.counts), self.total, sum(self.counts))

@@ -78,14 +78,15 @@ class EngineAdapters:
         return self.engine.adapter_names()
 
     def adapter_info(self, name: str) -> dict[str, Any] | None:
-        return self.engine.adapter_info(name)
+        info = self.engine.adapter_info(name)
+        return None if info is None else info.as_json()
 
     def pool_figures(self) -> dict[str, Any]:
         """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
         scheduler's queues."""
         snap = self.engine.snapshot()
         return {
-            **snap.pool,
+            **snap.pool.as_json(),
             "num_preemptions": snap.num_preemptions,
             "running": snap.running,
             "waiting": snap.waiting,

@@ -8,9 +8,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter as CounterOf
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -18,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
 from lora_server.engine import Engine
+from lora_server.engine.reports import BASE_NAME, AdapterResidency
 
 # vLLM's bucket edges (vllm/v1/metrics/loggers.py), so dashboards and routers built for vLLM read ours unchanged
 TTFT_BUCKETS = (
@@ -88,7 +88,6 @@ E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
-BASE_PLACEMENT_NAME = "<base>"  # the base model's entry in the pool's placement (EngineCore.pool_figures)
 OTHER_ADAPTERS = "<other>"  # lora_name of the adapters beyond the labelled ones (no adapter name has < or >)
 LORA_LABEL_WINDOW_S = 300.0  # the labelled adapters are re-chosen by their requests over this window
 POOL_FIGURES = (
@@ -234,19 +233,20 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.engine.snapshot()
-        pool: dict[str, Any] = snap.pool
-        salts = pool["kv_tokens_by_salt"].values()
-        residency = adapter_residency(pool["adapters"])
+        pool = snap.pool
+        stats = pool.stats
+        salts = stats.kv_tokens_by_salt.values()
+        residency = adapter_residency(pool.adapters)
         on_device = sorted(name for name, r in residency.items() if r.level == "gpu")
         counters = {
             "vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
             "vllm:prefix_cache_queries": (
                 "Prompt tokens looked up in the prefix cache.",
-                sum(s["prompt_tokens"] for s in salts),
+                sum(prompt for prompt, _ in salts),
             ),
             "vllm:prefix_cache_hits": (
                 "Prompt tokens served from the prefix cache.",
-                sum(s["cached_tokens"] for s in salts),
+                sum(cached for _, cached in salts),
             ),
         }
         gauges = {
@@ -254,7 +254,7 @@ class EngineCollector(Collector):
             "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", snap.waiting),
             "vllm:kv_cache_usage_perc": (
                 "Fraction of GPU KV blocks held by requests (1 = 100%).",
-                pool["request_blocks"] / pool["gpu_blocks"],
+                pool.request_blocks / pool.gpu_blocks,
             ),
             "vllm:num_gpu_loaded_lora_adapters": ("Adapters with weights on the device.", len(on_device)),
             "vllm:num_cpu_loaded_lora_adapters": (
@@ -265,20 +265,20 @@ class EngineCollector(Collector):
                 "The most distinct adapters one batch serves (--max-loras), the device's adapter slots.",
                 self.engine.config.max_loras,
             ),
-            "lora_server:adapters_resident": ("Adapters with weights on the GPU.", pool["resident_adapters"]),
+            "lora_server:adapters_resident": ("Adapters with weights on the GPU.", stats.resident_adapters),
             "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
             **{
-                f"lora_server:pool_{name}": (f"Pool figure {name} (see /admin/pool).", pool[name])
+                f"lora_server:pool_{name}": (f"Pool figure {name} (see /admin/pool).", getattr(stats, name))
                 for name in POOL_FIGURES
             },
             **{
                 f"lora_server:pool_evicted_blocks_{kind}": (f"Blocks evicted so far by {kind}.", n)
-                for kind, n in pool["evicted_blocks"].items()
+                for kind, n in stats.evicted_blocks.items()
             },
             **{
                 f"lora_server:ttft_{part}_mean_seconds": (
                     f"Mean {part} share of TTFT in seconds.",
-                    pool["ttft"][f"{part}_mean_s"],
+                    getattr(pool.ttft, f"{part}_mean_s"),
                 )
                 for part in ("queueing", "adapter_loading", "prefill")
             },
@@ -303,15 +303,15 @@ class EngineCollector(Collector):
             "memory to the device).",
             labels=["model_name", "transition"],
         )
-        for transition, h in pool["adapter_load_seconds"].items():
-            cumulative = list(itertools.accumulate(h["counts"]))
-            edges = [*(str(le) for le in h["buckets"]), "+Inf"]
-            load_seconds.add_metric([self.model_name, transition], list(zip(edges, cumulative, strict=True)), h["sum"])
+        for transition, h in (("load", pool.adapter_load), ("activate", pool.adapter_activate)):
+            cumulative = list(itertools.accumulate(h.counts))
+            edges = [*(str(le) for le in h.buckets), "+Inf"]
+            load_seconds.add_metric([self.model_name, transition], list(zip(edges, cumulative, strict=True)), h.sum)
         yield load_seconds
         cache = GaugeMetricFamily(
             "vllm:cache_config_info", "KV cache configuration (value 1).", labels=["block_size", "num_gpu_blocks"]
         )
-        cache.add_metric([str(pool["block_size"]), str(pool["gpu_blocks"])], 1)
+        cache.add_metric([str(pool.block_size), str(pool.gpu_blocks)], 1)
         yield cache
         lora = GaugeMetricFamily(
             "vllm:lora_requests_info",
@@ -332,17 +332,17 @@ class Residency:
     rank: int | None  # its largest LoRA rank
 
 
-def adapter_residency(placement: list[dict[str, Any]]) -> dict[str, Residency]:
-    """Adapter name -> its Residency from the pool's placement in a snapshot (``EngineCore.pool_figures``
-    "adapters"); names whose weights are on neither tier (registered, read from disk when needed) are left out, as
+def adapter_residency(placement: Iterable[AdapterResidency]) -> dict[str, Residency]:
+    """Adapter name -> its Residency from the pool's placement in a snapshot (PoolReport.adapters); names whose
+    weights are on neither tier (registered, read from disk when needed) are left out, as
     are the base model and weights no name points to any more (kept while their last requests run). Names with
     equal weights share one entry of the placement."""
     residency: dict[str, Residency] = {}
     for adapter in placement:
-        level = "gpu" if adapter["tier"] == "gpu" else "cpu" if adapter["staged"] else None
+        level = "gpu" if adapter.tier == "gpu" else "cpu" if adapter.staged else None
         if level is None:
             continue
-        for name in adapter["names"]:
-            if name != BASE_PLACEMENT_NAME:
-                residency[name] = Residency(level, bool(adapter["pinned"]), bool(adapter["staged"]), adapter["rank"])
+        for name in adapter.names:
+            if name != BASE_NAME:
+                residency[name] = Residency(level, adapter.pinned, adapter.staged, adapter.rank)
     return residency

@@ -76,9 +76,9 @@ def add_openai_routes(
         return {
             "id": name,
             "object": "model",
-            "created": int(info["registered_at"]),
+            "created": int(info.registered_at),
             "owned_by": "lora-server",
-            "root": info["path"] if show_paths else name,
+            "root": info.path if show_paths else name,
             "parent": model_id,
             "max_model_len": engine.max_model_len,
         }

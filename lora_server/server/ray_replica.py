@@ -96,14 +96,14 @@ def replica_class(max_adapters: int) -> type:
                 raise RuntimeError(f"the engine has stopped: {self.engine.dead_error!r}")
 
         def stats(self) -> dict[str, Any]:
-            pool = self.engine.snapshot().pool
+            stats = self.engine.snapshot().pool.stats
             return {
                 "replica": self.name,
                 "adapter_requests": self.counts.adapter_requests,
                 "resident_at_arrival": self.counts.resident_at_arrival,
                 "adapter_loads": self.counts.adapter_loads,
-                "pool_adapter_hit_rate": pool["adapter_hit_rate"],
-                "resident_adapters": pool["resident_adapters"],
+                "pool_adapter_hit_rate": stats.adapter_hit_rate,
+                "resident_adapters": stats.resident_adapters,
             }
 
         async def forward(
@@ -143,7 +143,7 @@ def replica_class(max_adapters: int) -> type:
             """Count an adapter request; True when it found its adapter off the device (it is loading it, or
             waits for an earlier request's load)."""
             info = self.engine.adapter_info(adapter)
-            resident = info is not None and info["state"] == "resident"
+            resident = info is not None and info.state == "resident"
             self.counts.adapter_requests += 1
             self.counts.resident_at_arrival += resident
             if resident:

@@ -66,7 +66,7 @@ class RegistrySync:
                         log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
             for name in self.engine.adapter_names():
                 info = self.engine.adapter_info(name)
-                if info is not None and info["source"] == "api" and name not in records:
+                if info is not None and info.source == "api" and name not in records:
                     self.engine.remove_adapter(name)
             self.revision = revision
         self.tenants_changed()
@@ -77,12 +77,7 @@ class RegistrySync:
         another pin. (An engine version above the record's is the same adapter: versions only grow, and a
         demo adapter of the same name takes the next one when the record is loaded over it.)"""
         info = self.engine.adapter_info(record.name)
-        return (
-            info is None
-            or info["version"] < record.version
-            or info["path"] != record.path
-            or info["pinned"] != record.pinned
-        )
+        return info is None or info.version < record.version or info.path != record.path or info.pinned != record.pinned
 
     def start(self) -> None:
         """Follow the store's changes on a daemon thread until ``stop``."""

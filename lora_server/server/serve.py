@@ -130,12 +130,12 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
     """What the server serves, in a few lines for its log at start; ``place``: where the registry store is."""
     info, pool = engine.describe(), engine.snapshot().pool
     a = info.arch
-    blocks, block_size, memory = pool["gpu_blocks"], pool["block_size"], pool["device_memory"]
+    blocks, block_size, memory = pool.gpu_blocks, pool.block_size, pool.device_memory
     adapters = [(n, engine.adapter_info(n)) for n in engine.adapter_names()]
     by_source: dict[str, list[str]] = {}
     for name, adapter in adapters:
         if adapter is not None:
-            by_source.setdefault(adapter["source"], []).append(name)
+            by_source.setdefault(adapter.source, []).append(name)
     gib, dtype = 2**30, str(info.dtype).removeprefix("torch.")
     followed = "replicas heard at once (pub/sub)" if store.backend == "redis" else f"processes read every {POLL_S:g} s"
     return "\n".join(
@@ -144,12 +144,12 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
             f"  model: {a.num_layers} layers, hidden {a.hidden_size}, {a.num_heads}/{a.num_kv_heads} heads, context "
             f"{info.max_model_len}; quantization {config.engine.quantization}, dtype {dtype}, device {info.device}; "
             f"resident weights {info.weight_bytes / 2**20:.0f} MiB",
-            f"  device memory: weights {memory['weights_bytes'] / gib:.2f} GiB + arena "
-            f"{memory['arena_bytes'] / gib:.2f} GiB + workspace {memory['workspace_bytes'] / 2**20:.1f} MiB; the "
-            f"arena: {blocks} pages of {pool['block_bytes'] / 2**20:.2f} MiB, each {block_size} tokens of KV or part "
-            f"of an adapter (as many resident as policy {pool['policy']} keeps; at most {config.engine.max_loras} in "
+            f"  device memory: weights {memory.weights_bytes / gib:.2f} GiB + arena "
+            f"{memory.arena_bytes / gib:.2f} GiB + workspace {memory.workspace_bytes / 2**20:.1f} MiB; the "
+            f"arena: {blocks} pages of {pool.block_bytes / 2**20:.2f} MiB, each {block_size} tokens of KV or part "
+            f"of an adapter (as many resident as policy {pool.policy} keeps; at most {config.engine.max_loras} in "
             "one batch); host tier "
-            f"{pool['host_blocks']} pages ({memory['host_tier_bytes'] / gib:.2f} GiB), up to "
+            f"{pool.host_blocks} pages ({memory.host_tier_bytes / gib:.2f} GiB), up to "
             f"{config.engine.max_cpu_loras} adapters staged in host memory",
             "  start-up: "
             + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in info.startup_s.items())
