@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lora_server.kv_pool.block_pool import BlockPool, OutOfBlocksError
@@ -73,6 +73,17 @@ class PoolConfig:
     def pin_blocks(self, num_blocks: int) -> int:
         """What pinning an adapter of num_blocks takes from max_pinned_blocks: its blocks (slot policies: a slot)."""
         return self.adapter_slot_blocks if POLICIES[self.policy].adapter_slots else num_blocks
+
+    def pin_refusal(self, pinned: Iterable[int], num_blocks: int) -> str | None:
+        """The pin rule: why an adapter of ``num_blocks`` cannot be pinned beside pinned adapters of ``pinned``
+        blocks each (None: it can). Together they may take max_pinned_blocks."""
+        taken, needed = sum(self.pin_blocks(n) for n in pinned), self.pin_blocks(num_blocks)
+        if taken + needed <= self.max_pinned_blocks:
+            return None
+        return (
+            f"pinned adapters may take {self.max_pinned_blocks} of the {self.num_gpu_blocks} device pages and "
+            f"{taken} are taken; this one needs {needed}: unpin one first"
+        )
 
     @property
     def max_pinned_blocks(self) -> int:
@@ -213,28 +224,21 @@ class UnifiedPool:
         num_blocks = self.config.adapter_blocks(num_bytes)
         if self.policy.adapter_slots and num_blocks > self.config.adapter_slot_blocks:
             raise ValueError(f"the adapter takes {num_blocks} blocks; a slot holds {self.config.adapter_slot_blocks}")
-        if pinned and not self.can_pin(num_blocks, adapter_id):
-            raise ValueError(
-                f"pinning it would take more than {self.config.max_pinned_blocks} of the {self.config.num_gpu_blocks}"
-                " device blocks for pinned adapters"
+        if pinned:
+            others = (
+                a.num_blocks
+                for a in self.tree.adapters()
+                if a.pinned and not a.dropped and a.key.adapter_id != adapter_id
             )
+            refusal = self.config.pin_refusal(others, num_blocks)
+            if refusal is not None:
+                raise ValueError(refusal)
         key = AdapterKey(adapter_id, version)
         if self.tree.adapter(key) is not None:
             raise ValueError(f"adapter {adapter_id} version {version} is already registered")
         self.tree.drop_adapter(adapter_id)
         self.tree.add_adapter(key, num_bytes, num_blocks, pinned, staged)
         return key
-
-    def can_pin(self, num_blocks: int, replacing: int | None = None) -> bool:
-        """Whether an adapter of ``num_blocks`` can be pinned beside those pinned now (those of id ``replacing``
-        aside: a new version replaces them)."""
-        c = self.config
-        pinned = sum(
-            c.pin_blocks(a.num_blocks)
-            for a in self.tree.adapters()
-            if a.pinned and not a.dropped and a.key.adapter_id != replacing
-        )
-        return pinned + c.pin_blocks(num_blocks) <= c.max_pinned_blocks
 
     def set_staged(self, adapter: AdapterKey, staged: bool) -> None:
         """The engine's loader has this adapter's weights ready on the host (or no longer): only staged adapters

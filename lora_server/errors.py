@@ -71,3 +71,12 @@ class ModelLoadError(LoraServerError, ValueError):
 
 class ConfigError(LoraServerError, ValueError):
     """A flag or setting is out of its range or contradicts another (the command line says which; nothing ran)."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request or an admin call named an adapter (a model) that is not registered."""
+
+    http_status = 404
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model `{name}` does not exist.", param="model", code="model_not_found")

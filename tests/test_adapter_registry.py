@@ -10,7 +10,7 @@ import pytest
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.engine.adapter_registry import UnknownAdapterError
+from lora_server.errors import UnknownAdapterError
 from lora_server.sampling_params import SamplingParams
 from tests.servers import write_adapter
 

@@ -625,7 +625,7 @@ def test_pins_beyond_the_share_are_refused():
     pool = pool_of("tree-cost", num_gpu_blocks=16)  # max_pinned_share 0.5: 8 blocks
     for i in (1, 2, 3, 4):
         pool.register_adapter(i, 0, 200, pinned=True)
-    with pytest.raises(ValueError, match="more than 8 of the 16 device blocks"):
+    with pytest.raises(ValueError, match="pinned adapters may take 8 of the 16 device pages and 8 are taken"):
         pool.register_adapter(5, 0, 200, pinned=True)
     pool.register_adapter(1, 1, 100, pinned=True)  # a new version of 1 replaces it: 1 block instead of 2
     pool.register_adapter(5, 0, 100, pinned=True)

@@ -30,17 +30,14 @@ from lora_server.admin.store.base import (
     RateLimits,
     RegistryStore,
     StoreStatus,
-    StoreUnavailableError,
-    TenantExistsError,
     TenantRecord,
-    UnknownKeyError,
-    UnknownTenantError,
     Usage,
     check_weight,
     is_valid_name,
     key_id,
     validate_name,
 )
+from lora_server.admin.store.errors import StoreUnavailableError, TenantExistsError, UnknownKeyError, UnknownTenantError
 from lora_server.admin.store.open import open_store
 
 __all__ = [

@@ -18,7 +18,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from lora_server.admin.store.base import RegistryStore, StoreUnavailableError
+from lora_server.admin.store.base import RegistryStore
+from lora_server.admin.store.errors import StoreUnavailableError
 
 if TYPE_CHECKING:  # the redis package is needed only with a Redis store
     import redis

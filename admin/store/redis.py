@@ -52,10 +52,10 @@ from lora_server.admin.store.base import (
     RateLimits,
     RegistryStore,
     StoreStatus,
-    StoreUnavailableError,
     TenantRecord,
     Usage,
 )
+from lora_server.admin.store.errors import StoreUnavailableError
 
 # Check and increment in one script so that concurrent takes never overshoot and a refused take changes nothing.
 # KEYS[1]: the window's counter; ARGV: amount, limit, seconds until the counter may expire. Returns {allowed, used}.

@@ -30,10 +30,10 @@ from lora_server.admin.store.base import (
     RateLimits,
     RegistryStore,
     StoreStatus,
-    StoreUnavailableError,
     TenantRecord,
     Usage,
 )
+from lora_server.admin.store.errors import StoreUnavailableError
 
 SCHEMA_VERSION = 4
 _SCHEMA = (

@@ -19,16 +19,9 @@ from pathlib import Path
 
 from lora_server.adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
 from lora_server.adapters.peft_format import AdapterError, LoraAdapter, load_peft_adapter
-from lora_server.errors import InvalidRequestError
+from lora_server.errors import UnknownAdapterError
 from lora_server.kv_pool import PoolConfig
 from lora_server.kv_pool.tree import AdapterKey
-
-
-class UnknownAdapterError(InvalidRequestError):
-    http_status = 404
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,16 +197,12 @@ class AdapterRegistry:
         return handle
 
     def _check_pin(self, num_pages: int, adapter_id: int | None, old: AdapterHandle | None) -> None:
-        """Refuse a pin beyond the pool's max_pinned_blocks (called with the lock held)."""
-        pool = self.pool
+        """Refuse a pin the pool's pin rule refuses (PoolConfig.pin_refusal; called with the lock held)."""
         pinned_ids = {h.adapter_id for h in self._current.values() if h.pinned and h is not old}
         pinned_ids.discard(adapter_id or -1)
-        taken = sum(pool.pin_blocks(self._contents[i].num_pages) for i in pinned_ids)
-        if taken + pool.pin_blocks(num_pages) > pool.max_pinned_blocks:
-            raise AdapterError(
-                f"pinned adapters may take {pool.max_pinned_blocks} of the {pool.num_gpu_blocks} device pages and "
-                f"{taken} are taken; this one needs {pool.pin_blocks(num_pages)}: unpin one first"
-            )
+        refusal = self.pool.pin_refusal((self._contents[i].num_pages for i in pinned_ids), num_pages)
+        if refusal is not None:
+            raise AdapterError(refusal)
 
     def unregister(self, name: str) -> None:
         with self._lock:

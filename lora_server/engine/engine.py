@@ -21,7 +21,7 @@ import torch
 
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
-from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter, UnknownAdapterError
+from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter
 from lora_server.engine.core import EngineCore, Prompt, StepTimes
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
@@ -33,6 +33,7 @@ from lora_server.errors import (
     InvalidRequestError,
     LoraServerError,
     QueueFullError,
+    UnknownAdapterError,
 )
 from lora_server.model.arch import ModelArch
 from lora_server.model.quant import resident_bytes

@@ -16,7 +16,8 @@ from typing import Any
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.admin.api.errors import ApiError
 from lora_server.engine import Engine
-from lora_server.engine.adapter_registry import CheckedAdapter, UnknownAdapterError
+from lora_server.engine.adapter_registry import CheckedAdapter
+from lora_server.errors import UnknownAdapterError
 
 log = logging.getLogger("lora_server")
 
