@@ -1,13 +1,14 @@
-"""The tree of the unified pool: a root, one node per adapter version, and under each a prefix tree of full KV blocks.
+"""The tree of the unified pool: a root, one node per adapter, and under each a prefix tree of full KV blocks.
 
 Ownership: the tree owns its structure, every node's tier, lock count, access time and hit times, and exactly one
 reference on each block a node lists (on the GPU BlockPool for GPU nodes and resident adapter weights, on the host
 BlockPool for host nodes). It never touches tensors: every move is recorded as a CopyOp in `ops`, which the engine
 executes in order. Which node goes first is not decided here: `evict` takes a key function from a policy.
 
-Shape of the tree. The root's children are AdapterNodes keyed by (adapter id, version); the base model is the node
-BASE ("no adapter", no weights). Below an adapter, a child is keyed by (domain, tenant salt, its first block's
-tokens), so KV is only ever shared by requests with the same domain, salt, adapter and version. A KVNode holds a
+Shape of the tree. The root's children are AdapterNodes keyed by adapter id (the registry's content id: equal
+weights, equal id; other weights get a new id); the base model is the node BASE ("no adapter", no weights). Below an
+adapter, a child is keyed by (tenant salt, its first block's tokens), so KV is only ever shared by requests with the
+same salt and adapter weights. A KVNode holds a
 run of full blocks, all on one tier. Along any path from an adapter the GPU nodes come first: only GPU leaves are
 swapped out and only host roots (host nodes whose parent is on the GPU) are swapped in.
 """
@@ -36,24 +37,21 @@ class Tier(Enum):
 @dataclass(frozen=True, slots=True)
 class AdapterKey:
     adapter_id: int  # BASE_ADAPTER_ID (-1) is the base model
-    version: int = 0
 
 
-BASE = AdapterKey(BASE_ADAPTER_ID, 0)
+BASE = AdapterKey(BASE_ADAPTER_ID)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixKey:
     """Everything that must be equal for two requests to share KV."""
 
-    domain: str
     salt: str  # the tenant's cache salt, derived by the server, never by the client
     adapter_id: int = BASE_ADAPTER_ID
-    version: int = 0
 
     @property
     def adapter(self) -> AdapterKey:
-        return AdapterKey(self.adapter_id, self.version)
+        return AdapterKey(self.adapter_id)
 
 
 class OpKind(Enum):
@@ -71,7 +69,7 @@ class CopyOp:
     adapter: AdapterKey | None = None
 
 
-ChildKey = tuple[str, str, tuple[int, ...]]  # (domain, salt, the tokens of the child's first block)
+ChildKey = tuple[str, tuple[int, ...]]  # (salt, the tokens of the child's first block)
 
 
 @dataclass(eq=False, slots=True)
@@ -105,7 +103,7 @@ class KVNode:
     id: int
     adapter: AdapterNode
     parent: AdapterNode | KVNode
-    ns: tuple[str, str]  # (domain, salt)
+    salt: str  # the cache salt of every request that shares it
     keys: list[tuple[int, ...]]  # [num blocks] the tokens of each block
     blocks: list[int]  # [num blocks] block ids on `tier`
     tier: Tier
@@ -172,7 +170,7 @@ class PrefixTree:
     def add_adapter(
         self, key: AdapterKey, num_bytes: int, num_blocks: int, pinned: bool = False, staged: bool = False
     ) -> AdapterNode:
-        """Make an adapter version known (tier HOST: not on the device; ``staged``: its weights are ready on the
+        """Make an adapter known (tier HOST: not on the device; ``staged``: its weights are ready on the
         host)."""
         if key in self._adapters:
             raise ValueError(f"adapter {key} is already in the tree")
@@ -205,18 +203,18 @@ class PrefixTree:
         self.gpu.free(node.blocks)
         node.blocks, node.tier = [], Tier.HOST
 
-    def drop_adapter(self, adapter_id: int, version: int | None = None) -> list[AdapterKey]:
-        """Unload or replace: every version of adapter_id (or just `version`) becomes unreachable at once and its
-        subtree is freed; locked parts (running requests) are freed when their last lock ends."""
+    def drop_adapter(self, adapter_id: int) -> bool:
+        """Unload: the adapter becomes unreachable at once and its subtree is freed; locked parts (running
+        requests) are freed when their last lock ends. Returns whether the tree knew it."""
         if adapter_id == BASE_ADAPTER_ID:
             raise ValueError("the base model cannot be dropped")
-        keys = [k for k in self._adapters if k.adapter_id == adapter_id and version in (None, k.version)]
-        for key in keys:
-            node = self._adapters.pop(key)
-            node.dropped = True
-            self._dropped.add(node)
-            self._prune(node)
-        return keys
+        node = self._adapters.pop(AdapterKey(adapter_id), None)
+        if node is None:
+            return False
+        node.dropped = True
+        self._dropped.add(node)
+        self._prune(node)
+        return True
 
     def _prune(self, adapter: AdapterNode) -> None:
         stack: list[Node] = [adapter]
@@ -246,12 +244,12 @@ class PrefixTree:
         Returns (the GPU blocks of the path's leading GPU nodes, the tokens they hold, a handle to the whole path).
         A match that ends inside a node splits it, so the handle ends exactly at the match. With `touch`, records a
         hit and the access time on each node of the path (otherwise the caller calls touch() once the match is
-        used). Raises KeyError for an adapter version the tree does not know."""
+        used). Raises KeyError for an adapter the tree does not know."""
         node: Node = self._adapters[key.adapter]
-        keys, ns = self._block_keys(tokens), (key.domain, key.salt)
+        keys, salt = self._block_keys(tokens), key.salt
         gpu_blocks: list[int] = []
         on_gpu, i = True, 0
-        while i < len(keys) and (child := node.children.get((*ns, keys[i]))) is not None:
+        while i < len(keys) and (child := node.children.get((salt, keys[i]))) is not None:
             n = _common(child.keys, keys[i:])
             if n < len(child.keys):
                 child = self._split(child, n)
@@ -284,17 +282,17 @@ class PrefixTree:
         node = parent.node
         assert node.lock > 0 and node.tier is Tier.GPU, "insert under an unlocked or non-GPU handle"
         adapter = node if isinstance(node, AdapterNode) else node.adapter
-        keys, ns = self._block_keys(tokens), (parent.key.domain, parent.key.salt)
+        keys, salt = self._block_keys(tokens), parent.key.salt
         assert len(blocks) >= len(keys), "fewer blocks than full token blocks"
         i = 0
         while i < len(keys) and not adapter.dropped:
-            child = node.children.get((*ns, keys[i]))
+            child = node.children.get((salt, keys[i]))
             if child is None:
                 new = KVNode(
                     next(self._ids),
                     adapter,
                     node,
-                    ns,
+                    salt,
                     keys[i:],
                     list(blocks[i : len(keys)]),
                     Tier.GPU,
@@ -303,7 +301,7 @@ class PrefixTree:
                 )
                 new.hit_times.append(now)  # the request that computed it counts as its first use
                 self.gpu.share(new.blocks)
-                node.children[(*ns, keys[i])] = new
+                node.children[(salt, keys[i])] = new
                 return Handle(parent.key, new)
             n = _common(child.keys, keys[i:])
             if n < len(child.keys):
@@ -325,7 +323,7 @@ class PrefixTree:
             next(self._ids),
             node.adapter,
             node.parent,
-            node.ns,
+            node.salt,
             node.keys[:k],
             node.blocks[:k],
             node.tier,
@@ -334,9 +332,9 @@ class PrefixTree:
             last_access=node.last_access,
             hit_times=deque(node.hit_times, maxlen=HIT_HISTORY),
         )
-        node.parent.children[(*node.ns, node.keys[0])] = head
+        node.parent.children[(node.salt, node.keys[0])] = head
         node.keys, node.blocks, node.parent = node.keys[k:], node.blocks[k:], head
-        head.children[(*node.ns, node.keys[0])] = node
+        head.children[(node.salt, node.keys[0])] = node
         return head
 
     # ---- locks ----------------------------------------------------------------------------------------------
@@ -397,7 +395,7 @@ class PrefixTree:
     def drop(self, node: KVNode, reason: str = "kv_drop") -> None:
         """Free an unlocked node and its whole subtree, on whichever tier each part is."""
         assert node.lock == 0, "a locked node cannot be dropped"
-        del node.parent.children[(*node.ns, node.keys[0])]
+        del node.parent.children[(node.salt, node.keys[0])]
         for n in self._subtree(node):
             (self.gpu if n.tier is Tier.GPU else self.host).free(n.blocks)  # type: ignore[union-attr]
             self.counters[reason] += len(n.blocks)
@@ -535,7 +533,7 @@ class PrefixTree:
                 assert node.lock >= sum(c.lock for c in node.children.values()), "lock counts are inconsistent"
                 assert node.lock == 0 or node.tier is Tier.GPU, "a locked node left the GPU"
                 for child_key, child in node.children.items():
-                    assert child.parent is node and child_key == (*child.ns, child.keys[0])
+                    assert child.parent is node and child_key == (child.salt, child.keys[0])
                     assert child.adapter is adapter and child.tier in (Tier.GPU, Tier.HOST)
                     assert len(child.keys) == len(child.blocks) > 0
                     assert all(len(k) == self.block_size for k in child.keys)

@@ -147,7 +147,7 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class AdapterPlacement:
-    """Where one adapter version and its cached KV are (UnifiedPool.adapter_placement)."""
+    """Where one adapter and its cached KV are (UnifiedPool.adapter_placement)."""
 
     key: AdapterKey
     tier: str  # "gpu" or "host" (the base model: always "gpu")
@@ -178,8 +178,8 @@ class PoolStats:
 
 
 class UnifiedPool:
-    """The KV pool of the design: only the engine thread calls it. Adapter ids and versions come from the registry;
-    the pool keeps no adapter weights, only their GPU blocks and residency."""
+    """The KV pool of the design: only the engine thread calls it. Adapter ids (one per set of weights) come from
+    the registry; the pool keeps no adapter weights, only their GPU blocks and residency."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
@@ -207,18 +207,18 @@ class UnifiedPool:
         return self.gpu.blocks_for_tokens(num_tokens) + adapter
 
     def resident_adapters(self) -> dict[AdapterKey, int]:
-        """The adapter versions on the GPU and their table pages."""
+        """The adapters on the GPU and their table pages."""
         return {a.key: a.table_page for a in self.tree.adapters() if a.tier is Tier.GPU and a.table_page >= 0}
 
     # ---- adapters -------------------------------------------------------------------------------------------
 
     def register_adapter(
-        self, adapter_id: int, version: int, num_bytes: int, pinned: bool = False, staged: bool = False
+        self, adapter_id: int, num_bytes: int, pinned: bool = False, staged: bool = False
     ) -> AdapterKey:
-        """Make an adapter version known, ``num_bytes`` its pages' bytes (it stays off the GPU until a request needs
-        it, or for a pinned one until it is staged and the GPU has room: it then stays there). Earlier versions of
-        the same id are dropped with their KV: a new version replaces them. ``staged``: its weights are ready on
-        the host already (else set_staged says when). ValueError for a pin beyond ``max_pinned_blocks``."""
+        """Make an adapter known, ``num_bytes`` its pages' bytes (it stays off the GPU until a request needs it, or
+        for a pinned one until it is staged and the GPU has room: it then stays there). ``staged``: its weights are
+        ready on the host already (else set_staged says when). ValueError for an id already known (other weights
+        get a new id) or a pin beyond ``max_pinned_blocks``."""
         if adapter_id == BASE_ADAPTER_ID or num_bytes < 1:
             raise ValueError("an adapter needs an id other than the base model's and a positive size")
         num_blocks = self.config.adapter_blocks(num_bytes)
@@ -233,16 +233,15 @@ class UnifiedPool:
             refusal = self.config.pin_refusal(others, num_blocks)
             if refusal is not None:
                 raise ValueError(refusal)
-        key = AdapterKey(adapter_id, version)
+        key = AdapterKey(adapter_id)
         if self.tree.adapter(key) is not None:
-            raise ValueError(f"adapter {adapter_id} version {version} is already registered")
-        self.tree.drop_adapter(adapter_id)
+            raise ValueError(f"adapter {adapter_id} is already registered")
         self.tree.add_adapter(key, num_bytes, num_blocks, pinned, staged)
         return key
 
     def set_staged(self, adapter: AdapterKey, staged: bool) -> None:
         """The engine's loader has this adapter's weights ready on the host (or no longer): only staged adapters
-        are loaded. Unknown versions are ignored (dropped meanwhile)."""
+        are loaded. Unknown adapters are ignored (dropped meanwhile)."""
         node = self.tree.adapter(adapter)
         if node is not None:
             node.staged = staged
@@ -253,6 +252,16 @@ class UnifiedPool:
         if node is not None:
             node.pinned = pinned
 
+    def pinned_adapters(self) -> set[int]:
+        """The ids of the pinned adapters (not dropped)."""
+        return {a.key.adapter_id for a in self.tree.adapters() if a.pinned and not a.dropped}
+
+    def can_make_resident(self, adapter: AdapterKey) -> bool:
+        """Whether a request of this adapter could be admitted as far as its weights go: on the GPU, or staged on
+        the host (room aside). False for an adapter the pool does not know."""
+        node = self.tree.adapter(adapter)
+        return node is not None and (node.staged or node.table_page >= 0)
+
     def pending_adapter_pages(self, unloads: bool = False) -> set[int]:
         """Table pages of the adapter loads (or unloads) decided but not yet taken by take_copy_ops."""
         if unloads:
@@ -260,13 +269,13 @@ class UnifiedPool:
         return {op.dst[0] for op in self.tree.ops if op.kind is OpKind.ADAPTER_LOAD}
 
     def knows(self, adapter: AdapterKey) -> bool:
-        """Whether this adapter version is registered (and not dropped)."""
+        """Whether this adapter is registered (and not dropped)."""
         return self.tree.adapter(adapter) is not None
 
-    def drop_adapter(self, adapter_id: int, version: int | None = None) -> list[AdapterKey]:
-        """Unload an adapter (all versions, or one): it and its KV go at once; running requests keep what they
-        locked until they release it."""
-        return self.tree.drop_adapter(adapter_id, version)
+    def drop_adapter(self, adapter_id: int) -> bool:
+        """Unload an adapter: it and its KV go at once; running requests keep what they locked until they release
+        it. Returns whether the pool knew it."""
+        return self.tree.drop_adapter(adapter_id)
 
     def _resident_adapters(self) -> int:
         return sum(1 for a in self.tree.adapters() if a.tier is Tier.GPU and a.num_blocks > 0)
@@ -329,10 +338,10 @@ class UnifiedPool:
         token_budget of them (all of them or nothing when not `partial`). None: the adapter cannot be made
         resident now (it is not staged on the host, or all candidates are locked) or the chunk does not fit;
         nothing is held or counted then (an adapter loaded or KV swapped in on the way stays, unlocked). Raises
-        KeyError for an adapter version that is not registered."""
+        KeyError for an adapter that is not registered."""
         adapter = self.tree.adapter(key.adapter)
         if adapter is None:
-            raise KeyError(f"adapter {key.adapter_id} version {key.version} is not registered")
+            raise KeyError(f"adapter {key.adapter_id} is not registered")
         was_resident = adapter.tier is Tier.GPU
         if not self._make_resident(adapter, now):
             return None
@@ -534,7 +543,7 @@ class UnifiedPool:
         )
 
     def adapter_placement(self) -> list[AdapterPlacement]:
-        """Each known adapter version (the base model included): its tier, table page, whether it is staged, its
+        """Each known adapter (the base model included): its tier, table page, whether it is staged, its
         pin, and the KV blocks cached under it on each tier (what a status page draws)."""
         kv: Counter[tuple[int, Tier]] = Counter()  # one pass over the KV: O(nodes), not adapters x nodes
         for n in self.tree.kv_nodes():

@@ -6,9 +6,10 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from lora_server.errors import InvalidRequestError
+from lora_server.json_types import JsonObject
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -65,7 +66,7 @@ class StructuredOutput:
             )
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str, param: str = "guided_json") -> StructuredOutput:
+    def json_schema(cls, schema: JsonObject | str, param: str = "guided_json") -> StructuredOutput:
         """The constraint of a JSON schema given as an object or as JSON text (InvalidRequestError otherwise)."""
         if isinstance(schema, str):
             try:

@@ -159,9 +159,10 @@ def test_a_request_waits_for_its_adapter_while_the_batch_steps(fillers):
     engine.step()  # its prefill
     waiting = engine.make_request(prompt, GREEDY, adapter="late")
     engine.add(waiting)
-    before = running.num_output_tokens
+    served = engine.core.scheduler.requests  # the engine's own state of each request, by id
+    before = served[running.request_id].num_output_tokens
     engine.step()  # the loader is asked for "late" now: it cannot be on the device yet
-    assert running.num_output_tokens == before + 1 and waiting.admission is None
+    assert served[running.request_id].num_output_tokens == before + 1 and served[waiting.request_id].admission is None
     outputs = _drive(engine)
     done = {o.request_id: o for o in outputs if o.finished}
     assert done[waiting.request_id].finish_reason == "length" and done[running.request_id].finish_reason == "length"

@@ -200,7 +200,9 @@ def test_smollm2s_template_gets_the_default_rendering(serving, hf):
     assert serving.tool_parser is not None and serving.tool_parser.name == "hermes"  # the rendering's format
     prepared = serving.prepare_chat(body(HISTORY, [WEATHER, TIME]), None, "")
     try:
-        assert prepared.requests[0].prompt_token_ids == hf(DEFAULT_RENDERING, add_special_tokens=False)["input_ids"]
+        assert (
+            list(prepared.requests[0].prompt_token_ids) == hf(DEFAULT_RENDERING, add_special_tokens=False)["input_ids"]
+        )
     finally:
         serving.discard(prepared.requests)
 
@@ -209,7 +211,7 @@ def test_a_conversation_without_tools_is_templated_as_before(serving, hf):
     messages = [{"role": "user", "content": "Hi!"}]
     prepared = serving.prepare_chat(body(messages), None, "")
     serving.discard(prepared.requests)
-    assert prepared.requests[0].prompt_token_ids == hf_ids(hf, messages, None)
+    assert list(prepared.requests[0].prompt_token_ids) == hf_ids(hf, messages, None)
     assert prepared.tool_calling is None
 
 

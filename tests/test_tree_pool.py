@@ -3,6 +3,7 @@ seeded random run that simulates the engine's copies and checks integrity at eve
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -23,8 +24,8 @@ from lora_server.kv_pool.tree import (
 )
 from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 
-A1 = AdapterKey(1, 0)
-K1 = PrefixKey("chat", "t1", 1, 0)
+A1 = AdapterKey(1)
+K1 = PrefixKey("t1", 1)
 
 
 def make_tree(gpu_blocks=16, host_blocks=4, adapters=((A1, 2),)) -> PrefixTree:
@@ -185,17 +186,10 @@ def test_full_host_drops_the_colder_kv():
     assert dump(tree, A1) == {(3, 4): ("host", [0])} and tree.counters["kv_drop"] == 1
 
 
-def test_keys_isolate_adapters_versions_tenants_and_domains():
-    a11, a20 = AdapterKey(1, 1), AdapterKey(2, 0)
-    tree = make_tree(gpu_blocks=40, adapters=((A1, 1), (a11, 1), (a20, 1)))
-    keys = [
-        K1,
-        PrefixKey("chat", "t1", 1, 1),
-        PrefixKey("chat", "t1", 2, 0),
-        PrefixKey("chat", "t2", 1, 0),
-        PrefixKey("completion", "t1", 1, 0),
-        PrefixKey("chat", "t1", BASE_ADAPTER_ID, 0),
-    ]
+def test_keys_isolate_adapters_and_tenants():
+    a20 = AdapterKey(2)
+    tree = make_tree(gpu_blocks=40, adapters=((A1, 1), (a20, 1)))
+    keys = [K1, PrefixKey("t1", 2), PrefixKey("t2", 1), PrefixKey("t1", BASE_ADAPTER_ID)]
     tokens = [1, 2, 3, 4, 5, 6]
     put(tree, K1, tokens, now=1.0)
     for key in keys[1:]:
@@ -208,9 +202,9 @@ def test_keys_isolate_adapters_versions_tenants_and_domains():
 
 
 def test_drop_adapter_drops_exactly_its_subtrees():
-    a11, a20 = AdapterKey(1, 1), AdapterKey(2, 0)
+    a11, a20 = AdapterKey(3), AdapterKey(2)
     tree = make_tree(gpu_blocks=20, adapters=((A1, 1), (a11, 1), (a20, 1)))  # weights in blocks 0, 1, 2
-    k11, k20 = PrefixKey("chat", "t1", 1, 1), PrefixKey("chat", "t1", 2, 0)
+    k11, k20 = PrefixKey("t1", 3), PrefixKey("t1", 2)
     put(tree, K1, [1, 2, 3, 4], now=1.0)  # 3, 4
     put(tree, K1, [1, 2, 5, 6], now=1.0)  # 5 is a duplicate of (1, 2); (5, 6) in 6
     put(tree, k11, [1, 2, 3, 4], now=1.0)  # 7, 8
@@ -219,7 +213,7 @@ def test_drop_adapter_drops_exactly_its_subtrees():
     held = tree.match_prefix(K1, [1, 2, 3, 4], now=2.0)[2]
     tree.lock(held)
 
-    assert tree.drop_adapter(1) == [A1, a11]
+    assert tree.drop_adapter(1) and tree.drop_adapter(3) and not tree.drop_adapter(3)
     with pytest.raises(KeyError):
         tree.match_prefix(K1, [1, 2], now=3.0)
     assert tree.adapter(a20) is not None and dump(tree, a20) == before
@@ -229,7 +223,7 @@ def test_drop_adapter_drops_exactly_its_subtrees():
 
     tree.unlock(held)
     assert {b for b in range(20) if tree.gpu.ref_count(b)} == {2, 9, 10}
-    assert [a.key for a in tree.adapters()] == [AdapterKey(BASE_ADAPTER_ID, 0), a20]
+    assert [a.key for a in tree.adapters()] == [AdapterKey(BASE_ADAPTER_ID), a20]
     assert tree.counters["adapter_drop"] == 7  # 2 weight blocks and 5 KV blocks
     tree.check_integrity(kv_needs_adapter=True)
     with pytest.raises(ValueError):
@@ -243,13 +237,13 @@ def test_tree_cost_eval_by_hand():
     policy = TreeCost(
         PolicyParams(h2d_bytes_per_s=1000.0, recompute_s_per_token=0.01, window_s=10.0, batch_size=2.0), block_bytes=100
     )
-    a, b = AdapterKey(1, 0), AdapterKey(2, 0)
+    a, b = AdapterKey(1), AdapterKey(2)
     for t, key in [(0.0, a), (0.5, b), (1.0, a), (1.0, b)]:
         policy.observe(key, t)
     assert policy.expected_adapters() == pytest.approx(2 * (1 - 0.5**2))
 
     tree = make_tree(adapters=((a, 5),))
-    node = tree.path(put(tree, PrefixKey("chat", "t1", 1, 0), [1, 2, 3, 4], now=0.0))[-1]
+    node = tree.path(put(tree, PrefixKey("t1", 1), [1, 2, 3, 4], now=0.0))[-1]
     node.hit_times.append(1.0)
     node.last_access = 1.0
     # restore = min(2 blocks * 100 B / 1000 B/s, 4 tokens * 0.01 s) = 0.04; reuse = 2 hits / 4 requests
@@ -273,11 +267,11 @@ def test_tree_cost_copy_prices_and_the_host_decision_by_hand():
         window_s=10.0,
     )
     policy = TreeCost(params, block_bytes=100)
-    a = AdapterKey(1, 0)
+    a = AdapterKey(1)
     for t in (0.0, 0.5, 1.0, 1.0):
         policy.observe(a, t)  # 4 requests in the window
     tree = make_tree(adapters=((a, 5),))
-    node = tree.path(put(tree, PrefixKey("chat", "t1", 1, 0), [1, 2, 3, 4], now=1.0))[-1]  # 2 blocks, 1 hit
+    node = tree.path(put(tree, PrefixKey("t1", 1), [1, 2, 3, 4], now=1.0))[-1]  # 2 blocks, 1 hit
     assert policy.swap_in_s(node) == pytest.approx(2 * (0.01 + 100 / 1000))  # 0.22
     assert policy.swap_out_s(node) == pytest.approx(2 * (0.01 + 100 / 500))  # 0.42
     assert policy.recompute_s(node) == pytest.approx(0.4)
@@ -304,11 +298,11 @@ def test_a_swap_in_waits_for_the_queue():
     runs; on an idle engine it comes back."""
     params = PolicyParams(h2d_bytes_per_s=1e6, recompute_s_per_token=1e-3, window_s=100.0, copies_stall_compute=True)
     pool = pool_of("tree-cost", params=params)
-    pool.register_adapter(1, 0, 200, staged=True)
-    pool.register_adapter(2, 0, 200, staged=True)
+    pool.register_adapter(1, 200, staged=True)
+    pool.register_adapter(2, 200, staged=True)
     serve(pool, K1, list(range(9)), 1.0)  # adapter 1 (2 blocks) and its KV (2 blocks)
     serve(pool, K1, list(range(9)), 1.5)  # a second hit: worth keeping on the host
-    adm = pool.admit(PrefixKey("chat", "t1", 2, 0), list(range(100, 109)), 2.0)
+    adm = pool.admit(PrefixKey("t1", 2), list(range(100, 109)), 2.0)
     table = pool.allocate(3, 2.0)  # 8 blocks: 2 + 2 weights, 1 KV left to adapter 1, 3 for this request
     # the tail block's saving: 2 hits / 3 requests x e^-0.005 x (4 tokens x 1 ms - 0.1 ms) > its 0.1 ms copy out
     assert [op.kind for op in pool.take_copy_ops()] == [OpKind.ADAPTER_LOAD, OpKind.KV_SWAP_OUT]
@@ -351,9 +345,9 @@ def serve(pool: UnifiedPool, key: PrefixKey, tokens: list[int], now: float) -> l
 
 def test_tree_cost_pool_by_hand():
     pool = pool_of("tree-cost")
-    pool.register_adapter(1, 0, 200, staged=True)
-    pool.register_adapter(2, 0, 200, staged=True)
-    k2 = PrefixKey("chat", "t1", 2, 0)
+    pool.register_adapter(1, 200, staged=True)
+    pool.register_adapter(2, 200, staged=True)
+    k2 = PrefixKey("t1", 2)
     p1, p2 = list(range(9)), list(range(100, 109))
     assert serve(pool, K1, p1, 1.0) == [CopyOp(OpKind.ADAPTER_LOAD, dst=(0, 1), adapter=A1)]  # KV: 2, 3
     assert serve(pool, K1, p1, 2.0) == []
@@ -364,7 +358,7 @@ def test_tree_cost_pool_by_hand():
     adm = pool.admit(k2, p2, 3.0)  # adapter 2 takes 2 of the 4 free blocks
     table = pool.allocate(3, 3.0)  # 2 free: the tail of adapter 1's KV goes to the host
     assert pool.take_copy_ops() == [
-        CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2, 0)),
+        CopyOp(OpKind.ADAPTER_LOAD, dst=(6, 7), adapter=AdapterKey(2)),
         CopyOp(OpKind.KV_SWAP_OUT, (3,), (0,)),
     ]
     assert table == [4, 5, 3]  # the block freed by the swap-out is reused after its copy-out
@@ -391,10 +385,10 @@ def test_tree_cost_pool_by_hand():
 @pytest.mark.parametrize("policy,invalid", [("tree-cost", 0.0), ("lru-unified", 0.0), ("lru-separate", 0.5)])
 def test_invalid_kv_after_adapter_churn(policy, invalid):
     pool = pool_of(policy)
-    pool.register_adapter(1, 0, 200, staged=True)
-    pool.register_adapter(2, 0, 200, staged=True)
+    pool.register_adapter(1, 200, staged=True)
+    pool.register_adapter(2, 200, staged=True)
     serve(pool, K1, list(range(9)), 1.0)
-    serve(pool, PrefixKey("chat", "t1", 2, 0), list(range(100, 109)), 2.0)
+    serve(pool, PrefixKey("t1", 2), list(range(100, 109)), 2.0)
     s = pool.stats()
     assert s.invalid_kv_ratio == invalid
     if policy == "lru-separate":  # the slot went to adapter 2; adapter 1's KV stayed, valid but unusable
@@ -407,7 +401,7 @@ def test_invalid_kv_after_adapter_churn(policy, invalid):
 
 def test_lru_unified_keeps_no_history():
     pool = pool_of("lru-unified")
-    pool.register_adapter(1, 0, 200, staged=True)
+    pool.register_adapter(1, 200, staged=True)
     serve(pool, K1, list(range(9)), 1.0)
     adm = pool.admit(K1, list(range(9)), 2.0)
     assert adm.num_cached_tokens == 0 and pool.stats().gpu_cached == 2  # the adapter only
@@ -421,11 +415,11 @@ def test_config_and_registration_errors():
         pool_of("lru-separate", adapter_slots=4)  # 4 slots x 2 blocks = the whole budget
     pool = pool_of("lru-separate")
     with pytest.raises(ValueError):
-        pool.register_adapter(1, 0, 300, staged=True)  # 3 blocks do not fit a 2-block slot
-    pool.register_adapter(1, 0, 200, staged=True)
+        pool.register_adapter(1, 300, staged=True)  # 3 blocks do not fit a 2-block slot
+    pool.register_adapter(1, 200, staged=True)
     with pytest.raises(ValueError):
-        pool.register_adapter(1, 0, 200, staged=True)
-    pool.register_adapter(1, 1, 200, staged=True)  # a new version replaces the old
+        pool.register_adapter(1, 200, staged=True)
+    assert pool.drop_adapter(1)
     with pytest.raises(KeyError):
         pool.admit(K1, [1, 2, 3], 1.0)
     with pytest.raises(OutOfBlocksError):
@@ -466,9 +460,11 @@ def test_random_operations_keep_integrity(policy):
         )
     )
     bs = pool.config.block_size
-    versions: dict[int, int | None] = {i: 0 for i in (1, 2, 3, 4)}
-    for i in versions:
-        pool.register_adapter(i, 0, rng.randint(64, 256), staged=True)
+    new_ids = itertools.count(5)
+    current = {i: i for i in (1, 2, 3, 4)}  # a name's adapter id now (other weights under the name: a new id)
+    registered = set(current.values())
+    for i in registered:
+        pool.register_adapter(i, rng.randint(64, 256), staged=True)
     prefixes = [[rng.randrange(40) for _ in range(rng.randint(0, 12))] for _ in range(6)]
     gpu: dict[int, object] = {}
     host: dict[int, object] = {}
@@ -500,11 +496,10 @@ def test_random_operations_keep_integrity(policy):
         now += rng.random() * 0.05
         op = rng.random()
         if op < 0.35 and len(running) < 6:
-            adapter_id = rng.choice([BASE_ADAPTER_ID, 1, 1, 1, 2, 2, 3, 4])
-            version = versions.get(adapter_id, 0)
-            key = PrefixKey("chat", rng.choice("ab"), adapter_id, version if version is not None else 0)
+            adapter_id = current.get(rng.choice([BASE_ADAPTER_ID, 1, 1, 1, 2, 2, 3, 4]), BASE_ADAPTER_ID)
+            key = PrefixKey(rng.choice("ab"), adapter_id)
             tokens = rng.choice(prefixes) + [rng.randrange(40) for _ in range(rng.randint(1, 10))]
-            if version is None:
+            if adapter_id != BASE_ADAPTER_ID and adapter_id not in registered:
                 with pytest.raises(KeyError):
                     pool.admit(key, tokens, now)
                 continue
@@ -542,14 +537,15 @@ def test_random_operations_keep_integrity(policy):
             pool.tick(now, len(running))
             execute_copies()
         elif op < 0.95:
-            adapter_id = rng.choice([1, 2, 3, 4])
-            old = versions[adapter_id]
-            if old is not None and rng.random() < 0.3:
-                pool.drop_adapter(adapter_id)  # unloaded
-                versions[adapter_id] = None
-            else:  # re-versioned (or registered again after an unload)
-                versions[adapter_id] = new = (old if old is not None else 0) + 1
-                pool.register_adapter(adapter_id, new, rng.randint(64, 256), staged=True)
+            name = rng.choice([1, 2, 3, 4])
+            old = current[name]
+            if old in registered:  # unloaded, or about to be replaced: its weights and KV go
+                pool.drop_adapter(old)
+                registered.discard(old)
+            if old not in registered and rng.random() >= 0.3:  # other weights under the name (or registered again)
+                current[name] = new = next(new_ids)
+                pool.register_adapter(new, rng.randint(64, 256), staged=True)
+                registered.add(new)
             execute_copies()
         pool.check_integrity()
         for r in running:  # locked paths never move
@@ -580,15 +576,15 @@ def test_an_adapter_is_found_at_its_first_page_and_residency_is_the_policys():
     resident as the blocks hold, and an optional cap (max_resident_adapters) unloads the one of lowest value."""
     pool = pool_of("tree-cost", num_gpu_blocks=16)
     for i in (1, 2, 3):
-        pool.register_adapter(i, 0, 200, staged=True)  # 2 blocks each
-    adm1 = pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0)
-    adm2 = pool.admit(PrefixKey("chat", "", 2, 0), [1, 2, 3], 1.0)
-    adm3 = pool.admit(PrefixKey("chat", "", 3, 0), [1, 2, 3], 1.0)
+        pool.register_adapter(i, 200, staged=True)  # 2 blocks each
+    adm1 = pool.admit(PrefixKey("", 1), [1, 2, 3], 1.0)
+    adm2 = pool.admit(PrefixKey("", 2), [1, 2, 3], 1.0)
+    adm3 = pool.admit(PrefixKey("", 3), [1, 2, 3], 1.0)
     assert (adm1.adapter_page, adm2.adapter_page, adm3.adapter_page) == (0, 2, 4)
-    assert pool.resident_adapters() == {AdapterKey(1, 0): 0, AdapterKey(2, 0): 2, AdapterKey(3, 0): 4}
+    assert pool.resident_adapters() == {AdapterKey(1): 0, AdapterKey(2): 2, AdapterKey(3): 4}
     ops = [(op.kind, op.adapter, op.dst) for op in pool.take_copy_ops()]
-    assert ops == [(OpKind.ADAPTER_LOAD, AdapterKey(i, 0), (2 * i - 2, 2 * i - 1)) for i in (1, 2, 3)]
-    base = pool.admit(PrefixKey("chat", "", BASE_ADAPTER_ID, 0), [1, 2, 3], 3.0)
+    assert ops == [(OpKind.ADAPTER_LOAD, AdapterKey(i), (2 * i - 2, 2 * i - 1)) for i in (1, 2, 3)]
+    base = pool.admit(PrefixKey("", BASE_ADAPTER_ID), [1, 2, 3], 3.0)
     assert base.adapter_page == -1
     for adm in (adm1, adm2, adm3, base):
         pool.release(adm, [], list(adm.blocks), 4.0)
@@ -596,14 +592,14 @@ def test_an_adapter_is_found_at_its_first_page_and_residency_is_the_policys():
 
     capped = pool_of("tree-cost", num_gpu_blocks=16, max_resident_adapters=2)
     for i in (1, 2, 3):
-        capped.register_adapter(i, 0, 200, staged=True)
-    first = capped.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0)
-    second = capped.admit(PrefixKey("chat", "", 2, 0), [1, 2, 3], 1.0)
+        capped.register_adapter(i, 200, staged=True)
+    first = capped.admit(PrefixKey("", 1), [1, 2, 3], 1.0)
+    second = capped.admit(PrefixKey("", 2), [1, 2, 3], 1.0)
     capped.release(first, [], list(first.blocks), 2.0)
     capped.take_copy_ops()
-    third = capped.admit(PrefixKey("chat", "", 3, 0), [1, 2, 3], 3.0)  # the cap: adapter 1 leaves
+    third = capped.admit(PrefixKey("", 3), [1, 2, 3], 3.0)  # the cap: adapter 1 leaves
     ops = [(op.kind, op.adapter) for op in capped.take_copy_ops()]
-    assert ops == [(OpKind.ADAPTER_UNLOAD, AdapterKey(1, 0)), (OpKind.ADAPTER_LOAD, AdapterKey(3, 0))]
+    assert ops == [(OpKind.ADAPTER_UNLOAD, AdapterKey(1)), (OpKind.ADAPTER_LOAD, AdapterKey(3))]
     assert third.adapter_page == 4  # blocks 4, 5: the front of the free list (those freed go to its back)
     for adm in (second, third):
         capped.release(adm, [], list(adm.blocks), 4.0)
@@ -612,10 +608,10 @@ def test_an_adapter_is_found_at_its_first_page_and_residency_is_the_policys():
 
 def test_an_adapter_not_staged_is_not_loaded():
     pool = pool_of("tree-cost", num_gpu_blocks=16)
-    pool.register_adapter(1, 0, 200)
-    assert pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 1.0) is None and not pool.take_copy_ops()
-    pool.set_staged(AdapterKey(1, 0), True)
-    adm = pool.admit(PrefixKey("chat", "", 1, 0), [1, 2, 3], 2.0)
+    pool.register_adapter(1, 200)
+    assert pool.admit(PrefixKey("", 1), [1, 2, 3], 1.0) is None and not pool.take_copy_ops()
+    pool.set_staged(AdapterKey(1), True)
+    adm = pool.admit(PrefixKey("", 1), [1, 2, 3], 2.0)
     assert adm is not None and adm.adapter_loaded
     pool.release(adm, [], list(adm.blocks), 3.0)
     pool.check_integrity()
@@ -624,34 +620,35 @@ def test_an_adapter_not_staged_is_not_loaded():
 def test_pins_beyond_the_share_are_refused():
     pool = pool_of("tree-cost", num_gpu_blocks=16)  # max_pinned_share 0.5: 8 blocks
     for i in (1, 2, 3, 4):
-        pool.register_adapter(i, 0, 200, pinned=True)
+        pool.register_adapter(i, 200, pinned=True)
     with pytest.raises(ValueError, match="pinned adapters may take 8 of the 16 device pages and 8 are taken"):
-        pool.register_adapter(5, 0, 200, pinned=True)
-    pool.register_adapter(1, 1, 100, pinned=True)  # a new version of 1 replaces it: 1 block instead of 2
-    pool.register_adapter(5, 0, 100, pinned=True)
+        pool.register_adapter(5, 200, pinned=True)
+    pool.drop_adapter(1)
+    pool.register_adapter(6, 100, pinned=True)  # other weights replace 1's: 1 block instead of 2
+    pool.register_adapter(5, 100, pinned=True)
 
 
 @pytest.mark.parametrize("policy", ["tree-cost", "lru-unified", "lru-separate"])
 def test_pinned_adapter_is_loaded_when_there_is_room_and_never_evicted(policy):
     pool = pool_of(policy, num_gpu_blocks=16, adapter_slots=2, max_resident_adapters=2)
-    pool.register_adapter(1, 0, 200, pinned=True, staged=True)
+    pool.register_adapter(1, 200, pinned=True, staged=True)
     for i in (2, 3):
-        pool.register_adapter(i, 0, 200, staged=True)
+        pool.register_adapter(i, 200, staged=True)
     pool.tick(0.0)
-    assert pool.resident_adapters() == {AdapterKey(1, 0): 0}  # loaded before any request asked for it
+    assert pool.resident_adapters() == {AdapterKey(1): 0}  # loaded before any request asked for it
     for t, i in enumerate((2, 3, 2, 3), start=1):  # two unpinned adapters take turns in the one place left
-        adm = pool.admit(PrefixKey("chat", "", i, 0), [1, 2, 3], float(t))
+        adm = pool.admit(PrefixKey("", i), [1, 2, 3], float(t))
         assert adm is not None and adm.adapter_page >= 0
         pool.release(adm, [], list(adm.blocks), float(t))
         pool.check_integrity()
-        assert AdapterKey(1, 0) in pool.resident_adapters()
+        assert AdapterKey(1) in pool.resident_adapters()
     # pressure on KV does not move it either: one request takes every block but the pinned adapter's (2 of 16;
     # the slot policy keeps 2 slots x 2 blocks), and not one more
-    adm = pool.admit(PrefixKey("chat", "", BASE_ADAPTER_ID, 0), [1], 9.0)
+    adm = pool.admit(PrefixKey("", BASE_ADAPTER_ID), [1], 9.0)
     most = (16 - 4 if pool.policy.adapter_slots else 16 - 2) - len(adm.blocks)
     table = list(adm.blocks) + pool.allocate(most, 9.0)
     with pytest.raises(OutOfBlocksError):
         pool.allocate(1, 9.0)
-    assert pool.resident_adapters()[AdapterKey(1, 0)] == 0
+    assert pool.resident_adapters()[AdapterKey(1)] == 0
     pool.release(adm, [], table, 9.0)
     pool.check_integrity()

@@ -28,6 +28,7 @@ import torch
 from lora_server.bench.engine import write_random_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.engine.request import EngineRequest
 from lora_server.sampling_params import SamplingParams
 
 TARGETS = ("q_proj", "v_proj")  # small adapters, so that 2,000 of them stay a few GB on disk
@@ -49,21 +50,24 @@ def retained_bytes_per_adapter(engine: Engine, root: Path, names: list[str]) -> 
         tracemalloc.stop()
 
 
-def _decode_steps(engine: Engine, requests: list) -> tuple[list[float], int]:
-    """Add the requests, step until done; returns the decode steps' times and how many steps ran (the requests
-    keep their arrival and first-token times)."""
+def _decode_steps(engine: Engine, requests: list[EngineRequest]) -> tuple[list[float], list[float]]:
+    """Add the requests, step until done; returns the decode steps' times and the requests' times from arrival
+    to first token (of those that got one)."""
     for request in requests:
         engine.add(request)
     times: list[float] = []
-    steps = 0
+    ttfts: list[float] = []
     while engine.has_work():
         decoding = engine.snapshot().decoding
         start = time.perf_counter()
-        engine.step()
-        steps += 1
+        outputs = engine.step()
         if decoding:
             times.append(time.perf_counter() - start)
-    return times, steps
+        for out in outputs:  # a request's last output carries its timings
+            ttft = None if out.timings is None else out.timings.ttft_s
+            if ttft is not None:
+                ttfts.append(ttft)
+    return times, ttfts
 
 
 def bench_registered(args, base: EngineConfig) -> dict:
@@ -104,9 +108,9 @@ def bench_registered(args, base: EngineConfig) -> dict:
                     )
                     for j, i in enumerate(picks)
                 ]
-                times, _ = _decode_steps(engine, requests)
+                times, firsts = _decode_steps(engine, requests)
                 decode += times
-                ttfts += [r.first_token_time - r.arrival_time for r in requests if r.first_token_time is not None]
+                ttfts += firsts
                 tokens += len(requests) * args.output_len
             wall = time.perf_counter() - t0
             engine.check_integrity()
@@ -165,7 +169,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
         vocab = engine.describe().arch.vocab_size
         rng = random.Random(args.trace_seed)
 
-        def requests(tag: str) -> list:
+        def requests(tag: str) -> list[EngineRequest]:
             return [
                 engine.make_request(
                     [rng.randrange(10, vocab) for _ in range(args.prompt_len[0])],

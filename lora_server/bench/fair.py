@@ -19,7 +19,8 @@ import torch
 
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine, TenantShare
-from lora_server.engine.request import Request
+from lora_server.engine.outputs import RequestTimings
+from lora_server.engine.request import EngineRequest
 from lora_server.sampling_params import SamplingParams
 
 
@@ -49,19 +50,20 @@ def run_policy(config: EngineConfig, args) -> PolicyRun:
     gen = torch.Generator().manual_seed(args.trace_seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
 
-    def make(tenant: str) -> Request:
+    def make(tenant: str) -> EngineRequest:
         prompt = torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist()
         return engine.make_request(prompt, params, tenant=TenantShare(tenant))
 
     queued_at: dict[str, int] = {}
     first_step: dict[str, int] = {}
-    requests: dict[str, list[Request]] = {"heavy": [], "light": []}
+    timings: dict[str, RequestTimings] = {}  # of the finished requests
+    requests: dict[str, list[str]] = {"heavy": [], "light": []}  # their ids
 
     def add(tenant: str, step: int) -> None:
         r = make(tenant)
         engine.add(r)
         queued_at[r.request_id] = step
-        requests[tenant].append(r)
+        requests[tenant].append(r.request_id)
 
     for _ in range(args.heavy):
         add("heavy", 0)
@@ -75,15 +77,18 @@ def run_policy(config: EngineConfig, args) -> PolicyRun:
         for out in engine.step():
             if out.token_ids and out.request_id not in first_step:
                 first_step[out.request_id] = step
+            if out.timings is not None:  # its last output
+                timings[out.request_id] = out.timings
         step += 1
     wall = time.perf_counter() - start
     engine.check_integrity()
 
-    def figures(rs: list[Request]) -> TenantFigures:
-        seconds = [r.first_token_time - r.arrival_time for r in rs if r.first_token_time is not None]
-        steps = [first_step[r.request_id] - queued_at[r.request_id] + 1 for r in rs]
+    def figures(ids: list[str]) -> TenantFigures:
+        ttfts = [timings[rid].ttft_s for rid in ids]
+        seconds = [s for s in ttfts if s is not None]
+        steps = [first_step[rid] - queued_at[rid] + 1 for rid in ids]
         return TenantFigures(
-            len(rs),
+            len(ids),
             round(float(np.percentile(seconds, 50)), 3),
             round(float(np.percentile(seconds, 99)), 3),
             float(np.percentile(steps, 50)),

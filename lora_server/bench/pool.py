@@ -26,7 +26,7 @@ from pathlib import Path
 from lora_server.bench.engine import write_random_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.engine.request import Request
+from lora_server.engine.outputs import RequestTimings
 from lora_server.kv_pool.policies import POLICIES as POLICY_CLASSES
 from lora_server.model.arena import page_bytes
 from lora_server.model.loader import open_checkpoint
@@ -117,8 +117,9 @@ def run_policy(
     history = {i: list(systems[s.adapter]) for i, s in enumerate(sessions)}
     arrivals = [(s.start, i, 0) for i, s in enumerate(sessions)]  # (time, session, turn)
     heapq.heapify(arrivals)
-    requests: dict[str, Request] = {}
-    done: list[Request] = []
+    answers: dict[str, list[int]] = {}  # "session/turn" -> its tokens so far, while it runs
+    done: list[RequestTimings] = []  # of the finished requests
+    cached_tokens = prompt_tokens = 0  # prompt tokens of the finished requests: from cached KV, in all
     outputs: dict[str, list[int]] = {}
     invalid: list[float] = []
     t0 = time.monotonic()
@@ -130,10 +131,9 @@ def run_policy(
             at, i, turn = heapq.heappop(arrivals)
             history[i] += sessions[i].user[turn]
             request = engine.make_request(
-                list(history[i]), params, names[sessions[i].adapter], request_id=f"{i}/{turn}"
+                list(history[i]), params, names[sessions[i].adapter], request_id=f"{i}/{turn}", arrival_time=t0 + at
             )
-            request.arrival_time = t0 + at
-            requests[request.request_id] = request
+            answers[request.request_id] = []
             engine.add(request)
         if now >= next_sample:
             invalid.append(engine.snapshot().pool.stats.invalid_kv_ratio)
@@ -146,12 +146,15 @@ def run_policy(
         if idle_steps > 1000:
             raise RuntimeError("the engine admits nothing: the trace does not fit the pool")
         for out in outs:
+            answers[out.request_id] += out.token_ids
             if not out.finished:
                 continue
-            request = requests.pop(out.request_id)
-            done.append(request)
+            assert out.timings is not None, "a request's last output carries its timings"
+            done.append(out.timings)
+            cached_tokens += out.num_cached_tokens
+            prompt_tokens += out.num_prompt_tokens
             i, turn = map(int, out.request_id.split("/"))
-            answer = request.output_token_ids
+            answer = answers.pop(out.request_id)
             outputs[out.request_id] = answer
             history[i] += answer
             if turn + 1 < spec.turns:
@@ -161,23 +164,16 @@ def run_policy(
     snapshot = engine.snapshot()
     stats, times = snapshot.pool.stats, snapshot.step_times.since(start_times)
     engine.shutdown()
-    ttfts = sorted(r.first_token_time - r.arrival_time for r in done)  # type: ignore[operator]
+    splits = [_ttft_split(t) for t in done]
+    ttfts = sorted(ttft for ttft, _, _ in splits)
     n = len(done)
 
     def mean(values: list[float]) -> float:
         return sum(values) / max(1, len(values))
 
-    queueing = [r.scheduled_time - r.arrival_time for r in done]  # type: ignore[operator]
-    adapter = [r.adapter_load_s for r in done]
-    prefill = [
-        t - q - a
-        for t, q, a in zip(
-            (r.first_token_time - r.arrival_time for r in done),  # type: ignore
-            queueing,
-            adapter,
-            strict=True,
-        )
-    ]
+    queueing = [q for _, q, _ in splits]
+    adapter = [a for _, _, a in splits]
+    prefill = [ttft - q - a for ttft, q, a in splits]
     return PolicyResult(
         policy=config.pool_policy,
         requests=n,
@@ -186,8 +182,8 @@ def run_policy(
         queueing_mean_s=mean(queueing),
         adapter_loading_mean_s=mean(adapter),
         prefill_mean_s=mean(prefill),
-        adapter_hit_rate=sum(not r.adapter_loaded for r in done) / max(1, n),
-        kv_token_hit_rate=sum(r.num_cached_tokens for r in done) / max(1, sum(r.num_prompt_tokens for r in done)),
+        adapter_hit_rate=sum(not t.adapter_loaded for t in done) / max(1, n),
+        kv_token_hit_rate=cached_tokens / max(1, prompt_tokens),
         invalid_kv_ratio=mean(invalid),
         bytes_to_gpu=stats.bytes_to_gpu,
         bytes_to_host=stats.bytes_to_host,
@@ -199,6 +195,12 @@ def run_policy(
         steps=times.steps,
         outputs=outputs,
     )
+
+
+def _ttft_split(t: RequestTimings) -> tuple[float, float, float]:
+    """A request's TTFT (arrival to first token) and its queueing and adapter-loading parts (the rest is prefill)."""
+    assert t.first_admission is not None and t.first_token is not None, "every request of the trace has a token"
+    return t.first_token - t.arrival, t.first_admission - t.arrival, t.adapter_load_s
 
 
 def bench(args, base: EngineConfig) -> dict:

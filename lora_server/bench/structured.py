@@ -16,10 +16,11 @@ import torch
 
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.json_types import JsonObject
 from lora_server.sampling_params import SamplingParams, StructuredOutput
 
 # an array of people that needs far more than output_len tokens: the grammar never ends a request early
-SCHEMA = {
+SCHEMA: JsonObject = {
     "type": "array",
     "items": {
         "type": "object",

@@ -6,7 +6,8 @@ ready; a request whose adapter is not staged yet waits while the running batch k
 
 Ownership: the loader owns the staged images and the set of contents in flight. Staged images are kept up to
 ``capacity``, least recently used first out, evicted on the engine thread only (``take_events``), so an image the
-pool saw staged is still there when the step's copies run; pinned adapters' images are never evicted.
+pool saw staged is still there when the step's copies run; the images the caller says to keep (pinned adapters',
+a fact of the registry and the pool) are never evicted.
 
 The loader thread lives only while there is work: it exits once nothing is pending and the next request starts a
 new one. A thread that stays alive after torch has run a parallel region in it keeps an OpenMP team of its own, and
@@ -19,7 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +61,6 @@ class AdapterLoader:
         self.registry, self.geometry, self.device, self.capacity = registry, geometry, device, capacity
         self._staged: OrderedDict[int, StagedAdapter] = OrderedDict()  # least recently used first
         self._in_flight: set[int] = set()
-        self._protected: set[int] = set()  # never evicted: pinned adapters
         self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
         self.num_staged = 0  # stagings done since start (reads from disk)
         self._load_times = LatencyHistogram()  # how long each staging took (disk -> host)
@@ -96,16 +96,10 @@ class AdapterLoader:
                 self._staged.move_to_end(adapter_id)
             return staged
 
-    def protect(self, adapter_id: int, protected: bool) -> None:
-        """Keep (or no longer keep) a content's image whatever the capacity: a pinned adapter's."""
-        with self._lock:
-            (self._protected.add if protected else self._protected.discard)(adapter_id)
-
     def forget(self, adapter_id: int) -> None:
         """A retired content: its image goes (a load in flight is dropped when it lands)."""
         with self._lock:
             self._staged.pop(adapter_id, None)
-            self._protected.discard(adapter_id)
 
     def failed(self, adapter_ids: Iterable[int]) -> str | None:
         """Why staging one of these contents failed last (None: none has failed since it was last asked for)."""
@@ -123,11 +117,12 @@ class AdapterLoader:
             if self._in_flight:
                 self._done.wait(timeout)
 
-    def take_events(self) -> LoaderEvents:
-        """Contents staged, failed and evicted since the last call; evicts down to the capacity first."""
+    def take_events(self, keep: Collection[int] = ()) -> LoaderEvents:
+        """Contents staged, failed and evicted since the last call; evicts down to the capacity first, never the
+        images of ``keep`` (pinned adapters) nor those that just landed (they get their chance to be loaded)."""
         with self._lock:
             events = self._events
-            keep = self._protected | set(events.staged)  # what just landed gets its chance to be loaded first
+            keep = set(keep) | set(events.staged)
             while len(self._staged) > self.capacity:
                 victim = next((i for i in self._staged if i not in keep), None)
                 if victim is None:

@@ -72,12 +72,12 @@ class AdapterContent(CheckedAdapter):
 
 @dataclass(frozen=True, slots=True)
 class AdapterChanges:
-    """What the pool must learn since it last asked: contents registered, contents retired (ids), and contents
-    whose pin changed (id -> pinned now)."""
+    """What the pool must learn since it last asked: contents registered, contents retired (ids), and the contents
+    pinned now (None: no name changed, so no pin did)."""
 
     added: list[AdapterHandle]
     retired: list[int]
-    pins: dict[int, bool]
+    pinned: frozenset[int] | None
 
 
 def content_hash(adapter: LoraAdapter) -> str:
@@ -105,7 +105,6 @@ class AdapterRegistry:
         self._refs: Counter[int] = Counter()  # adapter_id -> requests holding it
         self._versions: dict[str, int] = {}  # name -> its latest version
         self._paths: dict[str, Path] = {}  # name -> the directory its current version was read from
-        self._pinned: dict[int, bool] = {}  # adapter_id -> pinned, as the pool last heard
         self._added: list[AdapterHandle] = []
         self._retired: list[int] = []
         self._changed = False  # names changed since take_changes last looked
@@ -279,22 +278,12 @@ class AdapterRegistry:
     # ---- the engine thread ----------------------------------------------------------------------------------
 
     def take_changes(self) -> AdapterChanges:
-        """Contents registered and retired since the last call (an id may be in both), and pins that changed (a
-        content is pinned while any name on it is)."""
+        """Contents registered and retired since the last call (an id may be in both), and the contents pinned now
+        if any name changed (a content is pinned while any name on it is)."""
         with self._lock:
-            if not self._changed and not self._retired:
-                return AdapterChanges([], [], {})
-            self._changed = False
-            pinned_now = {h.adapter_id for h in self._current.values() if h.pinned}
-            live = {h.adapter_id for h in self._added} | set(self._pinned)
-            pins = {}
-            for adapter_id in live:
-                now = adapter_id in pinned_now
-                if self._pinned.get(adapter_id, False) != now:
-                    pins[adapter_id] = now
-                self._pinned[adapter_id] = now
-            for adapter_id in self._retired:
-                self._pinned.pop(adapter_id, None)
-            changes = AdapterChanges(self._added, self._retired, pins)
-            self._added, self._retired = [], []
+            pinned = None
+            if self._changed:
+                pinned = frozenset(h.adapter_id for h in self._current.values() if h.pinned)
+            changes = AdapterChanges(self._added, self._retired, pinned)
+            self._added, self._retired, self._changed = [], [], False
         return changes

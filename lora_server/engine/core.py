@@ -17,13 +17,22 @@ import torch
 
 from lora_server.adapters.page_layout import PageLayout
 from lora_server.config import EngineConfig
-from lora_server.engine.adapter_loader import AdapterLoader, StagedAdapter
+from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
 from lora_server.engine.load_times import LatencyHistogram
-from lora_server.engine.outputs import RequestOutput, TokenLogprob
+from lora_server.engine.outputs import RequestOutput, RequestTimings, TokenLogprob
 from lora_server.engine.reports import BASE_NAME, AdapterResidency, DeviceMemory, PoolReport, TtftFigures
-from lora_server.engine.request import MAX_PRIORITY, MIN_PRIORITY, NO_TENANT, FinishReason, Request, TenantShare
+from lora_server.engine.request import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    NO_TENANT,
+    EngineRequest,
+    FinishReason,
+    Request,
+    TenantShare,
+)
+from lora_server.engine.residency import Residency
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
@@ -34,7 +43,7 @@ from lora_server.errors import (
     RequestFailedError,
 )
 from lora_server.kernels.lora_table import MODULES
-from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, AdapterKey, PolicyParams, PoolConfig, UnifiedPool
+from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.kv_pool.tree import OpKind
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.runner import CopyCosts, ModelRunner
@@ -104,13 +113,13 @@ class EngineCore:
         self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config)
         self.loader = AdapterLoader(self.adapters, runner.geometry, runner.device, capacity=config.max_cpu_loras)
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig.from_engine(config, self.max_model_len),
-            self.pool,
+        self.residency = Residency(
             self.adapters,
             self.loader,
+            self.pool,
             adapter_loaded=runner.adapter_loaded if runner.copy_order.asynchronous else None,
         )
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, self.max_model_len), self.pool, self.residency)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.arch.eos_token_ids
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.ttft = TtftSplit()
@@ -133,17 +142,19 @@ class EngineCore:
         tenant: TenantShare = NO_TENANT,
         priority: int = 0,
         compile_grammar: bool = True,
-    ) -> Request:
+        arrival_time: float | None = None,
+    ) -> EngineRequest:
         """Validate and tokenize (safe from any thread); raises InvalidRequestError (ContextLengthExceededError,
         UnknownAdapterError) and changes nothing. ``compile_grammar`` False: a structured output is checked but
-        not compiled; its matcher must be attached (``StructuredOutputs.matcher_async``) before the request is
-        added. ``adapter`` names a registered adapter; None is the base model.
+        not compiled; its matcher must be attached (``Engine.attach_grammars``) before the request is added.
+        ``adapter`` names a registered adapter; None is the base model.
         Requests share cached KV only when their adapter version and ``cache_salt`` are equal. ``tenant``: whom it
         is served for and that tenant's share; ``priority``: its place among the tenant's waiting requests (lower
-        first), an integer in [MIN_PRIORITY, MAX_PRIORITY].
+        first), an integer in [MIN_PRIORITY, MAX_PRIORITY]. ``arrival_time``: when it arrived on the engine's clock
+        (time.monotonic; None: now), where its queueing and time to first token start.
 
-        The returned request holds its adapter's current version: pass it to the scheduler (which lets go when it
-        ends) or to ``discard``."""
+        The returned description holds its adapter's current version: pass it to ``add`` (the scheduler lets go
+        when the request ends) or to ``discard``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -180,15 +191,16 @@ class EngineCore:
                     "Please reduce the prompt or max_tokens."
                 )
         handle = None if adapter is None else self.adapters.acquire(adapter)  # last: nothing raises after it
-        return Request(
+        return EngineRequest(
             request_id,
-            ids,
+            tuple(ids),
             params,
             eos_token_ids=self.eos_token_ids,
             adapter=handle,
             cache_salt=cache_salt,
             tenant=tenant,
             priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             grammar=grammar,
         )
 
@@ -242,13 +254,15 @@ class EngineCore:
         if any(t >= vocab for words in params.bad_words for t in words):
             raise InvalidRequestError(f"bad_words must be token sequences below {vocab}", param="bad_words")
 
-    def discard(self, request: Request) -> None:
+    def discard(self, request: EngineRequest) -> None:
         """Let go of a request that was made but never added (its adapter hold)."""
         if request.adapter is not None:
             self.adapters.drop(request.adapter)
 
-    def add(self, request: Request) -> None:
-        """Queue a made request (QueueFullError, or ValueError for a duplicate id: then nothing changed)."""
+    def add(self, described: EngineRequest) -> None:
+        """Queue a made request: the engine's own Request is built from its description here (QueueFullError, or
+        ValueError for a duplicate id: then nothing changed)."""
+        request = Request.from_description(described)
         detokenizer = (
             None
             if self.tokenizer is None
@@ -283,11 +297,7 @@ class EngineCore:
         """Execute the pool's copy operations (runner.apply_copy_ops; returns its seconds of adapter loads) and time
         adapter activations: from issuing a load to the step that learns its copy ran (at once off CUDA)."""
         ops = self.pool.take_copy_ops()
-        images = {
-            op.adapter: self._staged(op.adapter)
-            for op in ops
-            if op.adapter is not None and op.kind is OpKind.ADAPTER_LOAD
-        }
+        images = self.residency.images(ops)
         issued = time.perf_counter()
         adapter_s = self.runner.apply_copy_ops(ops, images)
         for op in ops:
@@ -316,8 +326,8 @@ class EngineCore:
         self.step_times.add(t1 - t0, time.perf_counter() - t1)
         failed_early = [self._fail(request, _unavailable(request, reason)) for request, reason in work.failed]
         if not work.items:
-            if not failed_early and self.scheduler.has_work() and self.loader.busy():
-                self.loader.wait(0.01)  # nothing to run until an adapter is staged: no busy loop
+            if not failed_early and self.scheduler.has_work() and self.residency.staging():
+                self.residency.wait_for_staging(0.01)  # nothing to run until an adapter is staged: no busy loop
             return failed_early
         for request, _ in work.items:
             if request.adapter_loaded and request.first_token_time is None:
@@ -358,12 +368,6 @@ class EngineCore:
         assert request.grammar is not None and self._structured is not None
         if self._structured.accept(request.grammar, request.token_ids[-1]) and not request.finished:
             self.scheduler.finish(request, FinishReason.STOP)
-
-    def _staged(self, key: AdapterKey) -> StagedAdapter:
-        """The staged image of an adapter the pool is loading (it saw it staged this step: still there)."""
-        staged = self.loader.staged(key.adapter_id)
-        assert staged is not None, f"adapter {key} is loaded by the pool but not staged"
-        return staged
 
     def _execute(self, items: list[tuple[Request, int]]) -> tuple[dict[str, Sampled], dict[Request, str]]:
         """Run the batch; returns each sampling request's (token, logprobs) and the requests that failed, with
@@ -601,6 +605,17 @@ def _output(request: Request, text: str, token_ids: list[int], logprobs: list[To
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
         queue_time_s=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
+        timings=_timings(request) if request.finished else None,
+    )
+
+
+def _timings(request: Request) -> RequestTimings:
+    return RequestTimings(
+        arrival=request.arrival_time,
+        first_admission=request.scheduled_time,
+        first_token=request.first_token_time,
+        adapter_load_s=request.adapter_load_s,
+        adapter_loaded=request.adapter_loaded,
     )
 
 

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ from lora_server.engine.core import EngineCore, Prompt, StepTimes
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
 from lora_server.engine.reports import AdapterInfo, PoolReport
-from lora_server.engine.request import NO_TENANT, Request, TenantShare
+from lora_server.engine.request import NO_TENANT, EngineRequest, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
     EngineDeadError,
@@ -35,6 +35,7 @@ from lora_server.errors import (
     QueueFullError,
     UnknownAdapterError,
 )
+from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
 from lora_server.model.arch import ModelArch
 from lora_server.model.quant import resident_bytes
 from lora_server.model.runner import CopyCosts
@@ -262,18 +263,19 @@ class Engine:
 
     def chat_prompt(
         self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
+        messages: list[TemplateMessage],
+        tools: list[ToolDefinition] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
-        **template: Any,
+        documents: list[JsonObject] | None = None,
+        continue_final_message: bool = False,
+        variables: Mapping[str, JsonValue] | None = None,
     ) -> list[int]:
         """Token ids of a chat conversation under the model's chat template, ready for make_request/generate
-        (``add_special_tokens``: BOS before what the template writes, where the model adds one); ``template``:
-        further arguments of ``render_chat``."""
-        return self.encode(
-            self.render_chat(messages, tools, add_generation_prompt, **template), add_special_tokens, "messages"
-        )
+        (``add_special_tokens``: BOS before what the template writes, where the model adds one); the other
+        arguments as in ``render_chat``."""
+        text = self.render_chat(messages, tools, add_generation_prompt, documents, continue_final_message, variables)
+        return self.encode(text, add_special_tokens, "messages")
 
     def template_reads(self) -> frozenset[str]:
         """The variables the chat template reads (Tokenizer.template_variables); InvalidRequestError (param
@@ -296,12 +298,12 @@ class Engine:
 
     def render_chat(
         self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
+        messages: list[TemplateMessage],
+        tools: list[ToolDefinition] | None = None,
         add_generation_prompt: bool = True,
-        documents: list[dict[str, Any]] | None = None,
+        documents: list[JsonObject] | None = None,
         continue_final_message: bool = False,
-        variables: dict[str, Any] | None = None,
+        variables: Mapping[str, JsonValue] | None = None,
     ) -> str:
         """A chat conversation as the model's chat template writes it (Tokenizer.apply_chat_template: ``documents``,
         ``continue_final_message`` and template ``variables`` as transformers passes them).
@@ -342,7 +344,7 @@ class Engine:
         self._offline()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         alist = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
-        requests: list[Request] = []
+        requests: list[EngineRequest] = []
         try:
             for p, sp, a in zip(prompts, plist, alist, strict=True):
                 requests.append(self.core.make_request(f"gen-{next(self._ids)}", p, sp, a, cache_salt))
@@ -351,7 +353,7 @@ class Engine:
                 self.core.discard(r)
             raise
         results = {
-            r.request_id: Completion(r.request_id, r.prompt_token_ids, "", [], None, None, None) for r in requests
+            r.request_id: Completion(r.request_id, list(r.prompt_token_ids), "", [], None, None, None) for r in requests
         }
         pending = list(requests)
         while pending or self.has_work():
@@ -361,7 +363,7 @@ class Engine:
                 _accumulate(results[out.request_id], out)
         return [results[r.request_id] for r in requests]
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         """Queue a made request for ``step`` (offline; QueueFullError when the waiting queue is at its bound)."""
         self._offline()
         self.core.add(request)
@@ -391,15 +393,18 @@ class Engine:
         tenant: TenantShare = NO_TENANT,
         priority: int = 0,
         compile_grammar: bool = True,
-    ) -> Request:
+        arrival_time: float | None = None,
+    ) -> EngineRequest:
         """Validate and tokenize, from any thread (the server calls it off the event loop); raises
-        InvalidRequestError / ContextLengthExceededError / UnknownAdapterError and changes nothing. The request
-        holds its adapter version: ``submit`` it or ``discard`` it. ``cache_salt``: only requests with the same
-        salt share cached KV (per tenant). ``tenant``: whom it is served for, with the tenant's weight and cap of
-        running requests (waiting requests are admitted by weighted fair sharing across tenants, unless the
-        config turns it off); ``priority``: lower values are admitted first among the tenant's waiting requests.
-        ``compile_grammar`` False: a structured output is checked (its limits, its schema) but compiled only by
-        ``attach_grammars``, which must then run before ``submit``."""
+        InvalidRequestError / ContextLengthExceededError / UnknownAdapterError and changes nothing. Returns the
+        request's description (frozen: the engine keeps its own state of the request, and what that state tells
+        comes back on the outputs); it holds its adapter version: ``submit`` it or ``discard`` it. ``cache_salt``:
+        only requests with the same salt share cached KV (per tenant). ``tenant``: whom it is served for, with the
+        tenant's weight and cap of running requests (waiting requests are admitted by weighted fair sharing across
+        tenants, unless the config turns it off); ``priority``: lower values are admitted first among the tenant's
+        waiting requests. ``compile_grammar`` False: a structured output is checked (its limits, its schema) but
+        compiled only by ``attach_grammars``, which must then run before ``submit``. ``arrival_time``: when it
+        arrived (time.monotonic; None: now), where its queue time and timings start."""
         return self.core.make_request(
             request_id or f"req-{next(self._ids)}",
             prompt,
@@ -409,25 +414,33 @@ class Engine:
             tenant=tenant,
             priority=priority,
             compile_grammar=compile_grammar,
+            arrival_time=arrival_time,
         )
 
-    async def attach_grammars(self, requests: Sequence[Request]) -> None:
-        """Compile the grammars of requests made without them (in the grammar pool, each within the config's
-        grammar_compile_timeout, without holding a thread of the caller's) and give each its matcher.
-        InvalidRequestError when one does not compile or takes longer; the requests are then left as made."""
-        pending = [(r, r.params.structured) for r in requests if r.params.structured is not None and r.grammar is None]
+    async def attach_grammars(self, requests: Sequence[EngineRequest]) -> list[EngineRequest]:
+        """The requests, those made without their grammar compiled replaced by copies with their matcher (compiled
+        in the grammar pool, each within the config's grammar_compile_timeout, without holding a thread of the
+        caller's); submit these instead of the ones passed (they hold the same adapter versions).
+        InvalidRequestError when one does not compile or takes longer: the requests passed are still as made."""
+        attached = list(requests)
+        pending = [
+            (i, r.params.structured)
+            for i, r in enumerate(requests)
+            if r.params.structured is not None and r.grammar is None
+        ]
         if not pending:
-            return
+            return attached
         structured = self.core.structured_outputs()
         matchers = [await structured.matcher_async(constraint) for _, constraint in pending]
-        for (r, _), matcher in zip(pending, matchers, strict=True):
-            r.grammar = matcher
+        for (i, _), matcher in zip(pending, matchers, strict=True):
+            attached[i] = dataclasses.replace(attached[i], grammar=matcher)
+        return attached
 
-    def discard(self, request: Request) -> None:
+    def discard(self, request: EngineRequest) -> None:
         """Let go of a made request that will not be submitted."""
         self.core.discard(request)
 
-    def submit(self, request: Request) -> _Stream:
+    def submit(self, request: EngineRequest) -> _Stream:
         """Queue a made request (call from a running event loop); returns an async iterator of its
         RequestOutputs, the last one with finished=True. Raises QueueFullError or EngineDeadError, after which
         the request is discarded."""

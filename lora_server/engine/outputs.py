@@ -15,6 +15,22 @@ class TokenLogprob:
     rank: int | None = None  # 1 + how many tokens were likelier (known for prompt tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """When a request reached each stage of its serving, on the engine's clock (time.monotonic): its time to first
+    token split into queueing (arrival to first admission), adapter loading and prefill (the rest)."""
+
+    arrival: float  # EngineRequest.arrival_time
+    first_admission: float | None  # None: it was never admitted
+    first_token: float | None  # None: it ended without a token
+    adapter_load_s: float  # copy time of its steps that loaded adapters, before its first token
+    adapter_loaded: bool  # an admission of it loaded its adapter onto the device (False: it was resident)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one request produced since its previous output (a streaming delta)."""
@@ -31,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: LoraServerError | None = None  # set on the last output of a request whose serving failed
     queue_time_s: float | None = None  # from its arrival to its first admission (None while it has not been admitted)
+    timings: RequestTimings | None = None  # on its last output (finished) only
     # with SamplingParams.prompt_logprobs, on the request's first output: one entry per prompt token, None for the
     # first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -5,8 +5,8 @@ page, the admin API and the benchmarks write (names unchanged from the fields)."
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
+from lora_server.json_types import JsonObject
 from lora_server.kv_pool.unified_pool import PoolStats
 
 BASE_NAME = "<base>"  # the base model's entry among the pool's adapters
@@ -76,7 +76,7 @@ class PoolReport:
     adapter_load: Histogram  # disk to host memory
     adapter_activate: Histogram  # host memory to the device
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         """The figures as JSON: the pool's stats beside the other fields, cache salts' tokens by name, the adapter
         histograms under ``adapter_load_seconds``."""
         out = {k: v for k, v in asdict(self).items() if k not in ("stats", "adapter_load", "adapter_activate")}
@@ -103,5 +103,5 @@ class AdapterInfo:
     bytes: int  # its weights as registered (host)
     device_bytes: int  # its pages on the device
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         return asdict(self)

@@ -1,5 +1,7 @@
-"""A request's own state: its tokens, counters, block table and status. The scheduler moves it between queues;
-only the request holds these fields."""
+"""A request in its two forms. ``EngineRequest``: what a caller decided (frozen; ``Engine.make_request`` makes it,
+callers pass it to ``submit`` / ``add`` / ``discard``). ``Request``: the engine's own state of it, built when it is
+added (its tokens, counters, block table and status); the scheduler moves it between queues, only the request
+holds these fields, and nothing outside lora_server.engine sees it: what callers learn comes back on outputs."""
 
 from __future__ import annotations
 
@@ -56,6 +58,30 @@ class TenantShare:
 NO_TENANT = TenantShare()  # requests of callers without a tenant, and offline ones
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A validated request as its caller decided it (``make_request`` makes it; ``EngineCore.add`` builds the
+    engine's ``Request`` from it). It holds its adapter version: it is added once (``submit`` / ``add``, which take
+    over that hold and its grammar matcher) or ``discard``-ed."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    adapter: AdapterHandle | None = None  # None: the base model
+    cache_salt: str = ""  # KV is shared only between requests with the same salt (the server's per-tenant salt)
+    tenant: TenantShare = NO_TENANT
+    priority: int = 0  # vLLM's: among its tenant's waiting requests, lower values are admitted first
+    arrival_time: float = field(default_factory=time.monotonic)  # the engine's clock (time.monotonic)
+    # its structured output's compiled matcher (opaque to callers; None without one, or until attach_grammars):
+    # the engine advances it once the request is added
+    grammar: GrammarMatcher | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -87,6 +113,23 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_description(cls, described: EngineRequest) -> Request:
+        """The engine's state of a described request, nothing computed yet (it takes over the description's adapter
+        hold and grammar matcher)."""
+        return cls(
+            described.request_id,
+            list(described.prompt_token_ids),
+            described.params,
+            eos_token_ids=described.eos_token_ids,
+            adapter=described.adapter,
+            cache_salt=described.cache_salt,
+            tenant=described.tenant,
+            priority=described.priority,
+            arrival_time=described.arrival_time,
+            grammar=described.grammar,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

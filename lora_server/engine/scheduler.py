@@ -15,12 +15,12 @@ line and is recomputed from its tokens later.
 
 Blocks come from the unified pool (kv_pool.UnifiedPool): admission matches the longest cached prefix of the
 request's tokens under its cache salt and adapter weights and makes the adapter resident; the request then starts
-with those tokens computed. A waiting request whose adapter is not staged on the host yet (engine.adapter_loader
-reads it in the background) is passed over, as is one whose adapter would make the batch's distinct adapters more
-than max_loras; the requests behind it are admitted meanwhile. Where adapter loads are asynchronous (CUDA), a
-request of an adapter whose copy into the arena has not run yet computes nothing until it has. Ending or
-preempting a request releases it to the pool, which keeps its full blocks as cached KV where the policy reuses KV
-(a preempted request usually finds its own KV again).
+with those tokens computed. Where an adapter stands is asked of engine.residency: a waiting request whose adapter is
+not staged on the host yet (the loader reads it in the background) is passed over, as is one whose adapter would
+make the batch's distinct adapters more than max_loras; the requests behind it are admitted meanwhile. Where adapter
+loads are asynchronous (CUDA), a request of an adapter whose copy into the arena has not run yet computes nothing
+until it has. Ending or preempting a request releases it to the pool, which keeps its full blocks as cached KV where
+the policy reuses KV (a preempted request usually finds its own KV again).
 
 Speculative decoding (speculative_ngram > 0, while at most speculative_max_batch requests run): a decode also
 computes the draft tokens proposed from its own context (engine.ngram), 1 + d tokens in all; update keeps the
@@ -34,14 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_server.config import EngineConfig
-from lora_server.engine.adapter_loader import AdapterLoader
-from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.ngram import propose_ngram
 from lora_server.engine.request import FinishReason, Request, RequestStatus
+from lora_server.engine.residency import Residency
 from lora_server.errors import QueueFullError
 from lora_server.kv_pool import OutOfBlocksError
-from lora_server.kv_pool.tree import BASE_ADAPTER_ID, AdapterKey, PrefixKey
+from lora_server.kv_pool.tree import BASE_ADAPTER_ID, PrefixKey
 from lora_server.kv_pool.unified_pool import UnifiedPool
 
 
@@ -134,29 +133,19 @@ class ScheduledWork:
         return sum(n for _, n in self.items)
 
 
-KV_DOMAIN = "text"  # the domain tag of prefix keys: token KV of this model
-
-
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         pool: UnifiedPool,
-        adapters: AdapterRegistry | None = None,
-        loader: AdapterLoader | None = None,
+        residency: Residency | None = None,
         clock: Callable[[], float] = time.monotonic,
-        adapter_loaded: Callable[[int], bool] | None = None,
     ) -> None:
-        """``loader`` stages adapters' weights (needed with ``adapters``); ``adapter_loaded(table page)``, where
-        adapter loads are asynchronous, says whether an adapter's copy into the arena has run (None: loads are
-        done before the step's forward pass)."""
+        """``residency`` answers where requests' adapters stand (None: a scheduler of the base model alone)."""
         self.config = config
         self.pool = pool
-        self.adapters = adapters
-        self.loader = loader
+        self.residency = residency
         self.clock = clock
-        self.adapter_loaded = adapter_loaded
-        self._failed_adapters: dict[int, str] = {}  # content id -> why it cannot be staged
         self._last_tick = float("-inf")
         self.waiting = FairQueue(config.fair_sharing)
         self.running: list[Request] = []
@@ -171,7 +160,7 @@ class Scheduler:
             raise QueueFullError(f"the queue holds {len(self.waiting)} waiting requests; retry later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.adapter is not None and (self.adapters is None or self.loader is None):
+        if request.adapter is not None and self.residency is None:
             raise ValueError("this scheduler serves no adapters")
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -183,7 +172,8 @@ class Scheduler:
         """Adapter changes into the pool, and the pool's policy at most every pool_tick_s (also while idle: pinned
         adapters load, host KV comes back). Returns the clock's time."""
         now = self.clock()
-        self._sync_adapters()
+        if self.residency is not None:
+            self.residency.sync()
         if now - self._last_tick >= self.config.pool_tick_s:
             self.pool.tick(now, len(self.running), len(self.waiting))
             self._last_tick = now
@@ -203,7 +193,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if self._loading(request):
+            if self._copying(request):
                 continue
             n = min(request.num_uncomputed_tokens, budget, chunk_cap)
             if not self._reserve_or_preempt(request, n, work, now):
@@ -215,8 +205,9 @@ class Scheduler:
             return work  # blocks are short: admit nobody new this step, and no drafts
         if speculate:
             budget = self._add_drafts(work, budget, now)
-        if self._failed_adapters:
-            self._fail_waiting(work)
+        failed = self.residency.take_failures() if self.residency is not None else {}
+        if failed:
+            self._fail_waiting(work, failed)
         running_by_tenant = Counter(r.tenant.name for r in self.running)
         in_batch = {r.adapter.adapter_id for r in self.running if r.adapter is not None}
         passed: set[Request] = set()  # waiting for their adapter to be staged, or for room among max_loras
@@ -226,7 +217,8 @@ class Scheduler:
                 break
             if head.adapter is not None:
                 new_adapter = head.adapter.adapter_id not in in_batch
-                if (new_adapter and len(in_batch) >= self.config.max_loras) or not self._staged(head):
+                full = new_adapter and len(in_batch) >= self.config.max_loras
+                if full or not self._adapter_ready(head.adapter.adapter_id):
                     passed.add(head)
                     continue
             if not slots.take(head):  # a prompt over the partial-prefill limits: shorter ones go ahead of it
@@ -241,7 +233,7 @@ class Scheduler:
             running_by_tenant[head.tenant.name] += 1
             if head.adapter is not None:
                 in_batch.add(head.adapter.adapter_id)
-            if self._loading(head):  # admitted, its blocks taken; it computes once its adapter's copy has run
+            if self._copying(head):  # admitted, its blocks taken; it computes once its adapter's copy has run
                 continue
             work.items.append((head, chunk))
             self.waiting.charge(head, chunk)
@@ -276,66 +268,25 @@ class Scheduler:
                     break
         return threshold if others > 1 else self.config.max_num_batched_tokens
 
-    def _fail_waiting(self, work: ScheduledWork) -> None:
-        """End the waiting requests of adapters the loader could not stage (their files changed or went); a later
-        request of the same adapter tries again."""
-        failed, self._failed_adapters = self._failed_adapters, {}
+    def _fail_waiting(self, work: ScheduledWork, failed: dict[int, str]) -> None:
+        """End the waiting requests of adapters the loader could not stage (``failed``: content id -> why; their
+        files changed or went); a later request of the same adapter tries again."""
         for request in list(self.waiting):
             if request.adapter is not None and request.adapter.adapter_id in failed:
                 self.finish(request, FinishReason.ERROR)
                 work.failed.append((request, failed[request.adapter.adapter_id]))
 
-    def _staged(self, request: Request) -> bool:
-        """Whether the request's adapter can be made resident now: on the device, or staged on the host. If not,
-        the loader is asked to stage it."""
-        assert request.adapter is not None and self.loader is not None
-        key = request.adapter.key
-        node = self.pool.tree.adapter(key)
-        if node is not None and (node.staged or node.table_page >= 0):
-            return True
-        self.loader.request(key.adapter_id)
-        return False
+    def _adapter_ready(self, adapter_id: int) -> bool:
+        assert self.residency is not None  # add() refuses adapters without it
+        return self.residency.ready(adapter_id)
 
-    def _loading(self, request: Request) -> bool:
-        """Whether the request's adapter is still being copied into the arena (asynchronous loads only): its load
-        is decided but not yet executed, or executed and not yet run."""
-        page = request.lora_page
-        if self.adapter_loaded is None or page < 0:
-            return False
-        return page in self.pool.pending_adapter_pages() or not self.adapter_loaded(page)
-
-    def _sync_adapters(self) -> None:
-        """Tell the pool of adapter contents registered and retired (they go with their KV) since the last step,
-        of pins that changed (pinned adapters are staged at once and loaded as room allows), and of what the
-        loader staged, evicted from the host or failed to stage."""
-        if self.adapters is None or self.loader is None:
-            return
-        changes = self.adapters.take_changes()
-        retired = set(changes.retired)
-        for handle in changes.added:
-            if handle.adapter_id not in retired:
-                self.pool.register_adapter(handle.adapter_id, 0, handle.device_nbytes)
-        for adapter_id, pinned in changes.pins.items():
-            if adapter_id not in retired:
-                self.pool.set_pinned(AdapterKey(adapter_id), pinned)
-                self.loader.protect(adapter_id, pinned)
-                if pinned:
-                    self.loader.request(adapter_id)
-        for adapter_id in retired:
-            self.pool.drop_adapter(adapter_id)
-            self.loader.forget(adapter_id)
-        events = self.loader.take_events()
-        for adapter_id in events.staged:
-            self.pool.set_staged(AdapterKey(adapter_id), True)
-        for adapter_id in events.evicted:
-            self.pool.set_staged(AdapterKey(adapter_id), False)
-        self._failed_adapters.update(events.failed)
+    def _copying(self, request: Request) -> bool:
+        return self.residency is not None and self.residency.copying(request.lora_page)
 
     def prefix_key(self, request: Request) -> PrefixKey:
-        """KV is shared under the same domain, tenant salt and adapter weights (not name or version)."""
-        if request.adapter is None:
-            return PrefixKey(KV_DOMAIN, request.cache_salt, BASE_ADAPTER_ID)
-        return PrefixKey(KV_DOMAIN, request.cache_salt, request.adapter.adapter_id)
+        """KV is shared under the same tenant salt and adapter weights (not name or version)."""
+        adapter_id = BASE_ADAPTER_ID if request.adapter is None else request.adapter.adapter_id
+        return PrefixKey(request.cache_salt, adapter_id)
 
     def _admit(self, request: Request, budget: int, now: float) -> int | None:
         """Take the request into the pool: its cached prefix counts as computed, and the blocks of its first
@@ -507,8 +458,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request, cache=reason is not FinishReason.ERROR)
-        if request.adapter is not None and self.adapters is not None:
-            self.adapters.drop(request.adapter)
+        if request.adapter is not None and self.residency is not None:
+            self.residency.release(request.adapter)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

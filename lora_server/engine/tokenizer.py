@@ -21,6 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
+
 # What transformers appends to the final message for continue_final_message, to find where it ends once rendered.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # A message field's value that no template writes by itself: found in the output, the template shows the field.
@@ -257,8 +259,8 @@ class Tokenizer:
         show the field."""
         key = (role, field)
         if key not in self._shown:
-            probe = {"role": role, "content": "x", field: _SENTINEL}
-            messages = [probe] if role == "user" else [{"role": "user", "content": "x"}, probe]
+            probe: TemplateMessage = {"role": role, "content": "x", field: _SENTINEL}
+            messages: list[TemplateMessage] = [probe] if role == "user" else [{"role": "user", "content": "x"}, probe]
             try:
                 self._shown[key] = _SENTINEL in self.apply_chat_template(messages, add_generation_prompt=False)
             except ValueError:
@@ -267,12 +269,12 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[TemplateMessage],
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        documents: list[dict[str, Any]] | None = None,
+        tools: list[ToolDefinition] | None = None,
+        documents: list[JsonObject] | None = None,
         continue_final_message: bool = False,
-        variables: Mapping[str, Any] | None = None,
+        variables: Mapping[str, JsonValue] | None = None,
     ) -> str:
         """Render `messages` with the model's chat template, as transformers' `apply_chat_template(tokenize=False)`
         does: `tools` (JSON schemas, as given), `documents` and the messages' own fields (an assistant's

@@ -186,11 +186,11 @@ def record_copy_order(engine: Engine, load_latency: int = 3) -> Iterator[Recordi
         streams.step += 1
         return eager(batch)
 
-    before = runner.copy_order, core.scheduler.adapter_loaded
+    before = runner.copy_order, core.residency.adapter_loaded
     runner.copy_order = CopyOrder(streams)
-    core.scheduler.adapter_loaded = runner.adapter_loaded
+    core.residency.adapter_loaded = runner.adapter_loaded
     try:
         with mock.patch.object(runner, "_eager_forward", recorded_forward):
             yield streams
     finally:
-        runner.copy_order, core.scheduler.adapter_loaded = before
+        runner.copy_order, core.residency.adapter_loaded = before

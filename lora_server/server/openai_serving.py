@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from lora_server.engine import Engine, Prompt
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
-from lora_server.engine.request import NO_TENANT, Request, TenantShare
+from lora_server.engine.request import NO_TENANT, EngineRequest, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError, LoraServerError
 from lora_server.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ class Prepared:
 
     kind: str  # "chat" | "completion"
     response_id: str  # the answer's id: "chatcmpl-" or "cmpl-" and the HTTP request's id
-    requests: list[Request]
+    requests: list[EngineRequest]
     n: int
     stream: bool
     include_usage: bool
@@ -213,7 +213,7 @@ class OpenAIServing:
         if req.cache_salt is not None:  # within the tenant's own: a salted prompt shares KV only with its salt
             cache_salt = f"{cache_salt}\x00salt:{req.cache_salt}"
         unique = uuid.uuid4().hex[:8]  # engine ids stay unique when a client sends one x-request-id twice
-        requests: list[Request] = []
+        requests: list[EngineRequest] = []
         try:
             for p_index, prompt in enumerate(prompts):
                 for i in range(n):
@@ -237,10 +237,11 @@ class OpenAIServing:
 
     async def attach_grammars(self, prepared: Prepared) -> None:
         """Compile the prepared requests' grammars (``prepare`` only checked them), on the event loop without
-        holding a worker thread; InvalidRequestError (400) when one fails or exceeds the compile budget."""
-        await self.engine.attach_grammars(prepared.requests)
+        holding a worker thread; InvalidRequestError (400) when one fails or exceeds the compile budget (then
+        ``prepared`` keeps the requests as made)."""
+        prepared.requests = await self.engine.attach_grammars(prepared.requests)
 
-    def discard(self, requests: list[Request]) -> None:
+    def discard(self, requests: list[EngineRequest]) -> None:
         for r in requests:
             self.engine.discard(r)
 
