@@ -121,3 +121,72 @@ def test_gguf_types_are_dequantized_exactly_or_refused(tmp_path):
     _gguf(tmp_path / "bad.gguf", {"blk.0.ffn_gate.weight": (q8_1, kinds.Q8_1)})
     with pytest.raises(ModelLoadError, match="blk.0.ffn_gate.weight is of type Q8_1"):
         open_checkpoint(EngineConfig(model=str(tmp_path / "bad.gguf"), show_progress=False))
+
+
+# config.json settings of the supported architectures that change the forward pass and are not implemented
+UNREAD_SETTINGS = {
+    "hidden_act": ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    "mlp_bias": ({"mlp_bias": True}, "mlp_bias true"),
+    "Llama attention_bias": ({"attention_bias": True}, "attention_bias true"),
+    "partial_rotary_factor": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREAD_SETTINGS))
+def test_settings_the_model_does_not_implement_are_refused(tmp_path, case):
+    extra, named = UNREAD_SETTINGS[case]
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**TINY_CONFIG, **extra}))
+    save_file({"model.embed_tokens.weight": torch.randn(16, 32)}, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=named):
+        open_checkpoint(EngineConfig(model=str(path), show_progress=False))
+
+
+def test_hf_tensors_the_loader_does_not_read_are_refused(tmp_path):
+    """A bias the Llama forward pass lacks (the MLP's) would be left out silently; RoPE's saved inverse frequencies
+    are derived again and may stay."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(16, 32),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.randn(8),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    assert set(open_checkpoint(EngineConfig(model=str(path), show_progress=False)).weights) == {"embed"}
+    tensors["model.layers.0.mlp.up_proj.bias"] = torch.randn(64)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError, match=r"1 tensor\(s\) this loader does not read \(model.layers.0.mlp.up_proj.bias\)"
+    ):
+        open_checkpoint(EngineConfig(model=str(path), show_progress=False))
+
+
+def test_gguf_parts_the_loader_does_not_read_are_refused(tmp_path):
+    import gguf
+
+    kinds = gguf.GGMLQuantizationType
+    up = np.ones((64, 32), dtype=np.float32)
+    _gguf(tmp_path / "bias.gguf", {"blk.0.ffn_up.weight": (up, kinds.F32), "blk.0.attn_q.bias": (up[0], kinds.F32)})
+    with pytest.raises(ModelLoadError, match=r"1 tensor\(s\) this loader does not read \(blk.0.attn_q.bias\)"):
+        open_checkpoint(EngineConfig(model=str(tmp_path / "bias.gguf"), show_progress=False))
+
+    for key, value, named in [
+        ("llama.rope.scaling.type", "yarn", "rope.scaling.type 'yarn'"),
+        ("llama.expert_count", 8, "expert_count 8"),
+    ]:
+        path = tmp_path / f"{key}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_block_count(1)
+        writer.add_embedding_length(32)
+        writer.add_head_count(2)
+        writer.add_vocab_size(16)
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
+        writer.add_tensor("blk.0.ffn_up.weight", up, raw_dtype=kinds.F32)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelLoadError, match=named):
+            open_checkpoint(EngineConfig(model=str(path), show_progress=False))

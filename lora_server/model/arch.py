@@ -81,6 +81,7 @@ class ModelArch:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _refuse_unread_settings(cfg, arch)
         heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 4096)
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
@@ -110,4 +111,21 @@ class ModelArch:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+
+
+def _refuse_unread_settings(cfg: dict[str, Any], arch: str) -> None:
+    """config.json settings that change these architectures' forward pass and that the model does not implement
+    are a start-up error naming them: loading without them would serve another model, silently."""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ModelLoadError(f"{arch} with hidden_act {act!r}: only SiLU-gated MLPs are implemented")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{arch} with mlp_bias true: MLP biases are not implemented")
+    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
+        raise ModelLoadError(f"{arch} with attention_bias true: the output projection's bias is not implemented")
+    rotary = cfg.get("partial_rotary_factor", 1.0)
+    if rotary != 1.0:
+        raise ModelLoadError(
+            f"{arch} with partial_rotary_factor {rotary!r}: only full rotary embeddings are implemented"
         )

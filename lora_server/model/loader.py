@@ -145,6 +145,21 @@ _HF_NAMES = [
 ]
 
 
+# tensors some checkpoints hold that the model derives itself: older HF checkpoints saved RoPE's inverse frequencies
+_HF_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _refuse_unread(path: Path, names: list[str]) -> None:
+    """Tensors the loader would leave unread are a start-up error naming them: a weight left out (a bias, a norm,
+    an expert) is another model served silently."""
+    if names:
+        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+        raise ModelLoadError(
+            f"{path} holds {len(names)} tensor(s) this loader does not read ({shown}): the architecture has parts "
+            "that are not implemented"
+        )
+
+
 def _canonical_hf_name(name: str) -> str | None:
     for pattern, template in _HF_NAMES:
         m = re.fullmatch(pattern, name)
@@ -165,12 +180,16 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
     if not files:
         raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
     weights: dict[str, WeightSource] = {}
+    unread = []
     for file in files:
         handle = safe_open(str(file), framework="pt")
         for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
             canonical = _canonical_hf_name(name)
             if canonical is not None:
                 weights[canonical] = FloatWeight(functools.partial(handle.get_tensor, name))
+            elif not _HF_DERIVED.fullmatch(name):
+                unread.append(name)
+    _refuse_unread(path, unread)
     return Checkpoint(arch, weights, "hf", path)
 
 
@@ -228,8 +247,21 @@ def gguf_arch(reader) -> ModelArch:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     scaling: tuple[tuple[str, object], ...] = ()
-    if f("rope.scaling.type") == "linear":
+    rope_scaling = f("rope.scaling.type")
+    if rope_scaling == "linear":
         scaling = (("factor", f("rope.scaling.factor")), ("rope_type", "linear"))
+    elif rope_scaling not in (None, "none"):
+        raise ModelLoadError(f"GGUF llama.rope.scaling.type {rope_scaling!r} is not implemented (linear only)")
+    if f("expert_count"):
+        raise ModelLoadError(
+            f"GGUF llama.expert_count {f('expert_count')}: mixture-of-experts models are not implemented"
+        )
+    rotary, key_length = f("rope.dimension_count"), f("attention.key_length")
+    if rotary is not None and key_length is not None and rotary != key_length:
+        raise ModelLoadError(
+            f"GGUF llama.rope.dimension_count {rotary} differs from attention.key_length {key_length}: partial rotary "
+            "embeddings are not implemented"
+        )
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelArch(
         architecture="LlamaForCausalLM",
@@ -265,14 +297,11 @@ def _gguf_checkpoint(path: Path) -> Checkpoint:
     reader = GGUFReader(str(path))
     arch = gguf_arch(reader)
     weights: dict[str, WeightSource] = {}
+    unread = []
     for t in reader.tensors:
-        parts = t.name.removesuffix(".weight").split(".")
-        if parts[0] == "blk":
-            key = _GGUF_NAMES.get(parts[2])
-            canonical = None if key is None else f"layers.{parts[1]}.{key}"
-        else:
-            canonical = _GGUF_NAMES.get(parts[0])
+        canonical = _canonical_gguf_name(t.name)
         if canonical is None:
+            unread.append(t.name)
             continue
         kind = t.tensor_type.name
         data = t.data
@@ -292,7 +321,20 @@ def _gguf_checkpoint(path: Path) -> Checkpoint:
                 array = unpermute_rope_rows(array, heads)
             source = FloatWeight(functools.partial(_tensor_copy, array))
         weights[canonical] = source
+    _refuse_unread(path, unread)
     return Checkpoint(arch, weights, "gguf", path)
+
+
+def _canonical_gguf_name(name: str) -> str | None:
+    """The canonical name of a GGUF weight (``blk.N.attn_q.weight`` -> ``layers.N.q``); None for any other tensor
+    (a bias, an expert, a part the llama architecture lacks)."""
+    if not name.endswith(".weight"):
+        return None
+    parts = name.removesuffix(".weight").split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_NAMES:
+        return f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
+    top_level = parts[0] in ("token_embd", "output_norm", "output", "rope_freqs")
+    return _GGUF_NAMES[parts[0]] if len(parts) == 1 and top_level else None
 
 
 # ---- dummy weights ----------------------------------------------------------------------------------------
