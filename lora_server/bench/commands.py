@@ -15,6 +15,12 @@ BENCH_COMMANDS: Commands = {}
 command = registry(BENCH_COMMANDS)
 
 
+def _json_flags(p: argparse.ArgumentParser, name: str) -> None:
+    """--out (the results folder) and --json (the figures' path, by default OUT/NAME.json)."""
+    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
+    p.add_argument("--json", default=None, help=f"the figures' path (default: OUT/{name}.json)")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -37,8 +43,7 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default: 128)")
     p.add_argument("--rank", type=int, default=16, help="the benchmark adapters' rank (default: 16)")
-    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
-    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-engine.json)")
+    _json_flags(p, "bench-engine")
     p.add_argument("--quick", action="store_true", help="tiny shapes that run on the CPU in seconds")
     p.add_argument(
         "--structured",
@@ -198,8 +203,7 @@ def _bench_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--large-batch", type=int, default=16, help="the batch run above speculative_max_batch (default: 16)"
     )
-    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
-    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-spec.json)")
+    _json_flags(p, "bench-spec")
 
 
 @command("bench-spec", "prompt-lookup speculative decoding against none: acceptance and TPOT", _bench_spec_args)
@@ -328,8 +332,7 @@ def _bench_fair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of every request (default: 32)")
     p.add_argument("--output-len", type=int, default=8, help="tokens generated per request (default: 8)")
     p.add_argument("--trace-seed", dest="trace_seed", type=int, default=0, help="the prompts' seed (default: 0)")
-    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
-    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-fair.json)")
+    _json_flags(p, "bench-fair")
 
 
 @command("bench-fair", "a light tenant's TTFT beside a flooding one, fair sharing on and off", _bench_fair_args)
@@ -354,8 +357,7 @@ def _bench_long_prefill_args(p: argparse.ArgumentParser) -> None:
         help="long prompts started together for the partial-prefill limit's case (default: 4, enough to fill the "
         "step with a quarter of it each; 1 skips the case)",
     )
-    p.add_argument("--out", default="results", help="where the JSON goes (default: results, which .gitignore covers)")
-    p.add_argument("--json", default=None, help="the figures' path (default: OUT/bench-long-prefill.json)")
+    _json_flags(p, "bench-long-prefill")
 
 
 @command(
