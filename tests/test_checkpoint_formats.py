@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from lora_server.config import EngineConfig
 from lora_server.errors import ModelLoadError
-from lora_server.model.loader import open_checkpoint, unpermute_rope_rows
+from lora_server.model.gguf_checkpoint import unpermute_rope_rows
+from lora_server.model.loader import open_checkpoint
 
 TINY_CONFIG = dict(
     architectures=["LlamaForCausalLM"],

@@ -16,7 +16,8 @@ import torch
 from lora_server.kernels import ops
 from lora_server.kernels import quant_reference as ref
 from lora_server.kernels.fp8_matmul import quantize_per_token, scaled_mm_supported
-from lora_server.model.loader import FloatWeight, GGUFBlocksWeight
+from lora_server.model.checkpoint import FloatWeight
+from lora_server.model.gguf_checkpoint import GGUFBlocksWeight
 from lora_server.model.quant import Fp8Linear, cat_linears, make_linear, quantize_fp8, resident_bytes, tensor_mode
 from tests.kernel_env import DEVICE, force_path
 

@@ -1,5 +1,5 @@
 """Weight-only quantization (lora_server.model.quant) and the GGUF block reader
-(lora_server.model.loader.GGUFBlocksWeight, unpermute_rope_rows), checked against hand-built tensors and
+(lora_server.model.gguf_checkpoint.GGUFBlocksWeight, unpermute_rope_rows), checked against hand-built tensors and
 hand-computed values; gguf.quants.dequantize is the independent reference for the raw GGUF blocks."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
-from lora_server.model.loader import GGUFBlocksWeight, unpermute_rope_rows
+from lora_server.model.gguf_checkpoint import GGUFBlocksWeight, unpermute_rope_rows
 from lora_server.model.quant import (
     CPU_DEQUANT_MIN_ROWS,
     DenseLinear,

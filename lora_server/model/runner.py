@@ -23,11 +23,11 @@ from lora_server.kernels.reference import FP8_KV_DTYPE
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
 from lora_server.model.batch import DraftPosition, ForwardBatch, PromptScoring, ScheduledSequence
+from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.copy_order import CopyOrder, CudaStreams
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
-from lora_server.model.loader import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraWorkspace, workspace_shape
 from lora_server.model.pinned import pinned_zeros
 from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens, scoring_rows
