@@ -15,24 +15,23 @@ from pathlib import Path
 
 import torch
 
-# PEFT module name (HF Llama naming) -> our canonical module name
-TARGETS = {
-    "q_proj": "q",
-    "k_proj": "k",
-    "v_proj": "v",
-    "o_proj": "o",
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
+# A decoder layer's linear modules as PEFT names them (their path in the layer) -> the canonical modules each
+# covers. A fused module's adapter (Phi-3's qkv_proj, gate_up_proj) applies to its fused output: lora_B's rows
+# split by the canonical modules' widths, each part with the same lora_A.
+LLAMA_MODULES: dict[str, tuple[str, ...]] = {
+    "self_attn.q_proj": ("q",),
+    "self_attn.k_proj": ("k",),
+    "self_attn.v_proj": ("v",),
+    "self_attn.o_proj": ("o",),
+    "mlp.gate_proj": ("gate",),
+    "mlp.up_proj": ("up",),
+    "mlp.down_proj": ("down",),
 }
-_HF_PATH = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("q", "k", "v"),
+    "self_attn.o_proj": ("o",),
+    "mlp.gate_up_proj": ("gate", "up"),
+    "mlp.down_proj": ("down",),
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _F32_MAX = torch.finfo(torch.float32).max
@@ -131,13 +130,17 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class BaseShapes:
-    """What an adapter must fit: the base model's layer count and each module's (in, out) features."""
+    """What an adapter must fit: the base model's layer count, each canonical module's (in, out) features, and the
+    modules PEFT names in a layer (LLAMA_MODULES, or FUSED_MODULES for Phi-3's fused projections)."""
 
     num_layers: int
     features: dict[str, tuple[int, int]]  # canonical module -> (in_features, out_features)
+    modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_MODULES)
 
     @classmethod
-    def llama(cls, num_layers: int, hidden: int, intermediate: int, q_size: int, kv_size: int) -> BaseShapes:
+    def llama(
+        cls, num_layers: int, hidden: int, intermediate: int, q_size: int, kv_size: int, fused: bool = False
+    ) -> BaseShapes:
         return cls(
             num_layers,
             {
@@ -149,7 +152,13 @@ class BaseShapes:
                 "up": (hidden, intermediate),
                 "down": (intermediate, hidden),
             },
+            FUSED_MODULES if fused else LLAMA_MODULES,
         )
+
+    def module_features(self, module: str) -> tuple[int, int]:
+        """(in, out) of a PEFT module (a path of ``modules``): a fused one's out is its parts' together."""
+        parts = self.modules[module]
+        return self.features[parts[0]][0], sum(self.features[p][1] for p in parts)
 
 
 @dataclass(slots=True)
@@ -253,8 +262,8 @@ def _within(path: Path, roots: list[Path]) -> bool:
 
 
 def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str], tuple[int, float]]:
-    """(layer, module) -> (rank, scaling) for every module the config targets, after every config check; PEFT's
-    semantics, and its defaults (r 8, lora_alpha 8)."""
+    """(layer, PEFT module path) -> (rank, scaling) for every module the config targets, after every config check;
+    PEFT's semantics, and its defaults (r 8, lora_alpha 8)."""
     _check_keys(config)
     rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
     rank_patterns = _patterns(config, "rank_pattern", _rank)
@@ -264,21 +273,20 @@ def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str]
     targets = config.get("target_modules")
     if isinstance(targets, str) and config.get("layers_to_transform") is not None:
         raise AdapterError("layers_to_transform cannot be used with a regex target_modules (PEFT refuses it too)")
+    names = {path.split(".")[-1]: path for path in base.modules}  # q_proj -> self_attn.q_proj
     if targets == ALL_LINEAR:
-        targets = list(TARGETS)
-    candidates = {
-        (layer, module): f"model.layers.{layer}.{_HF_PATH[module]}" for layer in layers for module in _HF_PATH
-    }
+        targets = list(names)
+    candidates = {(layer, path): f"model.layers.{layer}.{path}" for layer in layers for path in base.modules}
     if isinstance(targets, str):
         regex = _regex(targets, f"target_modules {targets!r}")
         chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
         if not chosen:
             raise AdapterError(f"target_modules regex {targets!r} matches no module of the base model")
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = [t for t in targets if t.split(".")[-1] not in TARGETS]
+        unknown = [t for t in targets if t.split(".")[-1] not in names]
         if unknown:
-            raise AdapterError(f"target modules {unknown} are not in the base model (supported: {', '.join(TARGETS)})")
-        wanted = {TARGETS[t.split(".")[-1]] for t in targets}
+            raise AdapterError(f"target modules {unknown} are not in the base model (supported: {', '.join(names)})")
+        wanted = {names[t.split(".")[-1]] for t in targets}
         chosen = {k for k in candidates if k[1] in wanted}
     else:
         raise AdapterError(
@@ -413,30 +421,34 @@ def _convert(
             if "bias" in key:
                 raise AdapterError(f"bias terms are not supported ({key})")
             raise AdapterError(f"unexpected tensor {key} in the adapter")
-        layer, module = int(m.group(1)), TARGETS.get(m.group(3))
-        if module is None or (layer, module) not in plan:
+        layer, module = int(m.group(1)), f"{m.group(2)}.{m.group(3)}"
+        if (layer, module) not in plan:
             raise AdapterError(f"tensor {key} targets a module the config does not (or the base lacks)")
         found.setdefault((layer, module), {})[m.group(4)] = tensor
     weights = {}
     for target, (rank, scaling) in sorted(plan.items()):
         layer, module = target
+        name = module.split(".")[-1]
         pair = found.get(target, {})
         if set(pair) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"layer {layer} {module}_proj lacks lora_A or lora_B weights")
+            raise AdapterError(f"layer {layer} {name} lacks lora_A or lora_B weights")
         a, b = pair["lora_A"].float(), pair["lora_B"].float()
-        in_f, out_f = base.features[module]
+        in_f, out_f = base.module_features(module)
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise AdapterError(
-                f"layer {layer} {module}_proj: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
+                f"layer {layer} {name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
                 f"not match the base ({rank}, {in_f}) / ({out_f}, {rank})"
             )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"layer {layer} {module}_proj has NaN or Inf weights")
+            raise AdapterError(f"layer {layer} {name} has NaN or Inf weights")
         b = b * scaling
         if not torch.isfinite(b).all():
             raise AdapterError(
-                f"layer {layer} {module}_proj: lora_B times the scaling {scaling:.3g} (from lora_alpha "
+                f"layer {layer} {name}: lora_B times the scaling {scaling:.3g} (from lora_alpha "
                 f"and r) overflows float32"
             )
-        weights[target] = (a, b)
+        parts = base.modules[module]  # a fused module: B's rows split by its parts' widths, A shared
+        widths = [base.features[p][1] for p in parts]
+        for part, b_part in zip(parts, b.split(widths), strict=True):
+            weights[(layer, part)] = (a, b_part.contiguous())
     return weights

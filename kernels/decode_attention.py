@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from lora_server.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, dot_tiles, expect, expect_kv_cache
+from lora_server.kernels.paged_attention import LN2, LOG2E
 
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128
@@ -33,6 +34,8 @@ def _decode_attention_kernel(
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -61,19 +64,23 @@ def _decode_attention_kernel(
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Program (b, kv_head, split): the GROUP query heads of kv_head (rows of a BLOCK_G tile) attend over keys
-    [split * chunk, min((split + 1) * chunk, L)) of sequence b, chunk = ceil(ceil(L / num_splits) / BLOCK_N) *
-    BLOCK_N, with an online softmax in fp32 (base 2: qk_scale holds scale * log2(e)). Not SPLIT (num_splits 1):
-    stores acc / sum (0 where L == 0) times the value scale to out. SPLIT: stores the unnormalized acc [D] to
-    part_acc[b, head, split] and (max, sum) to part_ml[b, head, split]: (-inf, 0) for an empty chunk. The split
-    count is a runtime value (one compiled variant for every count: warm-up compiles two, split or not)."""
+    """Program (b, kv_head, split): the GROUP query heads of kv_head (rows of a BLOCK_G tile) attend over keys [W +
+    split * chunk, min(W + (split + 1) * chunk, L)) of sequence b, W = max(L - window, 0) where window > 0 (a sliding
+    window: the last ``window`` keys) else 0, chunk = ceil(ceil((L - W) / num_splits) / BLOCK_N) * BLOCK_N, scores
+    soft-capped as kernels.paged_attention does under SOFTCAP, with an online softmax in fp32 (base 2: qk_scale holds
+    scale * log2(e)). Not SPLIT (num_splits 1): stores acc / sum (0 where L == 0) times the value scale to out. SPLIT:
+    stores the unnormalized acc [D] to part_acc[b, head, split] and (max, sum) to part_ml[b, head, split]: (-inf, 0) for
+    an empty chunk. The split count is a runtime value (one compiled variant for every count: warm-up compiles two,
+    split or not)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     g = tl.arange(0, BLOCK_G)  # [BLOCK_G]
@@ -122,6 +129,9 @@ def _decode_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:  # as kernels.paged_attention: natural units, capped, base 2 again
+            t = s * (LN2 / softcap)
+            s = (1.0 - 2.0 / (tl.exp(2.0 * t) + 1.0)) * (softcap * LOG2E)
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key n0 < end is visible
         alpha = tl.exp2(m_i - m_new)
@@ -210,6 +220,8 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     num_splits: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
@@ -226,7 +238,8 @@ def paged_decode_attention(
 
     with K_b, V_b [L, KVH, D] = k_cache[block_tables[b]].flatten(0, 1)[:L] (fp8: .float() * k_scale[:, None], V
     alike), L = seq_lens[b]; out[b] = 0 where L == 0, whose block table is not read. fp32 scores, softmax and sums;
-    the probabilities meet V rounded to q's dtype.
+    the probabilities meet V rounded to q's dtype. window > 0: only the last ``window`` keys of K_b, V_b;
+    softcap > 0: the scaled scores soft-capped (the twin's).
 
     num_splits: how many chunks each sequence's keys are cut into (None: default_num_splits, from the shapes);
     block_n: keys per loop step (a power of two >= 16); a split's chunk is a multiple of block_n."""
@@ -266,6 +279,8 @@ def paged_decode_attention(
         seq_lens,
         *scales,
         scale * math.log2(math.e),
+        window,
+        softcap,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -283,6 +298,7 @@ def paged_decode_attention(
         DOT_IN_FP32=dot_in_fp32,
         PRECISION="ieee" if dot_in_fp32 or q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
+        SOFTCAP=softcap > 0,
         num_warps=num_warps,
     )
     if num_splits > 1:

@@ -129,16 +129,18 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotary_dim: int = 0,
 ) -> None:
     """In place: the query and key heads qk [T, H + KVH, D] rotated with HF's two roundings (qk * cos +
-    qk.roll(D // 2, -1) * sin_signed, cos and sin_signed [T, 1, D]), then the rotated keys qk[:, H:] and v written
-    to their slots as write_kv_cache does (kernels.rotary_write_kv: one launch)."""
+    qk.roll(D // 2, -1) * sin_signed, cos and sin_signed [T, 1, D]; rotary_dim R in (0, D): the roll within the
+    first R dimensions, partial rotary), then the rotated keys qk[:, H:] and v written to their slots as
+    write_kv_cache does (kernels.rotary_write_kv: one launch)."""
     if use_kernels(qk.device):
         from lora_server.kernels.rotary_write_kv import rotary_write_kv as kernel
 
-        kernel(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        kernel(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale, rotary_dim)
     else:
-        reference.rotary_write_kv(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        reference.rotary_write_kv(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale, rotary_dim)
 
 
 def paged_attention(
@@ -153,39 +155,75 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode
-    steps and prefill chunks alike; an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]; a decode row
-    whose sequence has length 0 (padding) is zero. A step with one query per sequence takes the decode path: with
-    the kernels, split-KV decode attention in ``num_splits`` chunks per sequence (kernels.decode_attention; None:
-    its default, from the shapes), without them one gather per layer (kernels.gathered_attention); other steps
-    take kernels.paged_attention, or its twin (which needs no max_query_len)."""
+    """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode steps
+    and prefill chunks alike (window > 0: each query sees its last ``window`` keys only; softcap > 0: the scaled scores
+    s become softcap * tanh(s / softcap)); an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]; a decode
+    row whose sequence has length 0 (padding) is zero. A step with one query per sequence takes the decode path: with
+    the kernels, split-KV decode attention in ``num_splits`` chunks per sequence (kernels.decode_attention; None: its
+    default, from the shapes), without them one gather per layer (kernels.gathered_attention); other steps take
+    kernels.paged_attention, or its twin (which needs no max_query_len)."""
     decode = max_query_len == 1 and q.shape[0] == block_tables.shape[0]
     if use_kernels(q.device):
         if decode:
             from lora_server.kernels.decode_attention import paged_decode_attention
 
             return paged_decode_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits=num_splits
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                scale,
+                k_scale,
+                v_scale,
+                window=window,
+                softcap=softcap,
+                num_splits=num_splits,
             )
         from lora_server.kernels.paged_attention import paged_attention as kernel
 
         return kernel(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, k_scale, v_scale
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            k_scale,
+            v_scale,
+            window=window,
+            softcap=softcap,
         )
     if decode:
         from lora_server.kernels.gathered_attention import gathered_decode_attention
 
-        return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return gathered_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window=window, softcap=softcap
+        )
     return reference.paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        k_scale,
+        v_scale,
+        window=window,
+        softcap=softcap,
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, hidden] = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype), HF's LlamaRMSNorm
-    (kernels.rms_norm)."""
+    (kernels.rms_norm); a float32 weight with x of another dtype multiplies before the rounding (Gemma's norm)."""
     if use_kernels(x.device):
         from lora_server.kernels.rms_norm import rms_norm as kernel
 
@@ -201,6 +239,26 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         kernel(x, residual, weight, eps)
     else:
         reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: every head of x [T, heads, D] normalized as rms_norm does, weight [D] (Qwen3's and Gemma 3's
+    q_norm and k_norm; kernels.rms_norm)."""
+    if use_kernels(x.device):
+        from lora_server.kernels.rms_norm import rms_norm_heads_ as kernel
+
+        kernel(x, weight, eps)
+    else:
+        reference.rms_norm_heads_(x, weight, eps)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, I] = F.gelu(x[:, :I], approximate="tanh") * x[:, I:] (Gemma's MLP; kernels.silu_and_mul)."""
+    if use_kernels(x.device):
+        from lora_server.kernels.silu_and_mul import silu_and_mul as kernel
+
+        return kernel(x, gelu_tanh=True)
+    return reference.gelu_tanh_and_mul(x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ import triton.language as tl
 
 from lora_server.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, dot_tiles, expect, expect_kv_cache
 
+LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
+
 
 @triton.jit(do_not_specialize=["stride_tb"])
 def _paged_attention_kernel(
@@ -27,6 +30,8 @@ def _paged_attention_kernel(
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -52,13 +57,15 @@ def _paged_attention_kernel(
     DOT_IN_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (b, kv_head, m_tile): the outputs of rows m_tile * BLOCK_M ... of sequence b's (query, head) rows
     of one KV head, row m = query (m // GROUP) with head kv_head * GROUP + m % GROUP, so the GROUP heads that share
     a KV head read each key and value once. Keys stream in BLOCK_N blocks up to the last position a row of the tile
     sees, with an online softmax in fp32 (base 2: qk_scale holds scale * log2(e)). Tiles past the sequence's
     rows exit at once. KV_FP8: the caches hold fp8, k_scale[kv_head] multiplies the scores and v_scale[kv_head]
-    the output."""
+    the output. window > 0: a row at position p sees keys p - window < key <= p only, and the loop starts at the
+    first block a row of the tile sees. SOFTCAP: scores s (natural units) become softcap * tanh(s / softcap)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -96,7 +103,10 @@ def _paged_attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of the scaled scores
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # window > 0: from the first key the tile's first row sees, down to a block boundary
+    first_seen = tl.maximum(seq_len - num_queries + m0 // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
+    kv_start = tl.where(window > 0, first_seen, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         key = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         key_mask = key < kv_end
         page = tl.load(table_row + (key // PAGE_SIZE) * stride_ti, mask=key_mask, other=0).to(tl.int64)
@@ -114,16 +124,23 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # s is in base 2: back to natural units, capped, and base 2 again; tanh(t) = 1 - 2 / (e^2t + 1)
+            t = s * (LN2 / softcap)
+            s = (1.0 - 2.0 / (tl.exp(2.0 * t) + 1.0)) * (softcap * LOG2E)
         visible = (key[None, :] <= position[:, None]) & key_mask[None, :]
+        visible &= (window <= 0) | (key[None, :] > position[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every row
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # a row may see no key of this block (a sliding window's first blocks): its max stays -inf, and the
+        # exponentials are taken against 0 instead so that no -inf - -inf appears
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only in rows past the last query, which are not stored
     if KV_FP8:
         out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(
@@ -156,6 +173,8 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -178,7 +197,8 @@ def paged_attention(
                     @ V_b[:L - n + i + 1, h // (H // KVH)].float()
 
     (fp32 scores, softmax and accumulation; the probabilities are rounded to q's dtype before they meet V). Rows
-    outside every sequence's query range are left as torch.empty left them.
+    outside every sequence's query range are left as torch.empty left them. window > 0: row i sees only its last
+    ``window`` keys (L - n + i - window < key); softcap > 0: the scaled scores are soft-capped (the twin's).
 
     block_m: (query, head) rows per program (None: 16 when max_query_len * H // KVH <= 16, else 64); block_n: keys
     per loop step; both powers of two >= 16. None: default_tiles' choice."""
@@ -217,6 +237,8 @@ def paged_attention(
         k_scale if k_scale is not None else q,  # not read unless KV_FP8
         v_scale if v_scale is not None else q,
         scale * math.log2(math.e),
+        window,
+        softcap,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -242,6 +264,7 @@ def paged_attention(
         DOT_IN_FP32=dot_in_fp32,
         PRECISION="ieee" if dot_in_fp32 or q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
+        SOFTCAP=softcap > 0,
         num_warps=num_warps,
     )
     return out

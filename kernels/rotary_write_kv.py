@@ -52,6 +52,7 @@ def _rotary_write_kv_kernel(
     BLOCK_D: tl.constexpr,
     QUANTIZE: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
 ):
     """Program (token): every head h of qk[token] ([H + KVH, D], query heads then key heads, BLOCK_H at a time)
     becomes x * cos + x.roll(D // 2) * sin_signed (each product rounded to the dtype, then the sum: HF's two
@@ -67,7 +68,9 @@ def _rotary_write_kv_kernel(
     d_mask = d < HEAD_DIM
     # as a [1, BLOCK_D] tensor: the interpreter rejects masks broadcast from a scalar boolean
     write = tl.zeros([1, BLOCK_D], dtype=tl.int64) + slot >= 0
-    partner = (d + HEAD_DIM // 2) % HEAD_DIM  # x.roll(D // 2)[d] = x[(d + D // 2) % D]
+    # x.roll(D // 2)[d] = x[(d + D // 2) % D]; with partial rotary (ROTARY_DIM < D) the roll is within the first
+    # ROTARY_DIM dimensions and the others pair with themselves (their sin is 0)
+    partner = tl.where(d < ROTARY_DIM, (d + ROTARY_DIM // 2) % ROTARY_DIM, d)
     cos = tl.load(cos_ptr + token * stride_ct + d * stride_cd, mask=d_mask, other=0.0)  # [1, BLOCK_D]
     sin = tl.load(sin_ptr + token * stride_st + d * stride_sd, mask=d_mask, other=0.0)
     row = qk_ptr + token * stride_qt
@@ -114,6 +117,7 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rotary_dim: int = 0,
 ) -> None:
     """In place, one launch:
 
@@ -128,7 +132,8 @@ def rotary_write_kv(
     qk: [T, H + KVH, D], the query heads then the key heads (a view of a fused QKV output: any strides);
     v: [T, KVH, D], any strides, qk's dtype (float32, float16, bfloat16); cos, sin_signed: [T, 1, D] in qk's
     dtype; k_cache, v_cache: [num_blocks, block_size, KVH, D], qk's dtype or float8_e4m3fn with k_scale, v_scale
-    [KVH] float32 contiguous; slot_mapping: [T] int32 or int64, distinct where >= 0."""
+    [KVH] float32 contiguous; slot_mapping: [T] int32 or int64, distinct where >= 0. rotary_dim R in (0, D):
+    partial rotary, the roll within the first R dimensions (the twin's apply_rotary_); 0: all of D."""
     num_tokens, num_heads_total, head_dim = qk.shape
     num_kv_heads = k_cache.shape[2]
     num_q_heads = num_heads_total - num_kv_heads
@@ -169,4 +174,5 @@ def rotary_write_kv(
         BLOCK_D=triton.next_power_of_2(head_dim),
         QUANTIZE=quantize,
         FP8_MAX=torch.finfo(FP8_KV_DTYPE).max,
+        ROTARY_DIM=rotary_dim if 0 < rotary_dim < head_dim else head_dim,
     )

@@ -1,14 +1,28 @@
-"""The shape of a Llama-family model, read from an HF config.json, GGUF metadata, or a named preset."""
+"""The shape of a decoder model, read from an HF config.json, GGUF metadata, or a named preset: the Llama family
+(Llama 2/3, Mistral, SmolLM2, Qwen2) and the families that differ from it in a few named ways (Qwen3, Gemma 2 and 3,
+Phi-3), each difference a field of ModelArch that the model (model.llama) reads."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from lora_server.errors import ModelLoadError
 
-# Architectures whose forward pass is the Llama one (Qwen2 adds biases on q, k, v).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# HF architecture -> family: "llama" is the Llama forward pass (Qwen2 adds biases on q, k, v); the others are
+# described by ModelArch's fields (qk_norm, gemma_norms, activation, windows, soft-capping, fused projections...)
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+GEMMA3_SLIDING_PATTERN = 6  # Gemma 3's default: every sixth layer attends globally
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(
@@ -58,10 +72,23 @@ class ModelArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    rope_scaling: tuple[tuple[str, Any], ...] = ()  # HF's rope_scaling dict as sorted items
-    attention_bias: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # HF's rope_scaling dict as sorted items (lists as tuples)
+    attention_bias: bool = False  # biases on q, k and v (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"  # FAMILIES' values
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotary embedding (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # norms scale by 1 + w in float32; a norm after attention and after the MLP too
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # the embeddings times this (Gemma: sqrt(hidden), rounded to the model's dtype)
+    attn_scale: float = 0.0  # the scores' scale (0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0  # scores s -> c * tanh(s / c) (0: none)
+    final_softcap: float = 0.0  # logits alike
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: full attention); () = all full
+    rotary_dim: int = 0  # dimensions of a head the rotary embedding turns (0: all of them)
+    local_rope_theta: float = 0.0  # the sliding layers' own RoPE base, unscaled (Gemma 3; 0: as the others)
+    rope_attention_factor: float = 1.0  # cos and sin times this (LongRoPE's attention factor)
+    fused_projections: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
 
     @property
     def q_size(self) -> int:
@@ -75,57 +102,160 @@ class ModelArch:
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
 
+    @property
+    def rotary_width(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in FAMILIES:
             raise ModelLoadError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        _refuse_unread_settings(cfg, arch)
+        family = FAMILIES[arch]
+        _refuse_unread_settings(cfg, arch, family)
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        global_rope, local_rope = _rope_parameters(cfg, family)
+        rope_type = global_rope.get("rope_type", global_rope.get("type", "default"))
+        allowed = ("default", "llama3", "linear") + (("longrope",) if family == "phi3" else ())
+        if rope_type not in allowed:
+            raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r} for {arch} (implemented: {allowed})")
+        rotary = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * rotary)
         max_pos = cfg.get("max_position_embeddings", 4096)
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
-            # Attention is full; capping the context at the window keeps it exact.
-            max_pos = min(max_pos, cfg["sliding_window"])
+        attention_factor = 1.0
+        if rope_type == "longrope":
+            max_pos, attention_factor = _longrope_context(global_rope, cfg, max_pos, rotary_dim)
         eos = cfg.get("eos_token_id")
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r}")
+        gemma = family in ("gemma2", "gemma3")
+        num_layers = cfg["num_hidden_layers"]
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))),
+            rope_theta=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_scaling=tuple(sorted((k, v) for k, v in scaling.items() if k != "rope_theta"))
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            rope_scaling=tuple(
+                sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in global_rope.items() if k != "rope_theta")
+            )
             if rope_type != "default"
             else (),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            family=family,
+            qk_norm=family in ("qwen3", "gemma3"),
+            gemma_norms=gemma,
+            activation="gelu_tanh" if gemma else "silu",
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            attn_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma else 0.0,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+            layer_windows=_layer_windows(cfg, arch, family, num_layers),
+            rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
+            local_rope_theta=float(local_rope.get("rope_theta", 0.0)) if local_rope else 0.0,
+            rope_attention_factor=attention_factor,
+            fused_projections=family == "phi3",
         )
 
 
-def _refuse_unread_settings(cfg: dict[str, Any], arch: str) -> None:
+def _rope_parameters(cfg: dict[str, Any], family: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the global layers' RoPE parameters, Gemma 3's sliding layers' or None): HF's rope_scaling / rope_theta
+    (config.json as the hub ships it) or transformers 5's rope_parameters, nested per layer type for Gemma 3."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention")
+        if local and local.get("rope_type", local.get("type", "default")) != "default":
+            raise ModelLoadError(f"RoPE scaling on the sliding-window layers is not implemented: {local}")
+        return dict(params.get("full_attention") or {}), local
+    scaling = dict(cfg.get("rope_scaling") or params)
+    if "rope_theta" in cfg and "rope_theta" not in scaling:
+        scaling["rope_theta"] = cfg["rope_theta"]
+    local = None
+    if family == "gemma3":
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    return scaling, local
+
+
+def _longrope_context(rope: dict[str, Any], cfg: dict[str, Any], max_pos: int, rotary_dim: int) -> tuple[int, float]:
+    """LongRoPE (Phi-3): (the context, capped at original_max_position_embeddings, where the short factors apply,
+    and the attention factor that scales cos and sin, as HF computes it). HF switches to the long factors for a
+    whole forward pass once any position passes the original length, which changes the keys already cached; the
+    context is capped instead so that every position is rotated as HF rotates it."""
+    original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if not original:
+        raise ModelLoadError("longrope scaling without original_max_position_embeddings")
+    if len(rope.get("short_factor") or ()) != rotary_dim // 2:
+        raise ModelLoadError(f"longrope short_factor must hold {rotary_dim // 2} values (the rotary dimensions / 2)")
+    factor = rope.get("factor") or max_pos / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return min(max_pos, original), float(attention)
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, family: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), from layer_types where config.json has them, else from
+    each family's own rule (HF's): Gemma 2 every other layer from the first, Gemma 3 all but every sixth, Qwen's
+    the layers from max_window_layers on with use_sliding_window, Mistral and Phi-3 every layer."""
+    window = cfg.get("sliding_window") or 0
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(f"layer_types {types!r}: expected full_attention or sliding_attention per layer")
+        if "sliding_attention" in types and not window:
+            raise ModelLoadError("layer_types names sliding_attention layers but sliding_window is not set")
+        windows = [window if t == "sliding_attention" else 0 for t in types]
+    elif not window:
+        windows = [0] * num_layers
+    elif family == "gemma2":
+        windows = [window if i % 2 == 0 else 0 for i in range(num_layers)]
+    elif family == "gemma3":
+        pattern = cfg.get("sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        windows = [window if (i + 1) % pattern else 0 for i in range(num_layers)]
+    elif family == "qwen3" or arch == "Qwen2ForCausalLM":
+        first = cfg.get("max_window_layers", 0) if cfg.get("use_sliding_window") else num_layers
+        windows = [window if i >= first else 0 for i in range(num_layers)]
+    else:
+        windows = [window] * num_layers
+    return tuple(windows) if any(windows) else ()
+
+
+def _refuse_unread_settings(cfg: dict[str, Any], arch: str, family: str) -> None:
     """config.json settings that change these architectures' forward pass and that the model does not implement
     are a start-up error naming them: loading without them would serve another model, silently."""
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ModelLoadError(f"{arch} with hidden_act {act!r}: only SiLU-gated MLPs are implemented")
+    gemma = family in ("gemma2", "gemma3")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
+    if act != expected:
+        raise ModelLoadError(f"{arch} with hidden_act {act!r}: only {expected} is implemented for it")
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{arch} with mlp_bias true: MLP biases are not implemented")
-    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
-        raise ModelLoadError(f"{arch} with attention_bias true: the output projection's bias is not implemented")
-    rotary = cfg.get("partial_rotary_factor", 1.0)
-    if rotary != 1.0:
+    if arch != "Qwen2ForCausalLM" and cfg.get("attention_bias"):
+        raise ModelLoadError(f"{arch} with attention_bias true: attention biases are not implemented for it")
+    rotary = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if rotary != 1.0 and family != "phi3":
         raise ModelLoadError(
-            f"{arch} with partial_rotary_factor {rotary!r}: only full rotary embeddings are implemented"
+            f"{arch} with partial_rotary_factor {rotary!r}: only full rotary embeddings are implemented for it"
         )
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{arch} with use_bidirectional_attention: only causal attention is implemented")
+    if gemma and not cfg.get("query_pre_attn_scalar"):
+        raise ModelLoadError(f"{arch} without query_pre_attn_scalar: the attention scale is not known")
+    if not gemma and (cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping")):
+        raise ModelLoadError(f"{arch} with logit soft-capping: implemented for Gemma only")

@@ -2,7 +2,9 @@
 (read when asked for), the model's shape, and where it came from.
 
 Canonical names: embed, norm, lm_head, rope_freqs, and per layer ``layers.{i}.`` + attn_norm, mlp_norm, q, k, v,
-o, gate, up, down, q_bias, k_bias, v_bias. Weights are [out_features, in_features] in HF's row order.
+o, gate, up, down, q_bias, k_bias, v_bias; q_norm, k_norm (per-head norms: Qwen3, Gemma 3); post_attn_norm,
+post_mlp_norm (Gemma's norms of the attention's and the MLP's outputs). Fused projections (Phi-3's qkv_proj,
+gate_up_proj) come split into q, k, v and gate, up. Weights are [out_features, in_features] in HF's row order.
 """
 
 from __future__ import annotations

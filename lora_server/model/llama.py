@@ -1,9 +1,12 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2's q/k/v biases) over a paged KV cache.
+"""The decoder of every supported family over a paged KV cache: Llama 2/3, Mistral, SmolLM2, Qwen2 (q/k/v biases),
+and what ModelArch says the others add: Qwen3's and Gemma 3's per-head q/k norms, Gemma's 1 + w norms around both
+blocks, GELU-tanh, scaled embeddings and soft-capped logits, sliding-window layers (Gemma, Mistral, Phi-3), partial
+rotary and LongRoPE (Phi-3), Gemma 3's own RoPE base for its sliding layers.
 
 Linear layers are QuantLinear modules (dense, int8, int4, fp8); q|k|v and gate|up are fused along the output rows.
 The rest of a layer goes through kernels.ops, one call each (a kernel launch on CUDA, the torch twin elsewhere): the
 residual add fused into the next RMSNorm (the hidden state travels as x + residual, as in vLLM), rotary fused with
-the KV write, attention, SiLU-and-multiply."""
+the KV write, attention, the gated activation."""
 
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for
 
 
 class RMSNorm(nn.Module):
+    """weight [hidden] in the model's dtype (Llama's order: normalized, rounded, then scaled), or float32 (Gemma's
+    1 + w: scaled in float32, then rounded; ops.rms_norm tells them apart by the weight's dtype)."""
+
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -32,18 +38,27 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def heads_(self, x: torch.Tensor) -> None:
+        """In place: each head of x [T, heads, head_dim] normalized (the per-head q/k norms)."""
+        ops.rms_norm_heads_(x, self.weight, self.eps)
+
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
         """In place: residual += x; x = self(residual) (x, residual [T, hidden])."""
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with llama3 / linear scaling or GGUF's rope_freqs factors."""
-    dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = arch.rope_scaling_dict
+def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None, local: bool = False) -> torch.Tensor:
+    """[rotary_width // 2] float32 inverse frequencies, with llama3 / linear scaling, LongRoPE's short factors or
+    GGUF's rope_freqs factors; ``local``: Gemma 3's sliding layers (their own base, unscaled)."""
+    dim = arch.rotary_width
+    theta = arch.local_rope_theta if local else arch.rope_theta
+    powers = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv = 1.0 / powers
+    scaling = {} if local else arch.rope_scaling_dict
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
+    if kind == "longrope":  # HF's 1 / (factors * base^(2i/d)); the context is capped where the short factors apply
+        inv = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * powers)
+    elif kind == "linear":
         inv = inv / scaling["factor"]
     elif kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -69,20 +84,33 @@ class RopeTable(NamedTuple):
 
 
 class Rotary(nn.Module):
-    """Neox-style rotary embedding (HF's rotate_half layout) from a cos/sin table over all positions."""
+    """Neox-style rotary embedding (HF's rotate_half layout) from a cos/sin table over all positions. With partial
+    rotary (arch.rotary_dim), the dimensions past the rotary ones have cos 1 and sin 0: they pass unchanged."""
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
 
     def __init__(
-        self, arch: ModelArch, max_positions: int, device: torch.device, rope_freqs: torch.Tensor | None = None
+        self,
+        arch: ModelArch,
+        max_positions: int,
+        device: torch.device,
+        rope_freqs: torch.Tensor | None = None,
+        local: bool = False,
     ) -> None:
         super().__init__()
-        inv = rope_inv_freq(arch, rope_freqs).to(device)
+        inv = rope_inv_freq(arch, rope_freqs, local).to(device)
         freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
-        # [positions, head_dim]: HF's cat([freqs, freqs]) angles; sin's first half negated (see RopeTable)
-        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)
-        self.register_buffer("sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+        # [positions, rotary_width]: HF's cat([freqs, freqs]) angles; sin's first half negated (see RopeTable)
+        factor = 1.0 if local else arch.rope_attention_factor  # HF's cos() * attention_scaling, in float32
+        cos, sin = torch.cat([freqs, freqs], dim=-1).cos() * factor, freqs.sin() * factor
+        sin_signed = torch.cat([-sin, sin], dim=-1)
+        passed = arch.head_dim - arch.rotary_width
+        if passed:
+            cos = torch.cat([cos, torch.ones(max_positions, passed, device=device)], dim=-1)
+            sin_signed = torch.cat([sin_signed, torch.zeros(max_positions, passed, device=device)], dim=-1)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin_signed", sin_signed, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:  # positions [T]
         return RopeTable(self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1))
@@ -99,13 +127,27 @@ class LayerKV(NamedTuple):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, qkv: QuantLinear, o: QuantLinear) -> None:
+    """Self-attention of one layer: q|k|v, the per-head q/k norms where the family has them, the rotary embedding
+    fused with the KV write, paged attention (a sliding window where the layer has one, soft-capped scores where
+    the family caps them), the output projection."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer: int,
+        qkv: QuantLinear,
+        o: QuantLinear,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> None:
         super().__init__()
         self.qkv_proj = LoraLinear(qkv, layer, "qkv", (arch.q_size, arch.kv_size, arch.kv_size))
         self.o_proj = LoraLinear(o, layer, "o", (arch.hidden_size,))
+        self.q_norm: RMSNorm | None = qk_norms[0] if qk_norms is not None else None
+        self.k_norm: RMSNorm | None = qk_norms[1] if qk_norms is not None else None
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale, self.softcap, self.window = arch.query_scale, arch.attn_softcap, arch.window(layer)
+        self.rotary_dim = arch.rotary_dim
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
@@ -113,6 +155,9 @@ class Attention(nn.Module):
         # q and k heads side by side [T, heads + kv_heads, head_dim]: rotated in place, the keys and values written
         qk = qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.heads_(qk[:, : self.num_heads])
+            self.k_norm.heads_(qk[:, self.num_heads :])
         ops.rotary_write_kv(
             qk,
             v,
@@ -123,6 +168,7 @@ class Attention(nn.Module):
             batch.slot_mapping,
             kv_cache.k_scale,
             kv_cache.v_scale,
+            self.rotary_dim,
         )
         o = ops.paged_attention(
             qk[:, : self.num_heads],
@@ -135,6 +181,8 @@ class Attention(nn.Module):
             batch.max_query_len,
             kv_cache.k_scale,
             kv_cache.v_scale,
+            window=self.window,
+            softcap=self.softcap,
         )  # [T, heads, head_dim]
         return self.o_proj(o.flatten(1), batch.lora)
 
@@ -145,16 +193,32 @@ class MLP(nn.Module):
         intermediate = arch.intermediate_size
         self.gate_up_proj = LoraLinear(gate_up, layer, "gate_up", (intermediate, intermediate))
         self.down_proj = LoraLinear(down, layer, "down", (arch.hidden_size,))
+        self.act_and_mul = ops.gelu_tanh_and_mul if arch.activation == "gelu_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
-        return self.down_proj(ops.silu_and_mul(gate_up), lora)
+        return self.down_proj(self.act_and_mul(gate_up), lora)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn_norm: RMSNorm, attn: Attention, mlp_norm: RMSNorm, mlp: MLP) -> None:
+    """A pre-norm block pair; Gemma's post_attn_norm and post_mlp_norm normalize each block's output before it
+    joins the residual. ``local_rope``: the layer rotates with the model's local table (Gemma 3's sliding
+    layers)."""
+
+    def __init__(
+        self,
+        attn_norm: RMSNorm,
+        attn: Attention,
+        mlp_norm: RMSNorm,
+        mlp: MLP,
+        post_norms: tuple[RMSNorm, RMSNorm] | None = None,
+        local_rope: bool = False,
+    ) -> None:
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+        self.post_attn_norm: RMSNorm | None = post_norms[0] if post_norms is not None else None
+        self.post_mlp_norm: RMSNorm | None = post_norms[1] if post_norms is not None else None
+        self.local_rope = local_rope
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV
@@ -166,8 +230,13 @@ class DecoderLayer(nn.Module):
         else:
             self.attn_norm.add_and_norm(x, residual)
         x = self.attn(x, batch, rope, kv_cache)
+        if self.post_attn_norm is not None:
+            x = self.post_attn_norm(x)
         self.mlp_norm.add_and_norm(x, residual)
-        return self.mlp(x, batch.lora), residual
+        x = self.mlp(x, batch.lora)
+        if self.post_mlp_norm is not None:
+            x = self.post_mlp_norm(x)
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -180,19 +249,24 @@ class LlamaModel(nn.Module):
         lm_head: QuantLinear | None,
         rotary: Rotary,
         dtype: torch.dtype,
+        local_rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
         self.arch, self.dtype = arch, dtype
         self.embed, self.layers, self.norm, self.rotary = embed, nn.ModuleList(layers), norm, rotary
+        self.local_rotary = local_rotary  # Gemma 3's sliding layers' table
         self.lm_head = lm_head  # None: tied to the embedding
 
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
         x = self.embed.rows(batch.input_ids, self.dtype)  # [T, hidden]
+        if self.arch.embed_scale != 1.0:  # Gemma: times sqrt(hidden) rounded to the dtype, as HF's normalizer
+            x = x * torch.tensor(self.arch.embed_scale, dtype=self.dtype)
         rope = self.rotary.table(batch.positions, self.dtype)
+        local = rope if self.local_rotary is None else self.local_rotary.table(batch.positions, self.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, batch, rope, kv_cache)
+            x, residual = layer(x, residual, batch, local if layer.local_rope else rope, kv_cache)
         if residual is None:
             return self.norm(x)
         self.norm.add_and_norm(x, residual)
@@ -208,7 +282,9 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         head = self.lm_head if self.lm_head is not None else self.embed
-        return head(hidden).float()
+        logits = head(hidden).float()
+        cap = self.arch.final_softcap
+        return logits if cap <= 0 else torch.tanh(logits / cap) * cap
 
 
 def build_llama(
@@ -240,6 +316,10 @@ def build_llama(
         return module
 
     def norm(name: str) -> RMSNorm:
+        if name not in w:
+            raise ModelLoadError(f"checkpoint lacks {name}")
+        if arch.gemma_norms:  # HF's 1 + w in float32, which multiplies before the rounding (RMSNorm)
+            return RMSNorm(1.0 + w[name].dense(torch.float32, device), arch.rms_norm_eps)
         return RMSNorm(w[name].dense(dtype, device), arch.rms_norm_eps)
 
     layers = []
@@ -248,14 +328,17 @@ def build_llama(
         qkv = cat_linears(
             [linear(p + "q", p + "q_bias"), linear(p + "k", p + "k_bias"), linear(p + "v", p + "v_bias")], dtype
         )
-        attn = Attention(arch, i, qkv, linear(p + "o"))
+        qk_norms = (norm(p + "q_norm"), norm(p + "k_norm")) if arch.qk_norm else None
+        attn = Attention(arch, i, qkv, linear(p + "o"), qk_norms)
         mlp = MLP(arch, i, cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
-        layers.append(DecoderLayer(norm(p + "attn_norm"), attn, norm(p + "mlp_norm"), mlp))
+        post_norms = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if arch.gemma_norms else None
+        local = arch.local_rope_theta > 0 and arch.window(i) > 0
+        layers.append(DecoderLayer(norm(p + "attn_norm"), attn, norm(p + "mlp_norm"), mlp, post_norms, local))
     rope_freqs = w["rope_freqs"].dense(torch.float32, device) if "rope_freqs" in w else None
     lm_head = None if arch.tie_word_embeddings or "lm_head" not in w else linear("lm_head")
-    model = LlamaModel(
-        arch, linear("embed"), layers, norm("norm"), lm_head, Rotary(arch, max_positions, device, rope_freqs), dtype
-    )
+    rotary = Rotary(arch, max_positions, device, rope_freqs)
+    local_rotary = Rotary(arch, max_positions, device, local=True) if arch.local_rope_theta > 0 else None
+    model = LlamaModel(arch, linear("embed"), layers, norm("norm"), lm_head, rotary, dtype, local_rotary)
     if device.type == "cpu":  # the embedding stays as is: it is read by rows, not multiplied
         swap_for_cpu(model, keep=("embed",))
         if model.lm_head is None and cpu_head_copy:  # a tied head multiplies: its own copy (see cpu_head)

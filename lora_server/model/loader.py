@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,23 +72,62 @@ _HF_NAMES = [
     (r"model\.norm\.weight", "norm"),
     (r"lm_head\.weight", "lm_head"),
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{}.attn_norm"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{}.mlp_norm"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", "layers.{}.{}"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.bias", "layers.{}.{}_bias"),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{}.{}"),
 ]
+# the norm before the MLP: Llama's post_attention_layernorm; Gemma's norms after attention and after the MLP
+_HF_MLP_NORM = [(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{}.mlp_norm")]
+_HF_GEMMA_NORMS = [
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{}.post_attn_norm"),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{}.mlp_norm"),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{}.post_mlp_norm"),
+]
+_HF_QK_NORMS = [(r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", "layers.{}.{}_norm")]
+# Phi-3's fused projections, split into the canonical q, k, v and gate, up by rows when read
+_HF_FUSED = [
+    (r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.weight", "layers.{}.qkv"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "layers.{}.gate_up"),
+]
+
+
+def _hf_names(arch: ModelArch) -> list[tuple[re.Pattern, str]]:
+    """(pattern, canonical template) of every tensor the architecture's model reads."""
+    names = _HF_NAMES + (_HF_GEMMA_NORMS if arch.gemma_norms else _HF_MLP_NORM)
+    names += _HF_QK_NORMS if arch.qk_norm else []
+    names += _HF_FUSED if arch.fused_projections else []
+    return [(re.compile(pattern), template) for pattern, template in names]
 
 
 # tensors some checkpoints hold that the model derives itself: older HF checkpoints saved RoPE's inverse frequencies
 _HF_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def _canonical_hf_name(name: str) -> str | None:
-    for pattern, template in _HF_NAMES:
-        m = re.fullmatch(pattern, name)
+def _canonical_hf_name(name: str, names: list[tuple[re.Pattern, str]]) -> str | None:
+    for pattern, template in names:
+        m = pattern.fullmatch(name)
         if m:
             return template.format(*m.groups())
     return None
+
+
+def _split_rows(read: Callable[[], torch.Tensor], start: int, end: int) -> torch.Tensor:
+    return read()[start:end]
+
+
+def _split_fused(arch: ModelArch, canonical: str, read: Callable[[], torch.Tensor]) -> dict[str, WeightSource]:
+    """A fused projection's parts by rows: qkv -> q [q_size], k, v [kv_size]; gate_up -> gate, up [intermediate]."""
+    prefix, fused = canonical.rsplit(".", 1)
+    if fused == "qkv":
+        parts = [("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)]
+    else:
+        parts = [("gate", arch.intermediate_size), ("up", arch.intermediate_size)]
+    sources: dict[str, WeightSource] = {}
+    start = 0
+    for part, rows in parts:
+        sources[f"{prefix}.{part}"] = FloatWeight(functools.partial(_split_rows, read, start, start + rows))
+        start += rows
+    return sources
 
 
 def _hf_checkpoint(path: Path) -> Checkpoint:
@@ -103,12 +143,16 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
         raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
     weights: dict[str, WeightSource] = {}
     unread = []
+    names = _hf_names(arch)
     for file in files:
         handle = safe_open(str(file), framework="pt")
         for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-            canonical = _canonical_hf_name(name)
-            if canonical is not None:
-                weights[canonical] = FloatWeight(functools.partial(handle.get_tensor, name))
+            canonical = _canonical_hf_name(name, names)
+            read = functools.partial(handle.get_tensor, name)
+            if canonical is not None and canonical.endswith((".qkv", ".gate_up")):
+                weights.update(_split_fused(arch, canonical, read))
+            elif canonical is not None:
+                weights[canonical] = FloatWeight(read)
             elif not _HF_DERIVED.fullmatch(name):
                 unread.append(name)
     refuse_unread(path, unread)

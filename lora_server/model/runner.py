@@ -96,7 +96,12 @@ class ModelRunner:
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         arch = self.arch
         self.adapter_shapes = BaseShapes.llama(
-            arch.num_layers, arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+            arch.num_layers,
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.q_size,
+            arch.kv_size,
+            fused=arch.fused_projections,
         )
         self.geometry = PageGeometry(
             page_bytes(arch, self.block_size, self.kv_dtype), self.dtype, config.max_lora_rank, self.adapter_shapes
