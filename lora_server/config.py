@@ -40,7 +40,8 @@ def flag(
 class EngineConfig:
     """Everything an engine needs to be built.
 
-    quantization "auto" keeps a GGUF's own blocks (Q4_1 -> int4, Q8_0 -> int8) and leaves HF weights unquantized.
+    quantization "auto" keeps a checkpoint's own quantized form: a GGUF's blocks (Q4_1 -> int4, Q8_0 -> int8, Q4_0,
+    Q5_x, Q4_K, Q5_K, Q6_K as blocks), a pre-quantized HF checkpoint's codes; float HF weights stay unquantized.
     """
 
     model: str | None = field(

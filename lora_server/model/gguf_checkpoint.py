@@ -1,5 +1,6 @@
-"""GGUF files: the llama architecture's metadata and tensors, Q4_1 and Q8_0 blocks kept as they are (the project's
-int4 and int8 layouts are theirs), other types dequantized exactly by the gguf package."""
+"""GGUF files: the llama architecture's metadata and tensors. Quantized tensors keep their blocks: Q4_1 and Q8_0 as
+the project's int4 and int8 layouts (which are theirs), Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as raw blocks
+(model.gguf_linear); other types are dequantized exactly to float32 by the gguf package."""
 
 from __future__ import annotations
 
@@ -10,23 +11,32 @@ import numpy as np
 import torch
 
 from lora_server.errors import ModelLoadError
+from lora_server.kernels.gguf_reference import GGUF_BLOCKS
 from lora_server.model.arch import ModelArch
 from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread, tensor_copy
+from lora_server.model.gguf_linear import GGUFBlockLinear
 from lora_server.model.quant import Int4Linear, Int8Linear, QuantLinear
 
 
 class GGUFBlocksWeight(WeightSource):
-    """A Q4_1 or Q8_0 tensor: rows of raw GGUF blocks, uint8 [out, blocks * block_bytes], rows in HF order."""
+    """A quantized tensor kept as its blocks: rows of raw GGUF blocks, uint8 [out, blocks * block_bytes], rows in
+    HF order. Q4_1 and Q8_0 become an Int4Linear or Int8Linear (native "int4", "int8"), the types of
+    kernels.gguf_reference.GGUF_BLOCKS a GGUFBlockLinear of the blocks as they are (native: the type's name, which
+    no --quantization mode is: only "auto" keeps them). Other modes dequantize exactly, then quantize."""
 
     BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+    KINDS = (*BLOCK_BYTES, *GGUF_BLOCKS)
 
     def __init__(self, kind: str, raw: np.ndarray) -> None:
+        assert kind in self.KINDS, kind
         self.kind = kind
-        self.native = "int4" if kind == "Q4_1" else "int8"
+        self.native = {"Q4_1": "int4", "Q8_0": "int8"}.get(kind, kind)
         self.raw = raw
 
     def _native_linear(self, device: torch.device) -> QuantLinear:
         rows = self.raw.shape[0]
+        if self.kind in GGUF_BLOCKS:
+            return GGUFBlockLinear(self.kind, torch.from_numpy(np.array(self.raw)).to(device))
         blocks = torch.from_numpy(np.array(self.raw)).to(device).view(rows, -1, self.BLOCK_BYTES[self.kind])
         scales = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)  # [out, groups]
         if self.kind == "Q4_1":
@@ -135,7 +145,7 @@ def open_gguf(path: Path) -> Checkpoint:
         kind = t.tensor_type.name
         data = t.data
         heads = {"q": arch.num_heads, "k": arch.num_kv_heads}.get(canonical.rsplit(".", 1)[-1])
-        if kind in GGUFBlocksWeight.BLOCK_BYTES:
+        if kind in GGUFBlocksWeight.KINDS:
             source: WeightSource = GGUFBlocksWeight(kind, unpermute_rope_rows(data, heads) if heads else data)
         else:
             if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):

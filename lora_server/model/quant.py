@@ -14,12 +14,13 @@ Formats (rows = output features, columns = input features, groups run along the 
   layout the GPU kernel reads contiguously.
 - fp8: W8A8, qweight float8_e4m3fn [out, in], scales float32 [out] (per output channel, amax / 448); w = scale * q.
   Activations are quantized per token at every call (kernels.quant_reference.quantize_fp8_per_token).
+- GGUF blocks (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the file's own blocks, read by model.gguf_linear's modules.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from lora_server.kernels.quant_reference import (
     pack_int4,
     unpack_int4,
 )
+from lora_server.model.gguf_linear import GGUFBlockLinear, StackedLinear
 
 INT4_GROUP_SIZE = 32
 
@@ -303,7 +305,44 @@ class Int4CpuLinear(nn.Module):
         return self.dequantize(dtype)[ids]
 
 
-QuantLinear = DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear | Fp8Linear
+class PermutedInput(nn.Module):
+    """A linear whose stored columns are the input's features gathered by ``perm`` [in] int64 (act-order GPTQ):
+    forward(x) = inner(x[:, perm]); dequantize() gives the weight in the input's own column order."""
+
+    perm: torch.Tensor
+    inverse: torch.Tensor
+
+    def __init__(self, inner: Any, perm: torch.Tensor) -> None:
+        super().__init__()
+        self.inner: Any = inner  # a QuantLinear
+        self.register_buffer("perm", perm)
+        self.register_buffer("inverse", torch.argsort(perm))
+
+    @property
+    def out_features(self) -> int:
+        return self.inner.out_features
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.inner.bias
+
+    @bias.setter
+    def bias(self, value: nn.Parameter | None) -> None:
+        self.inner.bias = value
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.dequantize(dtype)[:, self.inverse]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.rows(ids, dtype)[:, self.inverse]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return self.inner(x.index_select(-1, self.perm))
+
+
+QuantLinear = (
+    DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear | Fp8Linear | GGUFBlockLinear | StackedLinear | PermutedInput
+)
 
 
 def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
@@ -343,11 +382,12 @@ def swap_for_cuda(module: nn.Module, dtype: torch.dtype) -> None:
 def cpu_head(embed: QuantLinear, dtype: torch.dtype) -> QuantLinear | None:
     """The tied output head's own copy on the CPU, where a quantized matmul dequantizes the whole weight at every
     call: an Int4CpuLinear of an int4 embedding, the dequantized weight in ``dtype`` of an int8 one (the same
-    numbers: torch's CPU int8 matmul takes one scale per row, not Q8_0's 32-value groups); None (the embedding
-    itself) for a dense one. (The embedding is never fp8: tensor_mode.)"""
+    numbers: torch's CPU int8 matmul takes one scale per row, not Q8_0's 32-value groups) and of a GGUF-block one
+    (which would decode every block at every call); None (the embedding itself) for a dense one. (The embedding is
+    never fp8: tensor_mode.)"""
     if isinstance(embed, Int4Linear) and Int4CpuLinear.available() and embed.out_features % 16 == 0:
         return Int4CpuLinear(embed)
-    if isinstance(embed, Int4Linear | Int8Linear):
+    if isinstance(embed, Int4Linear | Int8Linear | GGUFBlockLinear):
         return DenseLinear(embed.dequantize(dtype))
     return None
 
@@ -408,8 +448,10 @@ def make_linear(w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) ->
 
 def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
     """Fuse linears along the output dimension (q|k|v, gate|up). Parts of one format and group size stay in
-    that format (fp8's per-channel scales concatenate); mixed formats fall back to per-channel int8 of the
-    dequantized weights."""
+    that format (fp8's per-channel scales concatenate; GGUF blocks of one type concatenate their rows); a mix that
+    holds GGUF blocks stays as it is, part by part (StackedLinear: a Q4_K_M layer's Q4_K q and k beside its Q6_K
+    v; each part adds its own bias); other mixed formats fall back to per-channel int8 of the dequantized
+    weights."""
     biases = [p.bias for p in parts]
     bias = (
         None
@@ -421,6 +463,23 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
             ]
         )
     )
+    if any(isinstance(p, PermutedInput) for p in parts):  # act-order GPTQ: fused where the gathers agree
+        perms = [p.perm if isinstance(p, PermutedInput) else None for p in parts]
+        first = perms[0]
+        if first is not None and all(q is not None and torch.equal(first, q) for q in perms[1:]):
+            return PermutedInput(cat_linears([cast(PermutedInput, p).inner for p in parts], dtype), first)
+        return StackedLinear(list(parts))  # each part gathers its own input
+    if any(isinstance(p, GGUFBlockLinear | StackedLinear) for p in parts):
+        gguf_kinds = {p.kind if isinstance(p, GGUFBlockLinear) else None for p in parts}
+        if len(gguf_kinds) == 1 and None not in gguf_kinds:
+            blocks = torch.cat([cast(GGUFBlockLinear, p).blocks for p in parts])
+            return GGUFBlockLinear(cast(GGUFBlockLinear, parts[0]).kind, blocks, bias)
+        flat = [q for p in parts for q in (p.linears() if isinstance(p, StackedLinear) else [p])]
+        stacked: list[nn.Module] = []  # neighbours of one GGUF type fused (a Q4_K_M layer's q|k): a launch fewer
+        for _, run in itertools.groupby(flat, key=lambda p: p.kind if isinstance(p, GGUFBlockLinear) else id(p)):
+            same = list(run)
+            stacked.append(cat_linears(same, dtype) if len(same) > 1 else same[0])
+        return StackedLinear(stacked)
     kinds = {type(p) for p in parts}
     groups = {p.scales.shape[1] for p in parts if isinstance(p, Int8Linear | Int4Linear)}
     if kinds == {DenseLinear}:
