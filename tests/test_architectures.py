@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from tests.test_model_vs_hf import LOGPROB_TOL, _compare, _near_tie
 WINDOW = 8  # sliding windows of the tiny models: every test context passes it
 
 FAMILIES = {
+    "qwen2-bias": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_key_value_heads=2, head_dim=16),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_key_value_heads=2, head_dim=24),
     "qwen3-sliding": dict(
         model_type="qwen3",
@@ -196,3 +198,83 @@ def test_family_mixed_adapters_match_peft(tmp_path, name):
         assert out.token_ids == _peft_greedy(model, adapter, prompt, 10) or any(
             _near_tie(r) for r in ref[len(prompt) - 1 :]
         ), adapter
+
+
+# ---- GGUF files of these families --------------------------------------------------------------------------
+
+GGUF_NAMES = {  # HF tensor name pieces -> llama.cpp's (its converter: no Q/K row permutation outside llama)
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _write_gguf(hf, path, arch: str) -> None:
+    """hf's float32 weights as llama.cpp names them in a GGUF of ``arch`` (qwen2, qwen3), with a made-up
+    tokenizer (prompts here are token ids)."""
+    import gguf
+
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(["<|end|>", "a", "b", "ab", *(f"w{i}" for i in range(4, cfg.vocab_size))])
+    writer.add_token_types([3] + [1] * (cfg.vocab_size - 1))
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(0)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    for name, tensor in hf.state_dict().items():
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_LAYER[rest]}"
+        else:
+            gguf_name = GGUF_NAMES[name]
+        writer.add_tensor(gguf_name, tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("name", "arch"), [("qwen2-bias", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_qwen_files_match_hf(tmp_path, name, arch):
+    """qwen2 (q/k/v biases) and qwen3 (per-head q/k norms, head_dim from attention.key_length) GGUF files: rows in
+    HF's order (llama.cpp permutes Q/K for llama files only), the same tokens and log-probabilities as HF."""
+    hf = _build(tmp_path / "hf", name)
+    if arch == "qwen2":
+        with torch.no_grad():  # HF initialises biases to zero; make them matter
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(std=0.5)
+    _write_gguf(hf, tmp_path / "model.gguf", arch)
+    engine = Engine(
+        EngineConfig(model=str(tmp_path / "model.gguf"), block_size=4, num_kv_blocks=256, show_progress=False)
+    )
+    assert engine.describe().arch.architecture == FAMILIES[name]["architectures"][0]
+    _compare(engine, hf, _prompts())

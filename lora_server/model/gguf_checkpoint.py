@@ -75,12 +75,16 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+# GGUF general.architecture -> the HF architecture it was converted from
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def gguf_arch(reader) -> ModelArch:
-    """ModelArch from GGUF metadata (llama-family files)."""
+    """ModelArch from GGUF metadata: llama, qwen2 (q/k/v biases), qwen3 (per-head q/k norms) files."""
     name = _gguf_field(reader, "general.architecture")
-    if name != "llama":
-        raise ModelLoadError(f"GGUF architecture {name!r} is not supported (llama only)")
-    f = lambda key, default=None: _gguf_field(reader, f"llama.{key}", default)  # noqa: E731
+    if name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {name!r} is not supported ({', '.join(GGUF_ARCHITECTURES)})")
+    f = lambda key, default=None: _gguf_field(reader, f"{name}.{key}", default)  # noqa: E731
     heads = f("attention.head_count")
     hidden = f("embedding_length")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -90,27 +94,29 @@ def gguf_arch(reader) -> ModelArch:
     if rope_scaling == "linear":
         scaling = (("factor", f("rope.scaling.factor")), ("rope_type", "linear"))
     elif rope_scaling not in (None, "none"):
-        raise ModelLoadError(f"GGUF llama.rope.scaling.type {rope_scaling!r} is not implemented (linear only)")
+        raise ModelLoadError(f"GGUF {name}.rope.scaling.type {rope_scaling!r} is not implemented (linear only)")
     if f("expert_count"):
         raise ModelLoadError(
-            f"GGUF llama.expert_count {f('expert_count')}: mixture-of-experts models are not implemented"
+            f"GGUF {name}.expert_count {f('expert_count')}: mixture-of-experts models are not implemented"
         )
     rotary, key_length = f("rope.dimension_count"), f("attention.key_length")
     if rotary is not None and key_length is not None and rotary != key_length:
         raise ModelLoadError(
-            f"GGUF llama.rope.dimension_count {rotary} differs from attention.key_length {key_length}: partial rotary "
-            "embeddings are not implemented"
+            f"GGUF {name}.rope.dimension_count {rotary} differs from attention.key_length {key_length}: partial "
+            "rotary embeddings are not implemented"
         )
+    if f("attention.sliding_window"):
+        raise ModelLoadError(f"GGUF {name}.attention.sliding_window is set: not read from GGUF files")
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelArch(
-        architecture="LlamaForCausalLM",
+        architecture=GGUF_ARCHITECTURES[name],
         vocab_size=f("vocab_size") or len(tokens.data),
         hidden_size=hidden,
         intermediate_size=f("feed_forward_length"),
         num_layers=f("block_count"),
         num_heads=heads,
         num_kv_heads=f("attention.head_count_kv", heads),
-        head_dim=f("rope.dimension_count", hidden // heads),
+        head_dim=key_length or rotary or hidden // heads,
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(f("rope.freq_base", 10000.0)),
         max_position_embeddings=f("context_length", 4096),
@@ -118,6 +124,9 @@ def gguf_arch(reader) -> ModelArch:
         rope_scaling=scaling,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        attention_bias=name == "qwen2",
+        family="qwen3" if name == "qwen3" else "llama",
+        qk_norm=name == "qwen3",
     )
 
 
@@ -138,13 +147,15 @@ def open_gguf(path: Path) -> Checkpoint:
     weights: dict[str, WeightSource] = {}
     unread = []
     for t in reader.tensors:
-        canonical = _canonical_gguf_name(t.name)
+        canonical = _canonical_gguf_name(t.name, arch)
         if canonical is None:
             unread.append(t.name)
             continue
         kind = t.tensor_type.name
         data = t.data
-        heads = {"q": arch.num_heads, "k": arch.num_kv_heads}.get(canonical.rsplit(".", 1)[-1])
+        # llama.cpp permutes the rows of Q and K for llama files only (its converter's LlamaModel)
+        permuted = arch.architecture == "LlamaForCausalLM"
+        heads = {"q": arch.num_heads, "k": arch.num_kv_heads}.get(canonical.rsplit(".", 1)[-1]) if permuted else None
         if kind in GGUFBlocksWeight.KINDS:
             source: WeightSource = GGUFBlocksWeight(kind, unpermute_rope_rows(data, heads) if heads else data)
         else:
@@ -164,12 +175,19 @@ def open_gguf(path: Path) -> Checkpoint:
     return Checkpoint(arch, weights, "gguf", path)
 
 
-def _canonical_gguf_name(name: str) -> str | None:
-    """The canonical name of a GGUF weight (``blk.N.attn_q.weight`` -> ``layers.N.q``); None for any other tensor
-    (a bias, an expert, a part the llama architecture lacks)."""
+def _canonical_gguf_name(name: str, arch: ModelArch) -> str | None:
+    """The canonical name of a GGUF tensor (``blk.N.attn_q.weight`` -> ``layers.N.q``; qwen2's
+    ``blk.N.attn_q.bias`` -> ``layers.N.q_bias``; qwen3's ``blk.N.attn_q_norm.weight`` -> ``layers.N.q_norm``);
+    None for any other tensor (a bias elsewhere, an expert, a part the architecture lacks)."""
+    parts = name.split(".")
+    biased = arch.attention_bias and len(parts) == 4 and parts[0] == "blk" and parts[3] == "bias"
+    if biased and parts[2] in ("attn_q", "attn_k", "attn_v"):
+        return f"layers.{parts[1]}.{parts[2][-1]}_bias"
     if not name.endswith(".weight"):
         return None
     parts = name.removesuffix(".weight").split(".")
+    if arch.qk_norm and parts[0] == "blk" and len(parts) == 3 and parts[2] in ("attn_q_norm", "attn_k_norm"):
+        return f"layers.{parts[1]}.{parts[2][-6]}_norm"
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_NAMES:
         return f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
     top_level = parts[0] in ("token_embd", "output_norm", "output", "rope_freqs")
