@@ -1,7 +1,7 @@
 """The benchmarks' commands: ``lora-server bench-engine``, ``bench-gpu``, ``bench-spec``, ``bench-pool``,
-``bench-fair``, ``bench-long-prefill``, and ``bench NAME`` (vLLM's shape: ``bench serve`` loads any OpenAI-compatible
-server). Each command's flags and defaults are here; its work is in its own module of this package, imported when it
-runs."""
+``bench-fair``, ``bench-long-prefill``, ``bench-quality``, and ``bench NAME`` (vLLM's shape: ``bench serve`` loads
+any OpenAI-compatible server). Each command's flags and defaults are here; its work is in its own module of this
+package, imported when it runs."""
 
 from __future__ import annotations
 
@@ -369,6 +369,90 @@ def _bench_long_prefill(args: argparse.Namespace) -> int:
     from lora_server.bench.long_prefill import bench
 
     bench(args, config_from_flags(EngineConfig, args, show_progress=False))
+    return 0
+
+
+QUALITY_MODES = "auto,int8,int4,fp8,none+fp8kv"
+
+
+def _bench_quality_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, EngineConfig, quantization=None, kv_cache_bytes=0.25, host_kv_bytes=0)
+    p.add_argument(
+        "--modes",
+        default=QUALITY_MODES,
+        help="the modes scored against the reference (--model held unquantized in float32), one engine each; takes "
+        "commas; a mode is a --quantization value, +fp8kv adds the fp8 KV cache (none+fp8kv: float weights, fp8 KV "
+        f"cache); each runs in --dtype; '' for none (default: {QUALITY_MODES})",
+    )
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="other checkpoints of --model's model (another GGUF block type, a pre-quantized directory), each read "
+        "in its own format (quantization auto) and scored against the reference like a mode",
+    )
+    p.add_argument(
+        "--adapters",
+        default=None,
+        help="adapters scored beside the base model, each against the reference with the same adapter: demo "
+        "adapter names or NAME=PATH; takes commas; 'none' for the base model alone (default: every demo adapter "
+        "for the embedded model, none for another --model)",
+    )
+    p.add_argument(
+        "--ctx",
+        type=int,
+        default=512,
+        help="tokens per chunk, each a prompt of its own; the second half of each is scored (default: 512, as "
+        "llama-perplexity)",
+    )
+    p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="the text to score (default: the packaged lora_server/bench/quality_text.txt, ~3,900 words)",
+    )
+    p.add_argument("--quick", action="store_true", help="--ctx 128 --chunks 2: about a minute on a 2-core CPU")
+    _json_flags(p, "bench-quality")
+
+
+@command(
+    "bench-quality",
+    "perplexity, KL divergence from the unquantized model and top-1 agreement per quantization mode and adapter "
+    "(as llama-perplexity --kl-divergence)",
+    _bench_quality_args,
+)
+def _bench_quality(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lora_server.adapters import demo_adapters
+    from lora_server.bench.quality import TEXT_PATH, Plan, bench, checkpoint_mode, parse_mode
+    from lora_server.errors import ConfigError
+
+    if args.quantization is not None or args.kv_cache_dtype != "auto":
+        raise ConfigError("bench-quality sets each engine's quantization and KV cache: name them in --modes")
+    if args.quick:
+        args.ctx, args.chunks = 128, 2
+    demos = demo_adapters()
+    if args.adapters is None:
+        specs = list(demos) if args.model is None else []
+    else:
+        specs = [] if args.adapters == "none" else [s for s in args.adapters.split(",") if s]
+    adapters = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not path and name not in demos:
+            raise ConfigError(f"--adapters {name}: no demo adapter of that name ({', '.join(demos)}); use NAME=PATH")
+        adapters[name] = path or str(demos[name])
+    plan = Plan(
+        modes=[parse_mode(m) for m in args.modes.split(",") if m] + [checkpoint_mode(p) for p in args.compare],
+        adapters=adapters,
+        ctx=args.ctx,
+        chunk_limit=args.chunks,
+        text_path=Path(args.text) if args.text else TEXT_PATH,
+    )
+    base = config_from_flags(EngineConfig, args, quantization="none", show_progress=False)
+    bench(plan, base, Path(args.json) if args.json else Path(args.out) / "bench-quality.json")
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lora_server.adapters.peft_format import FUSED_MODULES, LLAMA_MODULES
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine, ModelInfo
 from lora_server.model.arch import ModelArch
@@ -80,9 +81,16 @@ def write_random_adapters(
     targets: tuple[str, ...] = PEFT_TARGETS,
 ) -> list[str]:
     """n PEFT adapter directories with random weights on `targets` (PEFT module names) of every layer; adapter i
-    has rank ``rank``, or ``rank[i % len(rank)]`` for several."""
+    has rank ``rank``, or ``rank[i % len(rank)]`` for several. On a base with fused projections (Phi-3) a target
+    names the fused module that holds it (q_proj -> qkv_proj, gate_proj -> gate_up_proj)."""
     info = engine.describe()
     arch, shapes = info.arch, info.adapter_features
+    modules = FUSED_MODULES if arch.fused_projections else LLAMA_MODULES
+    chosen = {
+        module: parts
+        for module, parts in modules.items()
+        if any(f"{part}_proj" in targets for part in parts) or module.split(".")[-1] in targets
+    }
     gen = torch.Generator().manual_seed(seed)
     ranks = [rank] if isinstance(rank, int) else list(rank)
     names = []
@@ -90,12 +98,9 @@ def write_random_adapters(
         rank_i = ranks[i % len(ranks)]
         tensors = {}
         for layer in range(arch.num_layers):
-            for proj, module in zip(PEFT_TARGETS, ("q", "k", "v", "o", "gate", "up", "down"), strict=True):
-                if proj not in targets:
-                    continue
-                in_f, out_f = shapes[module]
-                part = "self_attn" if module in ("q", "k", "v", "o") else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+            for module, parts in chosen.items():
+                in_f, out_f = shapes[parts[0]][0], sum(shapes[part][1] for part in parts)
+                key = f"base_model.model.model.layers.{layer}.{module}"
                 tensors[f"{key}.lora_A.weight"] = (torch.randn(rank_i, in_f, generator=gen) * 0.01).half()
                 tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank_i, generator=gen) * 0.01).half()
         path = root / f"bench-{i}"
@@ -103,7 +108,13 @@ def write_random_adapters(
         save_file(tensors, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(
             json.dumps(
-                dict(peft_type="LORA", r=rank_i, lora_alpha=2 * rank_i, target_modules=list(targets), bias="none")
+                dict(
+                    peft_type="LORA",
+                    r=rank_i,
+                    lora_alpha=2 * rank_i,
+                    target_modules=[module.split(".")[-1] for module in chosen],
+                    bias="none",
+                )
             )
         )
         names.append(path.name)

@@ -251,6 +251,11 @@ SHAPES = (
         "llama3-8b bf16 fp8 KV", LLAMA, "bfloat16", kv_cache_dtype="fp8", min_capability=89, layers=LLAMA_LAYERS
     ),
     EngineShape("llama3-8b bf16 int8 speculative", LLAMA, "bfloat16", "int8", speculative_ngram=3, layers=LLAMA_LAYERS),
+    # the other families' kernel variants: soft-capped and sliding-window attention at head_dim 256, GELU (Gemma 2);
+    # per-head q/k norms (Qwen3); partial rotary (Phi-4-mini); 8 layers: a page then holds 16 rows of the widest module
+    EngineShape("gemma-2-2b bf16", "gemma-2-2b", "bfloat16", layers=8),
+    EngineShape("qwen3-8b bf16", "qwen3-8b", "bfloat16", layers=8),
+    EngineShape("phi-4-mini bf16 int4", "phi-4-mini", "bfloat16", "int4", layers=8),
     EngineShape("smollm2 fp32 gguf", SMOLLM2, "float32", "auto"),
     EngineShape("smollm2 bf16 gguf", SMOLLM2, "bfloat16", "auto"),
     EngineShape("smollm2 fp32", SMOLLM2, "float32"),

@@ -285,6 +285,49 @@ class EngineCore:
         self._detokenizers.pop(request_id, None)
         return _output(request, "", [], None)
 
+    # ---- scoring a text over the whole vocabulary ------------------------------------------------------------
+
+    def full_prompt_logprobs(self, request_id: str, prompt: Sequence[int], adapter: str | None) -> torch.Tensor:
+        """Offline, with no other request in flight (RuntimeError otherwise): run ``prompt`` through the serving
+        path as a request that scores its prompt and generates nothing (admission, the adapter made resident,
+        chunked prefill, the paged KV cache, the weights as quantized, no prefix reuse) and keep the head's output
+        whole. Returns [len(prompt) - 1, vocab] float32 on the CPU: row j = log_softmax over the vocabulary of the
+        logits after prompt[: j + 1], the distribution that scores prompt[j + 1]. Validation as make_request
+        (at least 2 tokens; InvalidRequestError, ContextLengthExceededError, UnknownAdapterError); a failed
+        request raises its error.
+
+        The runner scores prompt tokens through model.compute_logits a slice of rows at a time, in order (see
+        sampler.score_tokens), and this request is the step's only one and samples nothing: so every head call
+        while it runs is one of its slices. Those calls are observed by shadowing compute_logits on the model
+        instance for the request's lifetime (restored however it ends); the row count is checked."""
+        if self.has_work():
+            raise RuntimeError("full_prompt_logprobs runs alone: the engine has requests in flight")
+        if len(prompt) < 2:
+            raise InvalidRequestError("scoring needs at least 2 prompt tokens", param="prompt")
+        described = self.make_request(request_id, prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), adapter)
+        model, vocab = self.runner.model, self.arch.vocab_size
+        head = model.compute_logits
+        rows: list[torch.Tensor] = []
+
+        def observed(hidden: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, >= vocab] float32
+            logits = head(hidden)
+            rows.append(torch.log_softmax(logits[:, :vocab].float(), dim=-1).cpu())  # [m, vocab]
+            return logits
+
+        setattr(model, "compute_logits", observed)  # noqa: B010 (an instance attribute shadows the method)
+        try:
+            self.add(described)
+            while self.has_work():
+                for out in self.step():
+                    if out.error is not None:
+                        raise out.error
+        finally:
+            delattr(model, "compute_logits")
+        result = torch.cat(rows) if rows else torch.empty(0, vocab)
+        if result.shape[0] != len(prompt) - 1:
+            raise RuntimeError(f"scored {result.shape[0]} rows for a prompt of {len(prompt)} tokens")
+        return result
+
     # ---- the step ------------------------------------------------------------------------------------------
 
     def idle(self) -> None:

@@ -363,6 +363,15 @@ class Engine:
                 _accumulate(results[out.request_id], out)
         return [results[r.request_id] for r in requests]
 
+    def full_prompt_logprobs(self, prompt: Sequence[int], adapter: str | None = None) -> torch.Tensor:
+        """Offline, with no request in flight: the model's next-token distributions over a token prompt, the whole
+        vocabulary (prompt_logprobs gives the top k). Returns [len(prompt) - 1, vocab_size] float32 on the CPU, row
+        j the log-probabilities after prompt[: j + 1] (row j scores prompt[j + 1]), under ``adapter`` (None: the
+        base model), computed by the serving path itself (quantized weights, KV cache format, adapter kernels);
+        see EngineCore.full_prompt_logprobs. Errors as make_request; RuntimeError while requests are in flight."""
+        self._offline()
+        return self.core.full_prompt_logprobs(f"score-{next(self._ids)}", prompt, adapter)
+
     def add(self, request: EngineRequest) -> None:
         """Queue a made request for ``step`` (offline; QueueFullError when the waiting queue is at its bound)."""
         self._offline()

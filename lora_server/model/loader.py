@@ -235,6 +235,14 @@ def _dummy_checkpoint(config: EngineConfig) -> Checkpoint:
             attn_norm=(h,),
             mlp_norm=(h,),
         )
+        if arch.qk_norm:
+            shapes.update(q_norm=(arch.head_dim,), k_norm=(arch.head_dim,))
+        if arch.gemma_norms:
+            shapes.update(post_attn_norm=(h,), post_mlp_norm=(h,))
+        if arch.attention_bias:
+            shapes.update(q_bias=(arch.q_size,), k_bias=(arch.kv_size,), v_bias=(arch.kv_size,))
         for key, shape in shapes.items():
-            weights[f"layers.{layer}.{key}"] = rand(*shape, mean=1.0 if key.endswith("norm") else 0.0)
+            # norms near 1 (Gemma's weight is w in 1 + w: near 0)
+            mean = (0.0 if arch.gemma_norms else 1.0) if key.endswith("norm") else 0.0
+            weights[f"layers.{layer}.{key}"] = rand(*shape, mean=mean)
     return Checkpoint(arch, weights, "dummy", None)
