@@ -390,7 +390,7 @@ def _bench_quality_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="PATH",
         help="other checkpoints of --model's model (another GGUF block type, a pre-quantized directory), each read "
-        "in its own format (quantization auto) and scored against the reference like a mode",
+        "in its own format (quantization auto) and scored against the reference like a mode (default: none)",
     )
     p.add_argument(
         "--adapters",
