@@ -363,8 +363,7 @@ def test_cat_linears_of_mixed_types_keeps_each_part():
 def test_cpu_module_swap_and_head_copy():
     """swap_for_cpu reaches into a StackedLinear (its int4 part becomes an Int4CpuLinear, its blocks stay); a
     tied GGUF-block embedding gets a dense head copy of its exact values (cpu_head)."""
-    if not Int4CpuLinear.available():
-        pytest.skip("torch lacks the CPU int4 matmul")
+    assert Int4CpuLinear.available()  # the pinned CPU torch has it (tests/test_quant.py asserts it too)
     holder = torch.nn.Module()
     holder.qkv = StackedLinear([block_linear("Q5_0", 16, 64, 15), make_linear(torch.randn(16, 64), "int4")])
     swap_for_cpu(holder)

@@ -19,7 +19,7 @@ from lora_server.engine import Engine
 from lora_server.model.loader import open_checkpoint
 from lora_server.sampling_params import SamplingParams
 from tests.test_model_vs_hf import LOGPROB_TOL, _compare, _hf_logprobs
-from tests.test_prequantized import _int32, awq_pack, gptq_pack_rows
+from tests.test_prequantized import _int32, awq_pack, calibrate, gptq_pack_rows
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -155,7 +155,6 @@ def _ct_checkpoint(hf, path, fmt: str, weights: dict, acts: dict | None) -> None
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     w_args = QuantizationArgs(**weights)
     scheme = QuantizationScheme(
@@ -167,16 +166,7 @@ def _ct_checkpoint(hf, path, fmt: str, weights: dict, acts: dict | None) -> None
     apply_quantization_config(hf, config, show_progress=False)
     for module in hf.modules():
         if hasattr(module, "weight_scale"):
-            w = module.weight.data
-            if w_args.strategy == "group":
-                grouped = w.unflatten(1, (-1, w_args.group_size))
-                lo, hi = grouped.amin(-1), grouped.amax(-1)
-            else:
-                lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-            scale, zero_point = calculate_qparams(lo, hi, w_args)
-            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+            calibrate(module, w_args)
     compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
     compressor.compress_model(hf)
     path.mkdir()

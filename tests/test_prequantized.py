@@ -219,6 +219,24 @@ class _Tiny(nn.Module):
         self.lm_head = nn.Linear(OUT, 32, bias=False, dtype=dtype)
 
 
+def calibrate(linear: nn.Module, w_args) -> None:
+    """A compressed-tensors quantized linear's weight_scale (and weight_zero_point) from its weight's min and max
+    per group, channel or tensor (the package's calculate_qparams)."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    w = linear.weight.data
+    if w_args.strategy == "group":
+        lo, hi = w.unflatten(1, (-1, w_args.group_size)).amin(-1), w.unflatten(1, (-1, w_args.group_size)).amax(-1)
+    elif w_args.strategy == "channel":
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    else:
+        lo, hi = w.amin(), w.amax()
+    scale, zero_point = calculate_qparams(lo, hi, w_args)
+    linear.weight_scale.data.copy_(scale.reshape(linear.weight_scale.shape))
+    if hasattr(linear, "weight_zero_point"):
+        linear.weight_zero_point.data.copy_(zero_point.reshape(linear.weight_zero_point.shape))
+
+
 def ct_checkpoint(fmt: str, weights: dict, acts: dict | None, tmp_path, dtype=torch.float32):
     """(config.json dict, state dict, the package's decompressed q_proj weight) of the tiny model quantized with
     compressed-tensors: scales and zero points from each group's min and max (its calculate_qparams)."""
@@ -229,7 +247,6 @@ def ct_checkpoint(fmt: str, weights: dict, acts: dict | None, tmp_path, dtype=to
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     torch.manual_seed(0)
     model = _Tiny(dtype)
@@ -242,17 +259,7 @@ def ct_checkpoint(fmt: str, weights: dict, acts: dict | None, tmp_path, dtype=to
     )
     apply_quantization_config(model, config, show_progress=False)
     linear = model.model.layers[0].self_attn.q_proj
-    w = linear.weight.data
-    if w_args.strategy == "group":
-        lo, hi = w.unflatten(1, (-1, w_args.group_size)).amin(-1), w.unflatten(1, (-1, w_args.group_size)).amax(-1)
-    elif w_args.strategy == "channel":
-        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    else:
-        lo, hi = w.amin(), w.amax()
-    scale, zero_point = calculate_qparams(lo, hi, w_args)
-    linear.weight_scale.data.copy_(scale.reshape(linear.weight_scale.shape))
-    if hasattr(linear, "weight_zero_point"):
-        linear.weight_zero_point.data.copy_(zero_point.reshape(linear.weight_zero_point.shape))
+    calibrate(linear, w_args)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}

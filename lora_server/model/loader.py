@@ -118,19 +118,26 @@ def _split_rows(read: Callable[[], torch.Tensor], start: int, end: int) -> torch
     return read()[start:end]
 
 
+def _part_rows(arch: ModelArch, parts: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """(part, first row, end row) of each canonical module in a fused projection's output rows (q | k | v,
+    gate | up)."""
+    widths = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}
+    rows, start = [], 0
+    for part in parts:
+        end = start + widths.get(part, arch.intermediate_size)
+        rows.append((part, start, end))
+        start = end
+    return rows
+
+
 def _split_fused(arch: ModelArch, canonical: str, read: Callable[[], torch.Tensor]) -> dict[str, WeightSource]:
     """A fused projection's parts by rows: qkv -> q [q_size], k, v [kv_size]; gate_up -> gate, up [intermediate]."""
     prefix, fused = canonical.rsplit(".", 1)
-    if fused == "qkv":
-        parts = [("q", arch.q_size), ("k", arch.kv_size), ("v", arch.kv_size)]
-    else:
-        parts = [("gate", arch.intermediate_size), ("up", arch.intermediate_size)]
-    sources: dict[str, WeightSource] = {}
-    start = 0
-    for part, rows in parts:
-        sources[f"{prefix}.{part}"] = FloatWeight(functools.partial(_split_rows, read, start, start + rows))
-        start += rows
-    return sources
+    parts = ("q", "k", "v") if fused == "qkv" else ("gate", "up")
+    return {
+        f"{prefix}.{part}": FloatWeight(functools.partial(_split_rows, read, start, end))
+        for part, start, end in _part_rows(arch, parts)
+    }
 
 
 def _hf_checkpoint(path: Path) -> Checkpoint:
@@ -190,12 +197,9 @@ def _packed_linears(
         if packed is None:
             continue
         consumed.update(n for n in scheme.consumed(module) if n in names)
-        start = 0
-        for part in parts:
-            rows = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}.get(part, arch.intermediate_size)
-            piece = packed if len(parts) == 1 else split_rows(packed, start, start + rows)
+        for part, start, end in _part_rows(arch, parts):
+            piece = packed if len(parts) == 1 else split_rows(packed, start, end)
             weights[prefix + part] = PackedSource(module, piece)
-            start += rows
     return weights, consumed
 
 
