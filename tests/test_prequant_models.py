@@ -246,3 +246,16 @@ def test_qlora_adapter_on_a_gptq_base_matches_peft(tmp_path):
             assert abs(lp.logprob - row[lp.token_id].item()) <= LOGPROB_TOL, (adapter, step)
             assert lp.token_id == int(row.argmax()), (adapter, step)
     assert np.isfinite([lp.logprob for out in outs for lp in out.logprobs]).all()
+
+
+def test_w8a8_int8_checkpoint_is_refused_naming_its_activations(tmp_path):
+    """Per-token int8 input quantization is not implemented: serving such a checkpoint weight-only would not
+    compute what it specifies, so it is a start-up error naming input_activations."""
+    from lora_server.errors import ModelLoadError
+
+    hf = _hf_llama()
+    weights = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
+    acts = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    _ct_checkpoint(hf, tmp_path / "model", "int-quantized", weights, acts)
+    with pytest.raises(ModelLoadError, match="input_activations quantized to int8 per token"):
+        open_checkpoint(EngineConfig(model=str(tmp_path / "model")))

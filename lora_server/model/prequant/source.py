@@ -3,8 +3,8 @@ lora_server.model.prequant) whose ``linear("auto")`` keeps the checkpoint's code
 
 - 4-bit IntWeight -> Int4Linear with the checkpoint's group size, float32 scales and mins = -scale * zero (exact:
   the codes times an fp16-born scale fit float32), wrapped in PermutedInput where act-order gathered the columns;
-- 8-bit symmetric IntWeight -> Int8Linear (its signed codes, float32 scales); W8A8-int8's per-token activation
-  quantization is not applied: the layer runs as W8A16, HF's computation with the decompressed weights;
+- 8-bit symmetric IntWeight -> Int8Linear (its signed codes, float32 scales), weight-only; W8A8-int8 (per-token
+  int8 activations) is refused at start, naming its input_activations: the int8 path does not quantize inputs;
 - Fp8Weight with fp8 activations -> Fp8Linear (the weight, per-row scales, activations quantized per token);
 - what the project has no resident layout for (8-bit with zero points, FP8 weight-only) -> the exact float weight
   in the model's dtype (DenseLinear), said in the start-up log.
@@ -18,6 +18,7 @@ import logging
 import torch
 from torch import nn
 
+from lora_server.errors import ModelLoadError
 from lora_server.kernels.quant_reference import pack_int4
 from lora_server.model.checkpoint import WeightSource
 from lora_server.model.prequant.packed import Fp8Weight, IntWeight, PackedLinear
@@ -46,6 +47,11 @@ class PackedSource(WeightSource):
     """One linear's pre-quantized weight (``native``: the resident format ``linear("auto")`` builds)."""
 
     def __init__(self, name: str, packed: PackedLinear) -> None:
+        if packed.activations == "int8_token":
+            raise ModelLoadError(
+                f"{name}: input_activations quantized to int8 per token (W8A8-int8) are not implemented; serving "
+                "the layer without them would not compute what the checkpoint specifies"
+            )
         self.name, self.packed = name, packed
         if isinstance(packed, Fp8Weight):
             self.native = "fp8" if packed.activations == "fp8_token" else "none"
