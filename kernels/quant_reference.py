@@ -81,7 +81,11 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scales = max(|x|.amax(-1), FP8_MIN_AMAX) / 448 and q = (x.float() / scales[:, None]).clamp(-448, 448) rounded
     to the nearest float8 value (ties to even), so that q * scale is x up to float8's rounding."""
     xf = x.float()
-    scales = xf.abs().amax(-1).clamp(min=FP8_MIN_AMAX) / FP8_MAX
+    # divided by a tensor, not a Python number: on CUDA torch multiplies by the number's reciprocal, which is off
+    # by an ulp for some amax; a scale an ulp off moves every code that sits on a rounding midpoint (common with
+    # bfloat16 inputs), so the twin would not be the correctly rounded division the kernel computes
+    amax = xf.abs().amax(-1).clamp(min=FP8_MIN_AMAX)
+    scales = amax / amax.new_full((), FP8_MAX)
     q = (xf / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scales
 

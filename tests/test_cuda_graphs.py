@@ -45,14 +45,27 @@ def _prompts(engine: Engine) -> list[list[int]]:
     return [engine.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[: len(PLAN)]]
 
 
+def _drain(engine: Engine) -> None:
+    """Finish what an earlier test of the module left running (one that failed midway)."""
+    while engine.has_work():
+        engine.step()
+
+
 def _decoding(engine: Engine):
     """Add PLAN's requests and step until they all decode; returns the scheduler's running requests."""
+    _drain(engine)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    # staged on the host first: else the base request may decode all its tokens while the loader reads the
+    # adapters from disk (on a GPU, 32 steps take less time than that read)
+    engine.stage_adapters(sorted({a for a in PLAN if a}))
     for prompt, adapter in zip(_prompts(engine), PLAN, strict=True):
         engine.add(engine.core.make_request(f"graph-{next(_IDS)}", prompt, params, adapter))
+    ended = []
     while not engine.snapshot().decoding:
-        engine.step()
-    return list(engine.core.scheduler.running)
+        ended += [(out.request_id, out.finish_reason, out.error) for out in engine.step() if out.finished]
+    running = list(engine.core.scheduler.running)
+    assert len(running) == len(PLAN), ended  # none ended early (a failed adapter load would)
+    return running
 
 
 def test_one_graph_per_bucket_and_none_when_eager(engine):
@@ -66,6 +79,12 @@ def test_one_graph_per_bucket_and_none_when_eager(engine):
 def test_replay_equals_the_eager_forward(engine):
     running = _decoding(engine)
     runner = engine.core.runner
+    # prepare() outside a step: every next token's KV slot must lie in a block the scheduler already gave (a token
+    # that opens a block gets it in the step's schedule); among any 16 steps at most 5 put one of 5 requests there
+    while any(r.num_computed_tokens // runner.block_size >= len(r.block_table) for r in running):
+        engine.step()
+        assert len(engine.core.scheduler.running) == len(PLAN)
+        running = list(engine.core.scheduler.running)
     batch, _ = runner.prepare([(r, 1) for r in running])
     assert batch.num_tokens == 8 and batch.num_padding == 8 - len(running)
     eager = runner._eager_forward(batch)[: len(running)].clone()  # rewrites the same KV slots with the same values
@@ -87,6 +106,7 @@ def test_decode_step_copies_once_from_pinned_memory_and_syncs_once(engine):
 
 
 def test_graphs_give_the_eager_engines_tokens(engine):
+    _drain(engine)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     graphed = engine.generate(_prompts(engine), params, adapters=PLAN)
     eager_engine = _engine(enforce_eager=True)

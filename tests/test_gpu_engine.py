@@ -74,39 +74,27 @@ def _int8_round_trip(w: torch.Tensor) -> torch.Tensor:
     return (w / scale).round().clamp(-127, 127) * scale
 
 
-def _int4_round_trip(w: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """Asymmetric int4 in groups of 32 inputs: w = scale * q + min, scale = (max - min) / 15, q in 0..15."""
-    g = w.unflatten(1, (-1, group))
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale, low = ((hi - lo) / 15).clamp(min=1e-10).half().float(), lo.half().float()
-    return (((g - low) / scale).round().clamp(0, 15) * scale + low).flatten(1)
-
-
 def _hf_with_engine_weights(hf_model, quantization: str):
     """HF's model holding the numbers the engine holds in ``quantization``. The GGUF stores the layers' linears in
     Q4_1 and the embedding (tied to the output head) in Q8_0; a mode keeps the blocks already in its format and
-    re-quantizes the others from the dequantized weights: none and auto hold exactly what HF dequantizes, int8
-    re-quantizes the layers' linears, int4 the embedding."""
-    if quantization in ("none", "auto"):
+    re-quantizes the others from the dequantized weights: none, auto and int4 (whose embedding and head are int8:
+    the Q8_0 blocks as they are) hold exactly what HF dequantizes; int8 re-quantizes the layers' linears."""
+    if quantization in ("none", "auto", "int4"):
         return hf_model
     model = copy.deepcopy(hf_model)
     with torch.no_grad():
-        if quantization == "int8":
-            for layer in model.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                for linear in (
-                    attn.q_proj,
-                    attn.k_proj,
-                    attn.v_proj,
-                    attn.o_proj,
-                    mlp.gate_proj,
-                    mlp.up_proj,
-                    mlp.down_proj,
-                ):
-                    linear.weight.copy_(_int8_round_trip(linear.weight))
-        else:
-            assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one matrix, both uses
-            model.model.embed_tokens.weight.copy_(_int4_round_trip(model.model.embed_tokens.weight))
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
+                linear.weight.copy_(_int8_round_trip(linear.weight))
     return model.eval()
 
 

@@ -24,7 +24,14 @@ from lora_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-SMALL = {**PRESETS["tiny-llama"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
+# 2,048 positions: serve_random's prompts reach 1,000 tokens
+SMALL = {
+    **PRESETS["tiny-llama"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 2048,
+}
 
 
 def _engine(tmp_path, **kw) -> Engine:

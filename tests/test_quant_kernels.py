@@ -452,13 +452,13 @@ def test_dispatch_prefill_dequantizes(fmt: str, pack: int | None, monkeypatch: p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fmt, group, pack", [("int8", 4096, None), ("int8", 32, None), ("int4", 32, 128)])
-def test_quant_matmul_real_shapes(dtype: torch.dtype, fmt: str, group: int, pack: int | None):
+@pytest.mark.parametrize("fmt, group, pack", [("int8", None, None), ("int8", 32, None), ("int4", 32, 128)])
+def test_quant_matmul_real_shapes(dtype: torch.dtype, fmt: str, group: int | None, pack: int | None):
     """Llama-3-8B's shapes through ops with the table's launches (decode buckets, split-K) and, from 256 rows,
     dequantization + cuBLAS, against the twin."""
     gen = torch.Generator().manual_seed(3)
     for n, k in ((6144, 4096), (4096, 14336)):
-        _, twin, _, weight, layout = formats(n, k, min(group, k), gen, pack)[fmt]
+        _, twin, _, weight, layout = formats(n, k, group or k, gen, pack)[fmt]  # None: per channel
         dispatch = {"int8": ops.int8_matmul, "int4": ops.int4_matmul}[fmt]
         for m in (1, 7, 16, 33, 64, 100, 256, 1024):
             x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
