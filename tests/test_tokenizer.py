@@ -290,7 +290,7 @@ def test_gguf_pre_tokenizers(tmp_path: Path, pre: str, tokens: list[str]) -> Non
 
 @pytest.mark.parametrize(
     ("model", "pre", "message"),
-    [("llama", "default", "tokenizer.ggml.model"), ("gpt2", "bogus", "tokenizer.ggml.pre")],
+    [("t5", "default", "tokenizer.ggml.model"), ("gpt2", "bogus", "tokenizer.ggml.pre")],
 )
 def test_gguf_unsupported(tmp_path: Path, model: str, pre: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

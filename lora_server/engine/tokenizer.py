@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from lora_server.engine.spm_vocab import spm_backend
 from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
 
 # What transformers appends to the final message for continue_final_message, to find where it ends once rendered.
@@ -97,7 +98,8 @@ class Tokenizer:
         """Build the tokenizer described by a GGUF file's `tokenizer.*` metadata.
 
         Supports byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizers
-        of the GPT-2, SmolLM/StarCoder, Llama 3 and Qwen2 families. Raises ValueError for anything else.
+        of the GPT-2, SmolLM/StarCoder, Llama 3 and Qwen2 families, and SentencePiece vocabularies ("llama":
+        Llama 2, Mistral, Gemma, Phi-3; `spm_vocab`). Raises ValueError for anything else.
         Control tokens become special tokens (matched whole in text, skipped by
         `decode(skip_special_tokens=True)`); user-defined tokens become non-special added tokens.
         """
@@ -110,17 +112,21 @@ class Tokenizer:
             return default if field is None else field.contents()
 
         model = get("ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"{os.fspath(path)}: unsupported tokenizer.ggml.model {model!r}; "
-                "only 'gpt2' (byte-level BPE) is supported"
-            )
         tokens: list[str] = get("ggml.tokens")
         token_types: list[int] = get("ggml.token_type") or [1] * len(tokens)
-        merges = [_split_merge(merge) for merge in get("ggml.merges", [])]
-        backend = _Backend(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
-        backend.normalizer, backend.pre_tokenizer = _gguf_pre_tokenization(get("ggml.pre"), path)
-        backend.decoder = decoders.ByteLevel()
+        if model == "gpt2":
+            merges = [_split_merge(merge) for merge in get("ggml.merges", [])]
+            backend = _Backend(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+            backend.normalizer, backend.pre_tokenizer = _gguf_pre_tokenization(get("ggml.pre"), path)
+            backend.decoder = decoders.ByteLevel()
+        elif model == "llama":
+            architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
+            backend = spm_backend(tokens, get("ggml.scores"), architecture, get("ggml.add_space_prefix"))
+        else:
+            raise ValueError(
+                f"{os.fspath(path)}: unsupported tokenizer.ggml.model {model!r}; "
+                "only 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) are supported"
+            )
         backend.add_special_tokens(
             [
                 AddedToken(token, special=True, normalized=False)
