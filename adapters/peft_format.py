@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -43,12 +44,21 @@ _JSON_TYPES = {
     bool: "a boolean",
     type(None): "null",
 }
+log = logging.getLogger("lora_server")
 # What a config of an unforeseen shape can raise while _plan interprets it; anything else there is a bug.
 _MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError, re.error)
+# The decoder layers' path in the model PEFT wrapped, which its keys (after base_model.model.) and the names a regex
+# target_modules matches start with: a text model's; the language model of Gemma 3 multimodal
+# (Gemma3ForConditionalGeneration) as transformers names it now, and as older versions did (their checkpoints'
+# layout). An adapter's keys say which one it was trained on.
+TEXT_LAYERS = "model.layers"
+LAYER_PATHS = (TEXT_LAYERS, "model.language_model.layers", "language_model.model.layers")
 _KEY = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.([0-9]{1,6})\.(self_attn|mlp)\.(\w+_proj)\.(lora_[AB])(?:\.[\w-]+)?"
-    r"\.weight"
+    rf"(?:base_model\.model\.)?({'|'.join(map(re.escape, LAYER_PATHS))})"
+    r"\.([0-9]{1,6})\.(self_attn|mlp)\.(\w+_proj)\.(lora_[AB])(?:\.[\w-]+)?\.weight"
 )
+# A key on a multimodal model's image side: Gemma 3's vision tower or projector, as either transformers names them
+_IMAGE_SIDE = re.compile(r"(?:base_model\.model\.)?((?:model\.)?(?:vision_tower|multi_modal_projector)\..+)")
 
 
 ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand: every linear layer but the output head
@@ -215,14 +225,15 @@ def load_peft_adapter(
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise AdapterError(f"adapter_config.json must hold a JSON object, not {_JSON_TYPES[type(config)]}")
+    weights_bytes = _read_whole(files["adapter_model.safetensors"])
+    tensors = _parse_safetensors(weights_bytes)
+    layers = _layers_path(name, tensors)  # before the config: target_modules regexes match the names under it
     try:
-        plan = _plan(config, base, max_rank)
+        plan = _plan(config, base, max_rank, layers)
     except AdapterError:
         raise
     except _MALFORMED as exc:  # a config shape the named checks in _plan miss; only _plan runs in this block
         raise AdapterError(f"adapter_config.json is malformed: {exc}") from exc
-    weights_bytes = _read_whole(files["adapter_model.safetensors"])
-    tensors = _parse_safetensors(weights_bytes)
     digest = hashlib.blake2b(config_bytes, digest_size=16)
     digest.update(weights_bytes)
     weights = _convert(tensors, plan, base)
@@ -261,9 +272,35 @@ def _within(path: Path, roots: list[Path]) -> bool:
     return any(path.is_relative_to(r) for r in roots)
 
 
-def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str], tuple[int, float]]:
+def _layers_path(name: str, tensors: dict[str, torch.Tensor]) -> str:
+    """Which of LAYER_PATHS the adapter's keys name its modules under (TEXT_LAYERS when none does: _convert refuses
+    such keys, naming them); keys under two of the paths are refused. LoRA weights on a multimodal model's vision
+    tower or projector are taken out of ``tensors`` and said in the log: they act on images only, which this
+    server refuses (a 400), so on every request it serves the adapter computes what it computes in PEFT. PEFT's
+    list targets (q_proj, v_proj, all-linear) wrap the vision tower's projections of those names too."""
+    image = sorted({m.group(1).split(".lora_")[0] for key in tensors if (m := _IMAGE_SIDE.fullmatch(key))})
+    if image:
+        for key in [k for k in tensors if _IMAGE_SIDE.fullmatch(k)]:
+            del tensors[key]
+        log.info(
+            "adapter %s: LoRA weights on %d vision-tower / projector modules (%s...) not loaded: they act on images,"
+            " which this server does not take",
+            name,
+            len(image),
+            image[0],
+        )
+    paths = sorted({m.group(1) for key in tensors if (m := _KEY.fullmatch(key))})
+    if len(paths) > 1:
+        raise AdapterError(f"the adapter's keys name decoder layers under both {paths[0]} and {paths[1]}")
+    return paths[0] if paths else TEXT_LAYERS
+
+
+def _plan(
+    config: dict, base: BaseShapes, max_rank: int, layers_path: str = TEXT_LAYERS
+) -> dict[tuple[int, str], tuple[int, float]]:
     """(layer, PEFT module path) -> (rank, scaling) for every module the config targets, after every config check;
-    PEFT's semantics, and its defaults (r 8, lora_alpha 8)."""
+    PEFT's semantics, and its defaults (r 8, lora_alpha 8). A regex target_modules, rank_pattern and alpha_pattern
+    match the modules' names in the model PEFT wrapped: ``{layers_path}.{layer}.{module path}``."""
     _check_keys(config)
     rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
     rank_patterns = _patterns(config, "rank_pattern", _rank)
@@ -276,7 +313,7 @@ def _plan(config: dict, base: BaseShapes, max_rank: int) -> dict[tuple[int, str]
     names = {path.split(".")[-1]: path for path in base.modules}  # q_proj -> self_attn.q_proj
     if targets == ALL_LINEAR:
         targets = list(names)
-    candidates = {(layer, path): f"model.layers.{layer}.{path}" for layer in layers for path in base.modules}
+    candidates = {(layer, path): f"{layers_path}.{layer}.{path}" for layer in layers for path in base.modules}
     if isinstance(targets, str):
         regex = _regex(targets, f"target_modules {targets!r}")
         chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
@@ -421,10 +458,10 @@ def _convert(
             if "bias" in key:
                 raise AdapterError(f"bias terms are not supported ({key})")
             raise AdapterError(f"unexpected tensor {key} in the adapter")
-        layer, module = int(m.group(1)), f"{m.group(2)}.{m.group(3)}"
+        layer, module = int(m.group(2)), f"{m.group(3)}.{m.group(4)}"
         if (layer, module) not in plan:
             raise AdapterError(f"tensor {key} targets a module the config does not (or the base lacks)")
-        found.setdefault((layer, module), {})[m.group(4)] = tensor
+        found.setdefault((layer, module), {})[m.group(5)] = tensor
     weights = {}
     for target, (rank, scaling) in sorted(plan.items()):
         layer, module = target

@@ -223,9 +223,9 @@ def test_from_hf_dir_config_options(hf_dir: Path, tmp_path: Path) -> None:
     directory = _copy_dir(hf_dir, tmp_path / "edited")
     _edit_json(directory / "tokenizer_config.json", add_bos_token=True, eos_token={"content": "<|endoftext|>"})
     _edit_json(directory / "generation_config.json", eos_token_id=[2, 0])
-    _edit_json(directory / "config.json", eos_token_id=5)
+    _edit_json(directory / "config.json", eos_token_id=5, text_config={"eos_token_id": [5, 7]})  # multimodal
     tokenizer = Tokenizer.from_hf_dir(directory)
-    assert tokenizer.eos_token_ids == (0, 2, 5)
+    assert tokenizer.eos_token_ids == (0, 2, 5, 7)
     assert tokenizer.add_bos is True
     assert tokenizer.encode("hi") == [1, 6004]
     assert tokenizer.encode("hi", add_special_tokens=False) == [6004]

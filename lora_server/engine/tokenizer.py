@@ -157,8 +157,8 @@ class Tokenizer:
 
         Reads `tokenizer.json` (required) and, where present, `tokenizer_config.json` (bos/eos tokens,
         `add_bos_token`, `chat_template`), `chat_template.jinja` (preferred over the config's template),
-        and `eos_token_id` (int or list) from `generation_config.json` and `config.json`; the end ids are
-        the union of all of these. Without `add_bos_token` in the config, BOS is prepended iff the
+        and `eos_token_id` (int or list) from `generation_config.json` and `config.json` (its `text_config`
+        too); the end ids are the union of all of these. Without `add_bos_token` in the config, BOS is prepended iff the
         tokenizer.json post-processor prepends it. Only BOS is ever added by `encode`; other additions a
         post-processor might make (such as a trailing EOS) are not.
         """
@@ -173,8 +173,10 @@ class Tokenizer:
         bos_token_id = token_id(config.get("bos_token"))
         eos_ids = [token_id(config.get("eos_token"))]
         for name in ("generation_config.json", "config.json"):
-            value = _read_json(root / name).get("eos_token_id")
-            eos_ids.extend(value if isinstance(value, list) else [value])
+            config_json = _read_json(root / name)
+            # a multimodal model's config may hold the language model's end ids under text_config only
+            for value in (config_json.get("eos_token_id"), (config_json.get("text_config") or {}).get("eos_token_id")):
+                eos_ids.extend(value if isinstance(value, list) else [value])
 
         add_bos = config.get("add_bos_token")
         if add_bos is None:

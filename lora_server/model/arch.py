@@ -1,6 +1,7 @@
 """The shape of a decoder model, read from an HF config.json, GGUF metadata, or a named preset: the Llama family
 (Llama 2/3, Mistral, SmolLM2, Qwen2) and the families that differ from it in a few named ways (Qwen3, Gemma 2 and 3,
-Phi-3), each difference a field of ModelArch that the model (model.llama) reads."""
+Phi-3), each difference a field of ModelArch that the model (model.llama) reads. Gemma 3's multimodal checkpoints
+(Gemma3ForConditionalGeneration) are served text-only: their language model's shape, from text_config."""
 
 from __future__ import annotations
 
@@ -19,10 +20,37 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# Image-text models whose language model is served alone: its settings are config.json's text_config, its tensors
+# are named under language_model (model.loader), and its vision tower and projector are not loaded. Requests with
+# images never reach the model: the HTTP layer refuses image content parts (400).
+MULTIMODAL_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 GEMMA3_SLIDING_PATTERN = 6  # Gemma 3's default: every sixth layer attends globally
+# What transformers' Gemma3TextConfig (configuration_gemma3.py) assumes for a key config.json leaves out; the hub's
+# multimodal Gemma 3 configs omit most of them from text_config (gemma-3-4b-it's gives six keys).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    rms_norm_eps=1e-6,
+    bos_token_id=2,
+    eos_token_id=1,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    sliding_window_pattern=GEMMA3_SLIDING_PATTERN,
+    rope_theta=1_000_000.0,  # the full-attention layers' RoPE base (default_theta["global"])
+    rope_local_base_freq=10_000.0,  # the sliding layers' (default_theta["local"])
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(
@@ -166,16 +194,38 @@ class ModelArch:
     def query_scale(self) -> float:
         return self.attn_scale or self.head_dim**-0.5
 
+    @property
+    def multimodal(self) -> bool:
+        """Whether the checkpoint is an image-text model served text-only (MULTIMODAL_ARCHITECTURES)."""
+        return self.architecture in MULTIMODAL_ARCHITECTURES
+
+    def part_rows(self, parts: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        """(part, first row, end row) of each canonical module in a fused projection's output rows (q | k | v,
+        gate | up): where HF and GGUF fused tensors hold each part."""
+        widths = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        rows, start = [], 0
+        for part in parts:
+            end = start + widths.get(part, self.intermediate_size)
+            rows.append((part, start, end))
+            start = end
+        return rows
+
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
+        """The model's shape from an HF config.json's dict (a multimodal one's: its language model's, see
+        _text_config); settings the model does not implement are a ModelLoadError naming them."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         if arch not in FAMILIES:
             raise ModelLoadError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         family = FAMILIES[arch]
+        if arch in MULTIMODAL_ARCHITECTURES:
+            cfg = _text_config(cfg, arch)
+        if family == "gemma3":
+            cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
         _refuse_unread_settings(cfg, arch, family)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -189,7 +239,7 @@ class ModelArch:
         max_pos = cfg.get("max_position_embeddings", 4096)
         attention_factor = 1.0
         if rope_type == "longrope":
-            max_pos, attention_factor = _longrope_context(global_rope, cfg, max_pos, rotary_dim)
+            max_pos, attention_factor = longrope_context(global_rope, cfg, max_pos, rotary_dim)
         eos = cfg.get("eos_token_id")
         gemma = family in ("gemma2", "gemma3")
         num_layers = cfg["num_hidden_layers"]
@@ -230,6 +280,29 @@ class ModelArch:
         )
 
 
+def _text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A multimodal config.json's language model settings, as transformers reads them: text_config (absent: all
+    defaults), with the top level's bos_token_id and eos_token_id where it sets them (GenerationConfig.from_model_config
+    takes the top level's, text_config's only where the top level has none). Whether the head is tied differs between
+    transformers versions: 5.x reads the top level's tie_word_embeddings (PreTrainedModel.get_expanded_tied_weights_keys
+    on the whole model's config), 4.5x text_config's (get_text_config(decoder=True)); both default to true, and a
+    config where the two differ is refused rather than served as one of them."""
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{arch} config.json: text_config must be an object, got {type(text).__name__}")
+    top_tie, text_tie = cfg.get("tie_word_embeddings", True), text.get("tie_word_embeddings", True)
+    if bool(top_tie) != bool(text_tie):
+        raise ModelLoadError(
+            f"{arch} config.json: tie_word_embeddings is {top_tie} but text_config's is {text_tie} (absent: true); "
+            "transformers 5 ties the output head by the first, 4.5x by the second: set both to the same value"
+        )
+    merged = {**text, "architectures": [arch], "tie_word_embeddings": bool(top_tie)}
+    for key in ("bos_token_id", "eos_token_id"):
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
+
+
 def _rope_parameters(cfg: dict[str, Any], family: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the global layers' RoPE parameters, Gemma 3's sliding layers' or None): HF's rope_scaling / rope_theta
     (config.json as the hub ships it) or transformers 5's rope_parameters, nested per layer type for Gemma 3."""
@@ -238,6 +311,8 @@ def _rope_parameters(cfg: dict[str, Any], family: str) -> tuple[dict[str, Any], 
         local = params.get("sliding_attention")
         if local and local.get("rope_type", local.get("type", "default")) != "default":
             raise ModelLoadError(f"RoPE scaling on the sliding-window layers is not implemented: {local}")
+        if family == "gemma3":  # Gemma3TextConfig.convert_rope_params_to_dict: the sliding layers' base by default
+            local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0), **(local or {})}
         return dict(params.get("full_attention") or {}), local
     scaling = dict(cfg.get("rope_scaling") or params)
     if "rope_theta" in cfg and "rope_theta" not in scaling:
@@ -248,7 +323,7 @@ def _rope_parameters(cfg: dict[str, Any], family: str) -> tuple[dict[str, Any], 
     return scaling, local
 
 
-def _longrope_context(rope: dict[str, Any], cfg: dict[str, Any], max_pos: int, rotary_dim: int) -> tuple[int, float]:
+def longrope_context(rope: dict[str, Any], cfg: dict[str, Any], max_pos: int, rotary_dim: int) -> tuple[int, float]:
     """LongRoPE (Phi-3): (the context, capped at original_max_position_embeddings, where the short factors apply,
     and the attention factor that scales cos and sin, as HF computes it). HF switches to the long factors for a
     whole forward pass once any position passes the original length, which changes the keys already cached; the

