@@ -340,8 +340,60 @@ class PermutedInput(nn.Module):
         return self.inner(x.index_select(-1, self.perm))
 
 
+INT8_TOKEN_HALF_RANGE = 127.5  # compressed-tensors' symmetric int8 scale: amax / ((127 - -128) / 2)
+
+
+def int8_token_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] quantized to int8 per token and back, as compressed-tensors quantizes W8A8-int8 activations
+    (dynamic, symmetric, in x's dtype): scale = amax(|row|) / 127.5 (0 -> the dtype's eps), q = round(x / scale)
+    (half to even) clamped to -128..127, returned as q * scale."""
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = amax / amax.new_full((), INT8_TOKEN_HALF_RANGE)  # a tensor divisor: CUDA divides, not x reciprocal
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    return (x / scale).round().clamp(-128, 127) * scale
+
+
+class Int8TokenInput(nn.Module):
+    """A linear whose input is quantized per token to int8 first (a W8A8-int8 checkpoint's dynamic activations):
+    forward(x) = inner(int8_token_round_trip(x)); the product of the int8 codes, scaled by both scales, is what
+    the inner int8 weight computes on the round-tripped input."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner: Any = inner  # a QuantLinear
+
+    @property
+    def out_features(self) -> int:
+        return self.inner.out_features
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.inner.bias
+
+    @bias.setter
+    def bias(self, value: nn.Parameter | None) -> None:
+        self.inner.bias = value
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.dequantize(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.rows(ids, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        return self.inner(int8_token_round_trip(x))
+
+
 QuantLinear = (
-    DenseLinear | Int8Linear | Int4Linear | Int4CpuLinear | Fp8Linear | GGUFBlockLinear | StackedLinear | PermutedInput
+    DenseLinear
+    | Int8Linear
+    | Int4Linear
+    | Int4CpuLinear
+    | Fp8Linear
+    | GGUFBlockLinear
+    | StackedLinear
+    | PermutedInput
+    | Int8TokenInput
 )
 
 
@@ -467,6 +519,10 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
             ]
         )
     )
+    if any(isinstance(p, Int8TokenInput) for p in parts):  # W8A8-int8: one quantization of the shared input
+        if not all(isinstance(p, Int8TokenInput) for p in parts):
+            raise ValueError("a fused projection mixes int8-quantized and float inputs")
+        return Int8TokenInput(cat_linears([cast(Int8TokenInput, p).inner for p in parts], dtype))
     if any(isinstance(p, PermutedInput) for p in parts):  # act-order GPTQ: fused where the gathers agree
         perms = [p.perm if isinstance(p, PermutedInput) else None for p in parts]
         first = perms[0]

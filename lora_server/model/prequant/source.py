@@ -3,8 +3,8 @@ lora_server.model.prequant) whose ``linear("auto")`` keeps the checkpoint's code
 
 - 4-bit IntWeight -> Int4Linear with the checkpoint's group size, float32 scales and mins = -scale * zero (exact:
   the codes times an fp16-born scale fit float32), wrapped in PermutedInput where act-order gathered the columns;
-- 8-bit symmetric IntWeight -> Int8Linear (its signed codes, float32 scales), weight-only; W8A8-int8 (per-token
-  int8 activations) is refused at start, naming its input_activations: the int8 path does not quantize inputs;
+- 8-bit symmetric IntWeight -> Int8Linear (its signed codes, float32 scales); with W8A8-int8's per-token int8
+  activations, wrapped in Int8TokenInput, which quantizes the input per token as compressed-tensors does;
 - Fp8Weight with fp8 activations -> Fp8Linear (the weight, per-row scales, activations quantized per token);
 - what the project has no resident layout for (8-bit with zero points, FP8 weight-only) -> the exact float weight
   in the model's dtype (DenseLinear), said in the start-up log.
@@ -22,7 +22,15 @@ from lora_server.errors import ModelLoadError
 from lora_server.kernels.quant_reference import pack_int4
 from lora_server.model.checkpoint import WeightSource
 from lora_server.model.prequant.packed import Fp8Weight, IntWeight, PackedLinear
-from lora_server.model.quant import DenseLinear, Fp8Linear, Int4Linear, Int8Linear, PermutedInput, QuantLinear
+from lora_server.model.quant import (
+    DenseLinear,
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    Int8TokenInput,
+    PermutedInput,
+    QuantLinear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +55,8 @@ class PackedSource(WeightSource):
     """One linear's pre-quantized weight (``native``: the resident format ``linear("auto")`` builds)."""
 
     def __init__(self, name: str, packed: PackedLinear) -> None:
-        if packed.activations == "int8_token":
-            raise ModelLoadError(
-                f"{name}: input_activations quantized to int8 per token (W8A8-int8) are not implemented; serving "
-                "the layer without them would not compute what the checkpoint specifies"
-            )
+        if packed.activations == "int8_token" and (isinstance(packed, Fp8Weight) or packed.zeros is not None):
+            raise ModelLoadError(f"{name}: int8 per-token input_activations beside these weights are not implemented")
         self.name, self.packed = name, packed
         if isinstance(packed, Fp8Weight):
             self.native = "fp8" if packed.activations == "fp8_token" else "none"
@@ -79,6 +84,8 @@ class PackedSource(WeightSource):
             )
         elif packed.zeros is None:
             module = Int8Linear(packed.signed_codes().to(device), packed.scales.to(device))
+            if packed.activations == "int8_token":  # W8A8-int8: the input quantized per token as the scheme says
+                module = Int8TokenInput(module)
         else:
             log.info("%s: 8-bit weights with zero points have no resident layout here; held in %s", self.name, dtype)
             return DenseLinear(self.dense(dtype, device))
