@@ -26,7 +26,7 @@ LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 CPU = torch.device("cpu")
 
 
-def _hf_llama():
+def _hf_llama(tied: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
@@ -42,7 +42,7 @@ def _hf_llama():
         initializer_range=0.2,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -170,7 +170,9 @@ def _ct_checkpoint(hf, path, fmt: str, weights: dict, acts: dict | None) -> None
     compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
     compressor.compress_model(hf)
     path.mkdir()
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
+    tied = hf.config.tie_word_embeddings  # the head is the embedding: saved once, as save_pretrained does
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(path / "model.safetensors"))
     config_dict = hf.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict["architectures"] = ["LlamaForCausalLM"]
@@ -181,7 +183,7 @@ def _ct_checkpoint(hf, path, fmt: str, weights: dict, acts: dict | None) -> None
 
 def _plain_copy(hf):
     """An HF model without compressed-tensors' hooks, holding hf's (decompressed) weights."""
-    reference = _hf_llama()
+    reference = _hf_llama(hf.config.tie_word_embeddings)
     reference.load_state_dict({k: v for k, v in hf.state_dict().items() if k in reference.state_dict()})
     return reference.eval()
 
@@ -248,12 +250,14 @@ def test_qlora_adapter_on_a_gptq_base_matches_peft(tmp_path):
     assert np.isfinite([lp.logprob for out in outs for lp in out.logprobs]).all()
 
 
-def test_w8a8_int8_checkpoint_quantizes_its_activations(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
+def test_w8a8_int8_checkpoint_quantizes_its_activations(tmp_path, tied):
     """W8A8-int8 (per-channel int8 weights, dynamic symmetric int8 activations per token): exact dequantization
     (none); with its codes resident, the activations quantized per token as the scheme says: the package's own
     quantized forward (which quantizes the activations likewise) within 2e-3, and not the weight-only model's (the
-    activations' quantization is really applied)."""
-    hf = _hf_llama()
+    activations' quantization is really applied). Tied: a model whose head is its embedding (no lm_head tensor;
+    the quantization_config's ignore names lm_head all the same)."""
+    hf = _hf_llama(tied)
     weights = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
     acts = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
     _ct_checkpoint(hf, tmp_path / "model", "int-quantized", weights, acts)

@@ -230,7 +230,9 @@ def _packed_linears(
         for i in range(arch.num_layers)
         for path, parts in modules.items()
     ]
-    for module, prefix, parts in [*targets, ("lm_head", "", ("lm_head",))]:
+    if not (arch.tie_word_embeddings and not any(n.startswith("lm_head.") for n in names)):  # tied: the embedding
+        targets.append(("lm_head", "", ("lm_head",)))
+    for module, prefix, parts in targets:
         packed = prequant.read_linear(scheme, module, tensor, names)
         if packed is None:
             continue
