@@ -660,9 +660,10 @@ def test_health_answers_while_a_huge_body_is_parsed(server, probe_key):
         f"\n/health during a 3.4 MB body: {len(latencies)} answers, median {statistics.median(latencies) * 1e3:.1f}"
         f" ms, max {max(latencies) * 1e3:.1f} ms"
     )
-    # a blocked event loop answers once, after the whole parse (2.5 s before the fix); the bounds leave room for a
-    # loaded machine (median 43 ms idle, 146 ms with 4 runnable processes on 2 cores)
-    assert len(latencies) >= 3 and statistics.median(latencies) < 0.3 and max(latencies) < 1.0
+    # a blocked event loop answers the first probe only after the whole parse (2.5 s before the fix): the max bound
+    # catches it; the bounds leave room for a loaded machine (median 43 ms idle, 146 ms with 4 runnable processes on
+    # 2 cores). Two answers at least (a loaded machine may parse the body within two probes' time)
+    assert len(latencies) >= 2 and statistics.median(latencies) < 0.3 and max(latencies) < 1.0
 
 
 def test_adapter_whose_files_vanished_can_be_deleted(server, roots):
