@@ -70,6 +70,8 @@ def test_full_prompt_logprobs_rows_and_contract():
     engine.add(engine.make_request(prompt, SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="alone"):
         engine.full_prompt_logprobs(prompt)
+    with pytest.raises(RuntimeError, match="alone"):  # generate would take the queued request's outputs
+        engine.generate([prompt], SamplingParams(max_tokens=1))
 
 
 def _tiny_llama(path, vocab: int, noise: float = 0.0, seed: int = 0):

@@ -340,8 +340,11 @@ class Engine:
     ) -> list[Completion]:
         """Run all prompts to completion in continuous batches; results in prompt order. ``adapters`` names one
         adapter for all prompts or one per prompt (None: the base model); ``cache_salt`` as in make_request. A
-        request whose serving failed comes back with finish_reason "error" and ``error`` set."""
+        request whose serving failed comes back with finish_reason "error" and ``error`` set. RuntimeError while
+        requests queued with ``add`` are in flight (their outputs are ``step``'s caller's, not generate's)."""
         self._offline()
+        if self.has_work():
+            raise RuntimeError("generate runs alone: requests queued with add() are in flight; step them to the end")
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         alist = [adapters] * len(prompts) if adapters is None or isinstance(adapters, str) else list(adapters)
         requests: list[EngineRequest] = []
