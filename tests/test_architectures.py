@@ -151,6 +151,28 @@ def _peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[
     return ids[len(prompt) :]
 
 
+def assert_mixed_batch_matches_peft(engine: Engine, model) -> None:
+    """Adapters a0 and a1 (registered in ``engine``, loaded in the PeftModel ``model``) and the base in one batch of
+    six prompts: each request's logprobs within LOGPROB_TOL of HF + PEFT with only its adapter active, its greedy
+    tokens PEFT's but for near ties; each adapter moves the model (else the check proves nothing)."""
+    plan = [None, "a0", "a1", "a0", None, "a1"]
+    prompts = _prompts((3, 12, 20, 1, 9, 15))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    outs = engine.generate(prompts, params, adapters=plan)
+    for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
+        ref = _peft_log_softmax(model, adapter, prompt + out.token_ids)
+        if adapter is not None:  # the adapter moves the model, so the comparison proves something
+            base = _peft_log_softmax(model, None, prompt + out.token_ids)
+            assert (ref - base).abs().max() > 0.05, adapter
+        for step, lp in enumerate(out.logprobs):
+            row = ref[len(prompt) - 1 + step]
+            assert abs(lp.logprob - row[lp.token_id].item()) <= LOGPROB_TOL, (adapter, step)
+            assert lp.token_id == int(row.argmax()) or _near_tie(row), (adapter, step)
+        assert out.token_ids == _peft_greedy(model, adapter, prompt, 10) or any(
+            _near_tie(r) for r in ref[len(prompt) - 1 :]
+        ), adapter
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ADAPTER_TARGETS))
 def test_family_mixed_adapters_match_peft(tmp_path, name):
@@ -182,22 +204,7 @@ def test_family_mixed_adapters_match_peft(tmp_path, name):
     )
     for adapter in names:
         engine.add_adapter(adapter, tmp_path / adapter)
-    plan = [None, "a0", "a1", "a0", None, "a1"]
-    prompts = _prompts((3, 12, 20, 1, 9, 15))
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
-    outs = engine.generate(prompts, params, adapters=plan)
-    for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
-        ref = _peft_log_softmax(model, adapter, prompt + out.token_ids)
-        if adapter is not None:  # the adapter moves the model, so the comparison proves something
-            base = _peft_log_softmax(model, None, prompt + out.token_ids)
-            assert (ref - base).abs().max() > 0.05, adapter
-        for step, lp in enumerate(out.logprobs):
-            row = ref[len(prompt) - 1 + step]
-            assert abs(lp.logprob - row[lp.token_id].item()) <= LOGPROB_TOL, (adapter, step)
-            assert lp.token_id == int(row.argmax()) or _near_tie(row), (adapter, step)
-        assert out.token_ids == _peft_greedy(model, adapter, prompt, 10) or any(
-            _near_tie(r) for r in ref[len(prompt) - 1 :]
-        ), adapter
+    assert_mixed_batch_matches_peft(engine, model)
 
 
 # ---- GGUF files of these families --------------------------------------------------------------------------

@@ -24,8 +24,14 @@ from lora_server.errors import ModelLoadError
 from lora_server.model.arch import ModelArch
 from lora_server.model.loader import open_checkpoint
 from lora_server.sampling_params import SamplingParams
-from tests.test_architectures import FAMILIES, WINDOW, _peft_greedy, _peft_log_softmax, _prompts
-from tests.test_model_vs_hf import LOGPROB_TOL, _compare, _near_tie
+from tests.test_architectures import (
+    FAMILIES,
+    WINDOW,
+    _peft_log_softmax,
+    _prompts,
+    assert_mixed_batch_matches_peft,
+)
+from tests.test_model_vs_hf import _compare, _near_tie
 
 ARCH = "Gemma3ForConditionalGeneration"
 IMAGE_TOKEN = 255  # inside the tiny vocabulary, as gemma-3's 262144 is inside its 262208
@@ -311,22 +317,7 @@ def test_mixed_adapters_match_peft(tmp_path):
     engine = _engine(tmp_path / "base", block_size=16, num_kv_blocks=128, max_lora_rank=8)
     engine.add_adapter("a0", tmp_path / "a0")
     engine.add_adapter("a1", old)
-    plan = [None, "a0", "a1", "a0", None, "a1"]
-    prompts = _prompts((3, 12, 20, 1, 9, 15))
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
-    outs = engine.generate(prompts, params, adapters=plan)
-    for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
-        ref = _peft_log_softmax(model, adapter, prompt + out.token_ids)
-        if adapter is not None:  # the adapter moves the model, so the comparison proves something
-            base = _peft_log_softmax(model, None, prompt + out.token_ids)
-            assert (ref - base).abs().max() > 0.05, adapter
-        for step, lp in enumerate(out.logprobs):
-            row = ref[len(prompt) - 1 + step]
-            assert abs(lp.logprob - row[lp.token_id].item()) <= LOGPROB_TOL, (adapter, step)
-            assert lp.token_id == int(row.argmax()) or _near_tie(row), (adapter, step)
-        assert out.token_ids == _peft_greedy(model, adapter, prompt, 10) or any(
-            _near_tie(r) for r in ref[len(prompt) - 1 :]
-        ), adapter
+    assert_mixed_batch_matches_peft(engine, model)
 
 
 def test_adapter_on_the_vision_tower_serves_its_language_model_part(tmp_path, caplog):

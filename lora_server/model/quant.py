@@ -305,18 +305,14 @@ class Int4CpuLinear(nn.Module):
         return self.dequantize(dtype)[ids]
 
 
-class PermutedInput(nn.Module):
-    """A linear whose stored columns are the input's features gathered by ``perm`` [in] int64 (act-order GPTQ):
-    forward(x) = inner(x[:, perm]); dequantize() gives the weight in the input's own column order."""
+class InputTransform(nn.Module):
+    """A linear whose input is transformed before its ``inner`` linear (a QuantLinear) sees it; the weight, bias
+    and shape are the inner's. Subclasses define forward (and, where the transform moves columns, dequantize and
+    rows)."""
 
-    perm: torch.Tensor
-    inverse: torch.Tensor
-
-    def __init__(self, inner: Any, perm: torch.Tensor) -> None:
+    def __init__(self, inner: Any) -> None:
         super().__init__()
-        self.inner: Any = inner  # a QuantLinear
-        self.register_buffer("perm", perm)
-        self.register_buffer("inverse", torch.argsort(perm))
+        self.inner: Any = inner
 
     @property
     def out_features(self) -> int:
@@ -329,6 +325,25 @@ class PermutedInput(nn.Module):
     @bias.setter
     def bias(self, value: nn.Parameter | None) -> None:
         self.inner.bias = value
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.dequantize(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.rows(ids, dtype)
+
+
+class PermutedInput(InputTransform):
+    """A linear whose stored columns are the input's features gathered by ``perm`` [in] int64 (act-order GPTQ):
+    forward(x) = inner(x[:, perm]); dequantize() gives the weight in the input's own column order."""
+
+    perm: torch.Tensor
+    inverse: torch.Tensor
+
+    def __init__(self, inner: Any, perm: torch.Tensor) -> None:
+        super().__init__(inner)
+        self.register_buffer("perm", perm)
+        self.register_buffer("inverse", torch.argsort(perm))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.inner.dequantize(dtype)[:, self.inverse]
@@ -353,32 +368,10 @@ def int8_token_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).round().clamp(-128, 127) * scale
 
 
-class Int8TokenInput(nn.Module):
+class Int8TokenInput(InputTransform):
     """A linear whose input is quantized per token to int8 first (a W8A8-int8 checkpoint's dynamic activations):
     forward(x) = inner(int8_token_round_trip(x)); the product of the int8 codes, scaled by both scales, is what
     the inner int8 weight computes on the round-tripped input."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        self.inner: Any = inner  # a QuantLinear
-
-    @property
-    def out_features(self) -> int:
-        return self.inner.out_features
-
-    @property
-    def bias(self) -> nn.Parameter | None:
-        return self.inner.bias
-
-    @bias.setter
-    def bias(self, value: nn.Parameter | None) -> None:
-        self.inner.bias = value
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.inner.dequantize(dtype)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.inner.rows(ids, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         return self.inner(int8_token_round_trip(x))
