@@ -2,23 +2,33 @@
 to the device, and the table (kernels/lora_table.py) that tells the kernels where the blocks are.
 
 A page is one KV block's bytes (``page_bytes``). An adapter takes as many pages as its own ranks need: its first
-page starts with its table, then come its blocks, packed in order (layer, fused group, A then B^T): a group's A
-blocks of every slice back to back when they fit in a page (so that a CPU matmul can read them as one [K, r, in]
-view), else each slice's alone; B^T slice by slice; a block larger than a page in row groups of ROW_GROUP rows. A
-unit that does not fit in what is left of a page starts the next. Blocks: A [r, in] and B^T [r, out] (B
-transposed, its scaling folded in), row-major, in the model's dtype. The image holds every page in order with the
-table left zero: the table's offsets depend on which pages the adapter is given, so ``table`` computes it at
-load."""
+page starts with its table, then come its blocks, packed in order (layer, fused group, A, B^T, DoRA's rows): a
+group's A blocks of every slice back to back when they fit in a page (so that a CPU matmul can read them as one
+[K, r, in] view), else each slice's alone; B^T slice by slice; a block larger than a page in row groups of
+ROW_GROUP rows; a DoRA module's scale and shift (adapters.dora) a row each. A unit that does not fit in what is
+left of a page starts the next. Blocks: A [r, in], B^T [r, out] (B transposed, its scaling folded in) and DoRA's
+[2, out], row-major, in the model's dtype. The image holds every page in order with the table left zero: the
+table's offsets depend on which pages the adapter is given, so ``table`` computes it at load."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
-from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, NUM_MODULES, ROW_GROUP, groups, row_len, table_len
+from lora_server.kernels.lora_table import (
+    GROUPS,
+    MODULE_INDEX,
+    NUM_MODULES,
+    ROW_GROUP,
+    dora_column,
+    groups,
+    row_len,
+    table_len,
+)
 
 _ALIGN_BYTES = 128  # every unit starts on a 128-byte boundary (whole cache lines and vector loads)
 
@@ -67,27 +77,32 @@ def _align(nbytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """Where one weight block lies in an adapter's pages: rows [row0, row1) of A or B^T of one (layer, module)."""
+    """Where one weight block lies in an adapter's pages: rows [row0, row1) of A, B^T or (``dora``) DoRA's [2, out]
+    (row 0 the scale, row 1 the shift) of one (layer, module)."""
 
     layer: int
     module: str
     is_b: bool
     row0: int
     row1: int
-    width: int  # elements per row: in (A) or out (B^T)
+    width: int  # elements per row: in (A) or out (B^T, DoRA's)
     page: int  # index into the adapter's pages
     offset: int  # element offset inside that page
+    dora: bool = False  # a row of DoRA's epilogue (is_b is then False)
 
 
 class PageLayout:
     """Where each block of one adapter goes in its pages, for a PageGeometry; ``ranks``: (layer, module) -> r for
-    the modules it targets."""
+    the modules it targets; ``dora``: those of them that are DoRA modules (LoraAdapter.magnitudes' keys)."""
 
-    def __init__(self, geometry: PageGeometry, ranks: dict[tuple[int, str], int]) -> None:
+    def __init__(
+        self, geometry: PageGeometry, ranks: dict[tuple[int, str], int], dora: Collection[tuple[int, str]] = ()
+    ) -> None:
         geometry.check_fits()
         if any(r > geometry.max_rank for r in ranks.values()):
             raise AdapterError(f"rank {max(ranks.values())} is above the server's maximum {geometry.max_rank}")
-        self.geometry, self.ranks = geometry, dict(ranks)
+        self.geometry, self.ranks, self.dora = geometry, dict(ranks), frozenset(dora)
+        assert all(ranks.get(key, 0) > 0 for key in self.dora), "a DoRA module the adapter does not target"
         self.blocks: list[Block] = []
         self.num_pages = 1
         self._cursor = geometry.table_elems
@@ -98,6 +113,10 @@ class PageLayout:
                 self._place_unit(layer, False, [(m, ranks[(layer, m)], features[m][0]) for m in targeted], item)
                 for m in targeted:  # B^T slice by slice: nothing reads them as one
                     self._place_unit(layer, True, [(m, ranks[(layer, m)], features[m][1])], item)
+                for m in (m for m in targeted if (layer, m) in self.dora):
+                    for row in (0, 1):  # scale, shift: a unit each, so that each fits what a page has room for
+                        page, offset = self._claim(features[m][1], item)
+                        self.blocks.append(Block(layer, m, False, row, row + 1, features[m][1], page, offset, True))
 
     def _place_unit(self, layer: int, is_b: bool, pieces: list[tuple[str, int, int]], item: int) -> None:
         """Put one unit (these blocks back to back) where it fits whole; split it per module, then per row group,
@@ -135,9 +154,16 @@ class PageLayout:
     def nbytes(self) -> int:
         return self.num_pages * self.geometry.page_bytes
 
-    def image(self, adapter: LoraAdapter, out: torch.Tensor | None = None) -> torch.Tensor:
+    def image(
+        self,
+        adapter: LoraAdapter,
+        out: torch.Tensor | None = None,
+        dora: Mapping[tuple[int, str], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The adapter's pages as the device will hold them: uint8 [num_pages, page_bytes], the table left zero,
-        unused bytes zero; written into ``out`` when given (the caller's pinned memory, of that shape)."""
+        unused bytes zero; written into ``out`` when given (the caller's pinned memory, of that shape). ``dora``:
+        the [2, out] epilogue of each DoRA module (adapters.dora.dora_epilogues), exactly the layout's."""
+        assert set(dora or {}) == self.dora, "the DoRA epilogues are not the layout's DoRA modules"
         g = self.geometry
         shape = (self.num_pages, g.page_bytes)
         if out is None:
@@ -148,7 +174,8 @@ class PageLayout:
         values = pages.view(-1).view(g.dtype).view(self.num_pages, g.page_elems)
         for block in self.blocks:
             a, b = adapter.weights[(block.layer, block.module)]
-            rows = b.t()[block.row0 : block.row1] if block.is_b else a[block.row0 : block.row1]
+            matrix = dora[(block.layer, block.module)] if dora and block.dora else b.t() if block.is_b else a
+            rows = matrix[block.row0 : block.row1]
             n = rows.numel()
             values[block.page, block.offset : block.offset + n].copy_(rows.reshape(-1))
         return pages
@@ -165,6 +192,9 @@ class PageLayout:
         page_elems = g.page_elems
         for block in self.blocks:
             base = pages[block.page] * page_elems + block.offset
+            if block.dora:
+                table[block.layer, MODULE_INDEX[block.module], dora_column(g.max_rank) + block.row0] = base
+                continue
             column = 1 + (num_groups if block.is_b else 0)
             for row in range(block.row0, block.row1, ROW_GROUP):
                 table[block.layer, MODULE_INDEX[block.module], column + row // ROW_GROUP] = (

@@ -57,10 +57,16 @@ _KEY = re.compile(
     rf"(?:base_model\.model\.)?({'|'.join(map(re.escape, LAYER_PATHS))})"
     r"\.([0-9]{1,6})\.(self_attn|mlp)\.(\w+_proj)\.(lora_[AB])(?:\.[\w-]+)?\.weight"
 )
+# DoRA's magnitude of one module: PEFT saves it without the adapter's name or ".weight" (its loader adds them back)
+_MAGNITUDE_KEY = re.compile(
+    rf"(?:base_model\.model\.)?({'|'.join(map(re.escape, LAYER_PATHS))})"
+    r"\.([0-9]{1,6})\.(self_attn|mlp)\.(\w+_proj)\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?"
+)
 # A key on a multimodal model's image side: Gemma 3's vision tower or projector, as either transformers names them
 _IMAGE_SIDE = re.compile(r"(?:base_model\.model\.)?((?:model\.)?(?:vision_tower|multi_modal_projector)\..+)")
 
 
+VOCAB_MODULES = ("embed_tokens", "lm_head")  # the embedding and the output head: refused as targets, by name
 ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand: every linear layer but the output head
 # Every key of PEFT's LoraConfig (peft 0.21) is in one of three groups (docs/adapters.md, "Which PEFT
 # configurations are served"). Keys whose values this loader computes with (_plan):
@@ -77,6 +83,8 @@ READ_KEYS = frozenset(
         "use_rslora",
         "bias",  # "none" only
         "init_lora_weights",  # the inits that only set the first weights (see _INIT_REWRITES_BASE)
+        "alora_invocation_tokens",  # Activated LoRA: LoraAdapter.invocation_tokens (_invocation_tokens)
+        "use_dora",  # DoRA: LoraAdapter.magnitudes (_magnitudes)
     }
 )
 # Keys that never change what a loaded adapter computes on a Llama model: metadata, training-only settings, and the
@@ -106,8 +114,6 @@ NO_EFFECT_KEYS = frozenset(
 # Keys that change what PEFT computes and that this loader does not implement: refused when set (anything but
 # null, false or empty), the key named.
 UNSUPPORTED_KEYS = {
-    "use_dora": "DoRA (a learned magnitude per output channel)",
-    "alora_invocation_tokens": "Activated LoRA (aLoRA: the adapter applies only from its invocation tokens on)",
     "trainable_token_indices": "trainable token embeddings",
     "exclude_modules": "modules excluded from the targets",
     "layer_replication": "layers replicated into a deeper model",
@@ -126,6 +132,8 @@ UNSUPPORTED_KEYS = {
 _INIT_REWRITES_BASE = ("pissa", "corda", "olora", "loftq")
 _INIT_WEIGHTS_ONLY = ("gaussian", "eva", "orthogonal", "lora_ga", "mica")
 _LAYERS_PATTERNS: tuple[object, ...] = (None, "layers", ["layers"], [])
+# Keys PEFT refuses beside use_dora (its LoraConfig, or its registry of LoRA variants, has no such combination)
+_NOT_WITH_DORA = ("alora_invocation_tokens", "velora_config", "megatron_config")
 
 
 class AdapterError(ValueError):
@@ -141,15 +149,26 @@ class AdapterError(ValueError):
 @dataclass(frozen=True, slots=True)
 class BaseShapes:
     """What an adapter must fit: the base model's layer count, each canonical module's (in, out) features, and the
-    modules PEFT names in a layer (LLAMA_MODULES, or FUSED_MODULES for Phi-3's fused projections)."""
+    modules PEFT names in a layer (LLAMA_MODULES, or FUSED_MODULES for Phi-3's fused projections); for llama.cpp's
+    GGUF adapters (adapters.gguf_lora), the base's HF architecture and head width where known ("" and 0: not known)."""
 
     num_layers: int
     features: dict[str, tuple[int, int]]  # canonical module -> (in_features, out_features)
     modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_MODULES)
+    architecture: str = ""  # ModelArch.architecture: which GGUF general.architecture an adapter must name
+    head_dim: int = 0  # the heads' width: llama.cpp permutes a llama adapter's Q/K rows per head
 
     @classmethod
     def llama(
-        cls, num_layers: int, hidden: int, intermediate: int, q_size: int, kv_size: int, fused: bool = False
+        cls,
+        num_layers: int,
+        hidden: int,
+        intermediate: int,
+        q_size: int,
+        kv_size: int,
+        fused: bool = False,
+        architecture: str = "",
+        head_dim: int = 0,
     ) -> BaseShapes:
         return cls(
             num_layers,
@@ -163,6 +182,8 @@ class BaseShapes:
                 "down": (intermediate, hidden),
             },
             FUSED_MODULES if fused else LLAMA_MODULES,
+            architecture,
+            head_dim,
         )
 
     def module_features(self, module: str) -> tuple[int, int]:
@@ -180,6 +201,12 @@ class LoraAdapter:
     rank: int  # the largest rank over its modules
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     file_digest: str = ""  # a hash of the bytes read from its two files (which files these weights came from)
+    # Activated LoRA (PEFT's alora_invocation_tokens): the adapter applies from the last occurrence of these token
+    # ids in the prompt on; empty for an adapter that applies to every token
+    invocation_tokens: tuple[int, ...] = ()
+    # DoRA (PEFT's use_dora): the learned magnitude m [out] (float32) of every (layer, module) it targets, empty for
+    # a plain LoRA; such a module serves m / ||W + B A||_row times (base + LoRA), see adapters.dora
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def modules(self) -> set[str]:
@@ -236,8 +263,12 @@ def load_peft_adapter(
         raise AdapterError(f"adapter_config.json is malformed: {exc}") from exc
     digest = hashlib.blake2b(config_bytes, digest_size=16)
     digest.update(weights_bytes)
+    magnitudes = _magnitudes(tensors, plan, base, _flag(config, "use_dora"))
     weights = _convert(tensors, plan, base)
-    return LoraAdapter(name, root, max(r for r, _ in plan.values()), weights, digest.hexdigest())
+    invocation = _invocation_tokens(config)
+    return LoraAdapter(
+        name, root, max(r for r, _ in plan.values()), weights, digest.hexdigest(), invocation, magnitudes=magnitudes
+    )
 
 
 def _resolve(path: Path, what: str, public: str) -> Path:
@@ -289,7 +320,7 @@ def _layers_path(name: str, tensors: dict[str, torch.Tensor]) -> str:
             len(image),
             image[0],
         )
-    paths = sorted({m.group(1) for key in tensors if (m := _KEY.fullmatch(key))})
+    paths = sorted({m.group(1) for key in tensors if (m := _KEY.fullmatch(key) or _MAGNITUDE_KEY.fullmatch(key))})
     if len(paths) > 1:
         raise AdapterError(f"the adapter's keys name decoder layers under both {paths[0]} and {paths[1]}")
     return paths[0] if paths else TEXT_LAYERS
@@ -321,6 +352,12 @@ def _plan(
             raise AdapterError(f"target_modules regex {targets!r} matches no module of the base model")
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
         unknown = [t for t in targets if t.split(".")[-1] not in names]
+        vocab = [t for t in unknown if t.split(".")[-1] in VOCAB_MODULES]
+        if vocab:
+            raise AdapterError(
+                f"target modules {vocab}: LoRA on the embedding or the output head is not served yet (only the "
+                f"decoder layers' linear modules: {', '.join(names)})"
+            )
         if unknown:
             raise AdapterError(f"target modules {unknown} are not in the base model (supported: {', '.join(names)})")
         wanted = {names[t.split(".")[-1]] for t in targets}
@@ -341,9 +378,10 @@ def _plan(
 
 
 def _check_keys(config: dict) -> None:
-    """Refuse a config that asks PEFT for anything but plain LoRA on the base's own layers, naming the key: another
-    peft_type, a key of UNSUPPORTED_KEYS set, a bias, an init that rewrites the base weights, another layers_pattern,
-    or a key unknown to this loader set to anything but null, false or empty (it may change what PEFT computes)."""
+    """Refuse a config that asks PEFT for anything but plain LoRA (or DoRA) on the base's own layers, naming the key:
+    another peft_type, a key of UNSUPPORTED_KEYS set, DoRA beside another LoRA variant, a bias, an init that
+    rewrites the base weights, another layers_pattern, or a key unknown to this loader set to anything but null,
+    false or empty (it may change what PEFT computes)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"peft_type {config.get('peft_type')!r} is not supported: only LORA adapters are served")
     for key in ("use_dora", "use_qalora", "lora_bias"):
@@ -353,6 +391,14 @@ def _check_keys(config: dict) -> None:
             raise AdapterError(
                 f"adapter_config.json sets {key} ({what}): this server does not implement it, and serving the "
                 "adapter without it would not compute what PEFT computes"
+            )
+    if _flag(config, "use_dora"):
+        combined = [k for k in _NOT_WITH_DORA if _set(config.get(k))]
+        combined += ["init_lora_weights 'mica'"] if config.get("init_lora_weights") == "mica" else []
+        if combined:
+            raise AdapterError(
+                f"adapter_config.json sets use_dora (DoRA) together with {', '.join(combined)}: PEFT does not "
+                "combine them, and neither does this server"
             )
     if config.get("bias", "none") != "none":
         raise AdapterError(f"bias={config['bias']!r} is not supported: only bias='none'")
@@ -376,6 +422,16 @@ def _check_keys(config: dict) -> None:
             f"adapter_config.json sets {', '.join(unknown)}, unknown to this server: it may change what PEFT "
             "computes, so the adapter is refused"
         )
+
+
+def _invocation_tokens(config: dict) -> tuple[int, ...]:
+    """PEFT's alora_invocation_tokens: a non-empty list of token ids (absent or null: a plain LoRA)."""
+    value = config.get("alora_invocation_tokens")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value or any(type(t) is not int or t < 0 for t in value):
+        raise AdapterError(f"alora_invocation_tokens must be a non-empty list of token ids, got {value!r}")
+    return tuple(value)
 
 
 def _set(value: object) -> bool:
@@ -448,6 +504,45 @@ def _parse_safetensors(data: bytes) -> dict[str, torch.Tensor]:
         raise AdapterError(f"adapter_model.safetensors cannot be read: {exc}") from exc
 
 
+def _magnitudes(
+    tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple[int, float]], base: BaseShapes, dora: bool
+) -> dict[tuple[int, str], torch.Tensor]:
+    """DoRA's magnitudes (lora_magnitude_vector: one [out] per module the config targets) taken out of ``tensors``,
+    by canonical (layer, module) in float32: a fused module's split by its parts' widths, as B's rows. Refused: a
+    module without one, one of another shape, NaN or Inf, or any magnitude in an adapter without use_dora."""
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for key, m in [(k, m) for k in tensors if (m := _MAGNITUDE_KEY.fullmatch(k))]:
+        target, tensor = (int(m.group(2)), f"{m.group(3)}.{m.group(4)}"), tensors.pop(key)
+        if not dora:
+            raise AdapterError(f"tensor {key} is a DoRA magnitude, but adapter_config.json does not set use_dora")
+        if target not in plan:
+            raise AdapterError(f"tensor {key} targets a module the config does not (or the base lacks)")
+        found[target] = tensor
+    magnitudes = {}
+    for target in sorted(plan) if dora else []:
+        layer, module = target
+        name, out_f = module.split(".")[-1], base.module_features(module)[1]
+        if target not in found:
+            raise AdapterError(f"layer {layer} {name} lacks its DoRA magnitude (lora_magnitude_vector)")
+        magnitude = found[target].float()
+        if magnitude.shape != (out_f,):
+            raise AdapterError(
+                f"layer {layer} {name}: lora_magnitude_vector {tuple(magnitude.shape)} does not match the base "
+                f"({out_f},)"
+            )
+        if not torch.isfinite(magnitude).all():
+            raise AdapterError(f"layer {layer} {name} has a NaN or Inf DoRA magnitude")
+        parts = base.modules[module]
+        for part, m_part in zip(parts, magnitude.split([base.features[p][1] for p in parts]), strict=True):
+            magnitudes[(layer, part)] = m_part.contiguous()
+    return magnitudes
+
+
+def _vocab_key(key: str) -> bool:
+    """Whether a tensor key is an adapter's weight on the embedding or the output head."""
+    return any(f".{m}." in f".{key}" for m in VOCAB_MODULES)
+
+
 def _convert(
     tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple[int, float]], base: BaseShapes
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
@@ -455,6 +550,8 @@ def _convert(
     for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
         if m is None:
+            if _vocab_key(key):
+                raise AdapterError(f"{key}: LoRA on the embedding or the output head is not served yet")
             if "bias" in key:
                 raise AdapterError(f"bias terms are not supported ({key})")
             raise AdapterError(f"unexpected tensor {key} in the adapter")

@@ -1,6 +1,7 @@
 """LoRA expand through the arena's adapter tables: out += y @ B^T for the tiles of a step's tile map, B^T read from
-the pages of each tile's adapter (format in ``kernels.lora_table``), y the split planes ``lora_shrink`` wrote.
-Torch twin: ``kernels.lora_reference.paged_lora_expand``.
+the pages of each tile's adapter (format in ``kernels.lora_table``), y the split planes ``lora_shrink`` wrote; a
+DoRA module's columns then scaled and shifted (its epilogue, read through the same table). Torch twin:
+``kernels.lora_reference.paged_lora_expand``.
 
 Nothing is allocated or copied in the wrapper (slice_starts is a device tensor, the grid's width bound a host
 int), so a launch can be captured in a CUDA graph.
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lora_server.kernels.checks import FLOAT_DTYPES, dot_tiles, expect, expect_lora_operands
-from lora_server.kernels.lora_table import NUM_MODULES, ROW_GROUP, groups, row_len
+from lora_server.kernels.lora_table import NUM_MODULES, ROW_GROUP, dora_column, groups, row_len
 
 
 @triton.jit(do_not_specialize=["row_base", "num_splits"])
@@ -34,6 +35,7 @@ def _lora_expand_kernel(
     row_base,
     row_len,
     num_groups,
+    dora_column,
     max_rank,
     num_splits,
     stride_ys,
@@ -50,7 +52,8 @@ def _lora_expand_kernel(
     PRECISION: tl.constexpr,
 ):
     """Program (tile, k, n_block): out[tile's rows, slice k's columns n_block * BLOCK_N ...] += (sum over splits
-    of y[:, k, rows, :rank]) @ B^T[:rank, those columns], over the rank's groups of BLOCK_R rows. Tiles with page
+    of y[:, k, rows, :rank]) @ B^T[:rank, those columns], over the rank's groups of BLOCK_R rows; for a DoRA module
+    (its table row's scale offset >= 0) the sum is then times its scale plus its shift, per column. Tiles with page
     -1, column blocks past the slice's end and modules of rank 0 exit at once."""
     tile = tl.program_id(0)
     k = tl.program_id(1)
@@ -102,8 +105,15 @@ def _lora_expand_kernel(
 
     out_ptrs = out_ptr + rows[:, None] * stride_ot + (col_begin + cols)[None, :] * stride_on
     out_mask = row_mask[:, None] & col_mask[None, :]
-    base = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
+    value = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32) + acc
+    scale_start = tl.load(table_ptr + row + dora_column)
+    if scale_start >= 0:  # DoRA: out = (base + LoRA) * scale + shift, per column (scale and shift rows of [width])
+        scale_start = tl.multiple_of(scale_start, 8)  # offsets are multiples of 8, as B^T's: 16-byte loads
+        shift_start = tl.multiple_of(tl.load(table_ptr + row + dora_column + 1), 8)
+        scale = tl.load(w_ptr + scale_start + cols, mask=col_mask, other=0.0).to(tl.float32)
+        shift = tl.load(w_ptr + shift_start + cols, mask=col_mask, other=0.0).to(tl.float32)
+        value = value * scale[None, :] + shift[None, :]
+    tl.store(out_ptrs, value.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def lora_expand(
@@ -138,8 +148,9 @@ def lora_expand(
         out[a:b, c0:c1] = (out[a:b, c0:c1].float()
                            + y[:num_splits, k, a:b, :r].sum(0).to(out.dtype).float() @ BT.float()).to(out.dtype)
 
-    (float32 accumulation; y[..., r:] is never read). Rows outside the tiles, and slices of rank 0, keep their
-    exact bits. Allocates nothing and copies nothing (CUDA-graph safe)."""
+    (float32 accumulation; y[..., r:] is never read); for a DoRA module, whose table row gives its scale S and shift
+    C [c1 - c0], the sum inside the outer .to(out.dtype) is then * S.float() + C.float(). Rows outside the tiles,
+    and slices of rank 0, keep their exact bits. Allocates nothing and copies nothing (CUDA-graph safe)."""
     num_tiles = tiles.shape[0]
     num_slices = slice_starts.shape[0] - 1
     num_groups = groups(max_rank)
@@ -169,6 +180,7 @@ def lora_expand(
         (layer * NUM_MODULES + module_base) * row_length,
         row_length,
         num_groups,
+        dora_column(max_rank),
         max_rank,
         num_splits,
         y.stride(0),

@@ -16,12 +16,14 @@ from lora_server.kernels import lora_table
 
 def _table_row(
     arena_table: torch.Tensor, page: int, layer: int, module: int, table_stride: int, max_rank: int
-) -> tuple[int, list[int], list[int]]:
-    """(rank, A group offsets, B^T group offsets) of (layer, module) in the table of ``page``."""
+) -> tuple[int, list[int], list[int], list[int]]:
+    """(rank, A group offsets, B^T group offsets, DoRA's scale and shift offsets) of (layer, module) in the table of
+    ``page``."""
     num_groups, length = lora_table.groups(max_rank), lora_table.row_len(max_rank)
     start = page * table_stride + (layer * lora_table.NUM_MODULES + module) * length
     row = arena_table[start : start + length].tolist()
-    return min(row[0], max_rank), row[1 : 1 + num_groups], row[1 + num_groups :]
+    dora = lora_table.dora_column(max_rank)
+    return min(row[0], max_rank), row[1 : 1 + num_groups], row[1 + num_groups : dora], row[dora : dora + 2]
 
 
 def _group_rows(arena_w: torch.Tensor, starts: list[int], rank: int, row_len: int) -> torch.Tensor:
@@ -51,7 +53,7 @@ def paged_lora_shrink(
         if page < 0:
             continue
         for k in range(num_slices):
-            rank, a_starts, _ = _table_row(arena_table, page, layer, module_base + k, table_stride, max_rank)
+            rank, a_starts, _, _ = _table_row(arena_table, page, layer, module_base + k, table_stride, max_rank)
             if rank > 0:
                 a = _group_rows(arena_w, a_starts, rank, x.shape[1])  # [r, in]
                 y[0, k, first:end, :rank] = x[first:end].float() @ a.float().T
@@ -74,15 +76,21 @@ def paged_lora_expand(
     num_splits: int = 1,
 ) -> None:
     """lora_expand: out[a:b, c0:c1] = (out[a:b, c0:c1].float() + y[:num_splits, k, a:b, :r].sum(0).to(dtype)
-    .float() @ BT.float()).to(dtype) for every tile with a page and slice k of rank r > 0 (max_width is unused)."""
+    .float() @ BT.float()).to(dtype) for every tile with a page and slice k of rank r > 0 (max_width is unused); for
+    a DoRA module, (that sum * S.float() + C.float()).to(dtype), S and C its scale and shift [c1 - c0]."""
     y_sum = y[:num_splits].sum(0)  # [K', T', R']
     starts = slice_starts.tolist()
     for page, first, end in tiles.tolist():
         if page < 0:
             continue
         for k, (c0, c1) in enumerate(pairwise(starts)):
-            rank, _, b_starts = _table_row(arena_table, page, layer, module_base + k, table_stride, max_rank)
+            row = _table_row(arena_table, page, layer, module_base + k, table_stride, max_rank)
+            rank, _, b_starts, (scale_at, shift_at) = row
             if rank > 0 and c1 > c0:
                 bt = _group_rows(arena_w, b_starts, rank, c1 - c0)  # [r, width]
                 delta = y_sum[k, first:end, :rank].to(arena_w.dtype).float() @ bt.float()
-                out[first:end, c0:c1] = (out[first:end, c0:c1].float() + delta).to(out.dtype)
+                value = out[first:end, c0:c1].float() + delta
+                if scale_at >= 0:
+                    scale, shift = arena_w[scale_at : scale_at + c1 - c0], arena_w[shift_at : shift_at + c1 - c0]
+                    value = value * scale.float() + shift.float()
+                out[first:end, c0:c1] = value.to(out.dtype)

@@ -9,6 +9,8 @@ each layer and module (MODULES order) the table holds one row of ``row_len(max_r
     table[row]              r, the module's rank in this layer (0: the adapter does not target it)
     table[row + 1 + g]      where rows 16g .. 16g + 15 of A [r, in] start (A row-major: row stride in)
     table[row + 1 + G + g]  where rows 16g .. 16g + 15 of B^T [r, out] start (row stride out; scaling folded in)
+    table[row + 1 + 2G]     DoRA: where the scale s [out] starts (-1: not a DoRA module)
+    table[row + 2 + 2G]     DoRA: where the shift [out] starts (-1 likewise)
 
 for g < G = groups(max_rank). Offsets are element indices into the arena's flat weight view; the rows of one group
 are contiguous (the last group of a module holds r - 16g rows: nothing is padded to 16); groups at or past
@@ -16,7 +18,8 @@ ceil(r / 16) hold -1. A group never straddles two pages, so an adapter's pages n
 start on 128-byte boundaries (the packer aligns them). Every table of an arena has the engine's max_rank, and
 r <= max_rank (kernels clamp to it). A page holds every layer's KV of one block (MiBs on real models), so the
 table and 16 rows of the widest module fit one page; adapters.page_layout.PageGeometry refuses a page that does
-not.
+not. A DoRA module's output columns become out * s + shift after base + LoRA (its epilogue, which the expand
+applies; adapters.dora says what s and the shift are); s and the shift are one row each, each on one page.
 
 The tile map of a step lists the work of every LoRA launch in that step: tiles of at most ``block_t`` consecutive
 token rows that share an adapter, as (table page, first row, end row) int32 triples; a table page of -1 is a tile
@@ -43,7 +46,12 @@ def groups(max_rank: int) -> int:
 
 
 def row_len(max_rank: int) -> int:
-    """int64 values per (layer, module) row of a table: the rank, G offsets of A, G of B^T."""
+    """int64 values per (layer, module) row of a table: the rank, G offsets of A, G of B^T, DoRA's two."""
+    return dora_column(max_rank) + 2
+
+
+def dora_column(max_rank: int) -> int:
+    """Where in a (layer, module) row of a table DoRA's scale offset is (its shift's: the next)."""
     return 1 + 2 * groups(max_rank)
 
 

@@ -5,7 +5,8 @@ and each segment carries its adapter's terms: views of its weights where they li
 when the adapter was loaded. Nothing here reads a device tensor, sorts or searches: per segment and term one batched
 shrink over the term's slices and one in-place multiply-add per output, at the adapter's own rank. Same result as
 the twins (kernels.lora_reference) up to float rounding: the twins round y to the weights' dtype and add in
-float32, here the matmuls accumulate in the model's dtype."""
+float32, here the matmuls accumulate in the model's dtype. A DoRA module's epilogue (out * scale + shift on its
+columns, kernels.lora_table) runs after every term of its segment has added its part."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class LoraTerm:
 
     a_t: torch.Tensor  # [in, R'] A's rows of the term, transposed (a view)
     outputs: list[tuple[int, int, int, int, torch.Tensor]]  # (y0, y1, c0, c1, bt [y1 - y0, c1 - c0])
+    # DoRA: (c0, c1, scale [c1 - c0], shift [c1 - c0] or None for zeros): out[:, c0:c1] = out[:, c0:c1] * scale +
+    # shift, after this term's outputs; the builder gives them to a group's last term, so they follow every term
+    epilogues: tuple[tuple[int, int, torch.Tensor, torch.Tensor | None], ...] = ()
 
 
 def apply_lora_segments(
@@ -42,3 +46,7 @@ def apply_lora_segments(
             for y0, y1, c0, c1, bt in term.outputs:
                 target = rows_out if c0 == 0 and c1 == out.shape[1] else rows_out[:, c0:c1]
                 target.addmm_(y if y0 == 0 and y1 == y.shape[1] else y[:, y0:y1], bt)
+            for c0, c1, scale, shift in term.epilogues:
+                target = rows_out[:, c0:c1].mul_(scale)
+                if shift is not None:
+                    target.add_(shift)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from lora_server.kv_pool.block_pool import BlockPool, OutOfBlocksError
 from lora_server.kv_pool.policies import POLICIES, PolicyParams, make_policy
 from lora_server.kv_pool.tree import (
+    BASE,
     BASE_ADAPTER_ID,
     AdapterKey,
     AdapterNode,
@@ -143,6 +144,10 @@ class Admission:
     adapter_loaded: bool = False  # its adapter was not on the GPU and admission loaded it
     adapter_page: int = -1  # its adapter's table page, where the LoRA kernels find it (-1: the base model); stable
     # while it is held
+    # an activated LoRA's request (admit's base_tokens): its adapter locked on its own, since ``handle`` is a path
+    # of the base model's KV; None otherwise
+    adapter_lock: Handle | None = None
+    base_tokens: int = 0  # its leading tokens computed as the base model's (admit's base_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +334,7 @@ class UnifiedPool:
         token_budget: int | None = None,
         partial: bool = True,
         reuse_prefix: bool = True,
+        base_tokens: int = 0,
     ) -> Admission | None:
         """Make key's adapter resident, match the longest cached prefix of `tokens` (leaving at least one token to
         compute; none when not `reuse_prefix`), swap in the host part the policy restores, lock the path and give
@@ -338,16 +344,34 @@ class UnifiedPool:
         token_budget of them (all of them or nothing when not `partial`). None: the adapter cannot be made
         resident now (it is not staged on the host, or all candidates are locked) or the chunk does not fit;
         nothing is held or counted then (an adapter loaded or KV swapped in on the way stays, unlocked). Raises
-        KeyError for an adapter that is not registered."""
+        KeyError for an adapter that is not registered.
+
+        ``base_tokens``: an activated LoRA's request, whose first base_tokens tokens are computed without its
+        adapter (they precede its invocation): their full blocks are the base model's KV under the same salt,
+        matched there (and offered there by ``release``), so base requests and the activated LoRAs of one
+        conversation hold one copy of it; its adapter is made resident and locked beside that path. The blocks
+        from its invocation on are its own and are not cached."""
         adapter = self.tree.adapter(key.adapter)
         if adapter is None:
             raise KeyError(f"adapter {key.adapter_id} is not registered")
         was_resident = adapter.tier is Tier.GPU
         if not self._make_resident(adapter, now):
             return None
-        handle, bs = Handle(key, adapter), self.config.block_size
+        bs = self.config.block_size
+        adapter_lock = None
+        if base_tokens > 0:  # the KV path is the base model's; the adapter stays resident by its own lock
+            adapter_lock = Handle(key, adapter)
+            self.tree.lock(adapter_lock)
+            key = PrefixKey(key.salt, BASE_ADAPTER_ID)
+            base = self.tree.adapter(BASE)
+            assert base is not None
+            handle = Handle(key, base)
+        else:
+            handle = Handle(key, adapter)
         if self.policy.reuses_history_kv and reuse_prefix:
             usable = max(0, len(tokens) - 1) // bs * bs
+            if base_tokens > 0:
+                usable = min(usable, base_tokens // bs * bs)
             _, _, handle = self.tree.match_prefix(key, tokens[:usable], now, touch=False)
         handle = self._lock_and_restore(handle, now)
         blocks = self.tree.path_blocks(handle)
@@ -357,16 +381,20 @@ class UnifiedPool:
         if token_budget is not None:
             if num_new > token_budget and not partial:
                 self.tree.unlock(handle)
+                if adapter_lock is not None:
+                    self.tree.unlock(adapter_lock)
                 return None
             num_new = min(num_new, token_budget)
             need = self.gpu.blocks_for_tokens(cached + num_new) - len(blocks)
             if not self._room(need, now):  # evicts unlocked nodes only: the path just locked stays
                 self.tree.unlock(handle)
+                if adapter_lock is not None:
+                    self.tree.unlock(adapter_lock)
                 return None
             new_blocks = self.gpu.allocate(need)
             self._held.update(new_blocks)
         self.tree.touch(handle, now)
-        self.policy.observe(key.adapter, now)
+        self.policy.observe(adapter.key, now)
         self.gpu.share(blocks)
         self._held.update(blocks)
         self._num_admitted += 1
@@ -378,7 +406,15 @@ class UnifiedPool:
         salt[0] += len(tokens)
         salt[1] += cached
         return Admission(
-            handle, tuple(blocks), cached, tuple(new_blocks), num_new, not was_resident, adapter.table_page
+            handle,
+            tuple(blocks),
+            cached,
+            tuple(new_blocks),
+            num_new,
+            not was_resident,
+            adapter.table_page,
+            adapter_lock,
+            base_tokens,
         )
 
     def _lock_and_restore(self, handle: Handle, now: float) -> Handle:
@@ -411,14 +447,19 @@ class UnifiedPool:
     def release(self, admission: Admission, tokens: Sequence[int], block_table: Sequence[int], now: float) -> None:
         """End a request's hold: `tokens` are the tokens whose KV is computed, from the start (prompt and output),
         `block_table` its GPU blocks (starting with admission.blocks). Full blocks go into the tree (policies that
-        reuse KV), then the lock and the request's references are dropped; its block ids are invalid afterwards."""
+        reuse KV), then the lock and the request's references are dropped; its block ids are invalid afterwards.
+        An activated LoRA's request offers only the full blocks of its base tokens (admit's base_tokens)."""
         handle, bs = admission.handle, self.config.block_size
         assert tuple(block_table[: len(admission.blocks)]) == admission.blocks, "the block table lost its prefix"
         if self.policy.reuses_history_kv:
             start, end = handle.num_blocks, min(len(tokens) // bs, len(block_table))
+            if admission.adapter_lock is not None:
+                end = min(end, admission.base_tokens // bs)
             if end > start:
                 self.tree.insert(handle, tokens[start * bs : end * bs], block_table[start:end], now)
         self.tree.unlock(handle)
+        if admission.adapter_lock is not None:
+            self.tree.unlock(admission.adapter_lock)
         self._num_admitted -= 1
         self.gpu.free(list(block_table))
         self._held.subtract(block_table)

@@ -110,6 +110,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     from pathlib import Path
 
     from lora_server.adapters import DEMO_DIR
+    from lora_server.adapters.sources import source_scheme
     from lora_server.admin.store import validate_name
     from lora_server.errors import ConfigError
 
@@ -120,6 +121,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     preloaded = [spec.partition("=")[2] for spec in server.adapters or () if "=" in spec]
+    preloaded = [path for path in preloaded if source_scheme(path) is None]  # a URL's copy lies in the adapter cache
     given = config_from_flags(EngineConfig, args).adapter_roots or ()
     roots = tuple(dict.fromkeys(str(Path(r).expanduser().resolve()) for r in [*given, DEMO_DIR, *preloaded]))
     return dataclasses.replace(server, engine=config_from_flags(EngineConfig, args, adapter_roots=roots))

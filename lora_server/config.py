@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lora_server import envs
 from lora_server.kv_pool.policies import POLICIES
 from lora_server.tools.parsers import TOOL_PARSERS
 
@@ -223,6 +224,33 @@ class EngineConfig:
             name="--adapter-root",
         ),
     )  # None: anywhere (offline use)
+    adapter_sources: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "URL schemes adapters may be registered from, downloaded into --adapter-cache-dir: hf "
+            "(hf://ORG/NAME[@REVISION], the Hugging Face Hub), s3 (s3://BUCKET/PREFIX; pip install lora-server[s3]) "
+            "or any installed fsspec filesystem's; takes commas, may repeat (default: none, only local paths: the "
+            "server reaches no network and uses no cloud credentials unless told to)",
+            name="--adapter-source",
+        ),
+    )
+    adapter_cache_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "where adapters from an --adapter-source are kept, each checked against its sha256 when reused (default: "
+            "$XDG_CACHE_HOME/lora-server/adapters, i.e. ~/.cache/lora-server/adapters)"
+        ),
+    )
+    adapter_cache_bytes: int = field(
+        default=10 * GIB,
+        metadata=flag(
+            "the most disk the adapter cache may hold: the least recently used entries that no registered adapter "
+            "reads go first; a download that cannot fit is refused",
+            name="--adapter-cache-gb",
+            unit=GIB,
+            unit_name="GiB",
+        ),
+    )
     max_json_schema_bytes: int = field(
         default=64 * KIB,
         metadata=flag(
@@ -305,6 +333,7 @@ class EngineConfig:
             "max_regex_bytes",
             "max_grammar_bytes",
             "grammar_compile_threads",
+            "adapter_cache_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -315,6 +344,10 @@ class EngineConfig:
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
         _choice("pool_policy", self.pool_policy, tuple(POLICIES))
+        if self.adapter_sources:
+            from lora_server.adapters.sources import check_schemes
+
+            check_schemes(self.adapter_sources)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -345,6 +378,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def adapter_cache_path(self) -> str:
+        """--adapter-cache-dir, else the user's cache directory (lora_server.envs)."""
+        return self.adapter_cache_dir or envs.adapter_cache_dir()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -19,3 +19,15 @@ def data_dir() -> tuple[str, str]:
         return chosen, "$LORA_SERVER_DATA_DIR"
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return str(Path(base) / "lora-server"), "the user's data directory (XDG)"
+
+
+def adapter_cache_dir() -> str:
+    """Where adapters downloaded from a source are kept when --adapter-cache-dir is not given: the user's cache
+    directory ($XDG_CACHE_HOME/lora-server/adapters, by default ~/.cache/lora-server/adapters)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "lora-server" / "adapters")
+
+
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT, read when asked (huggingface_hub reads it once, at its import): the Hub to download from."""
+    return os.environ.get("HF_ENDPOINT") or None

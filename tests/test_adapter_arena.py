@@ -4,9 +4,9 @@ cache keyed by the weights' content; pins bounded by a share of the arena; --max
 
 Page counts are computed by hand here from the packing rule (adapters.page_layout) for the embedded SmolLM2 in
 float32: a page is one KV block, 30 layers x 2 x 16 tokens x 192 = 184,320 floats; a rank-8 adapter on q and v
-needs, per layer, A 2 x 8 x 576 and B^T 8 x 576 + 8 x 192 = 15,360 floats, beside its table (30 x 7 x 3 int64 =
-5,120 bytes = 1,280 floats): 462,080 floats in blocks of at most 9,216, so 3 pages (2.5 pages of data, and a page
-wastes less than a block)."""
+needs, per layer, A 2 x 8 x 576 and B^T 8 x 576 + 8 x 192 = 15,360 floats, beside its table (30 x 7 x 5 int64 =
+8,448 bytes aligned = 2,112 floats): 462,912 floats in blocks of at most 9,216, so 3 pages (2.5 pages of data, and
+a page wastes less than a block)."""
 
 from __future__ import annotations
 

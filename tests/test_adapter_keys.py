@@ -75,13 +75,11 @@ def _peft_configs():
 
     # case -> (the config PEFT saves, the key the refusal names)
     return {
-        "aLoRA": (LoraConfig(target_modules=QV, alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"), "alora_"),
         "trainable tokens": (LoraConfig(target_modules=QV, trainable_token_indices=[1, 2]), "trainable_token_indices"),
         "exclude_modules": (LoraConfig(target_modules="all-linear", exclude_modules=["k_proj"]), "exclude_modules"),
         "layer_replication": (LoraConfig(target_modules=QV, layer_replication=[[0, 2], [1, 2]]), "layer_replication"),
         "target_parameters": (LoraConfig(target_modules=[], target_parameters=["q_proj.weight"]), "target_parameters"),
         "QA-LoRA": (LoraConfig(target_modules=QV, use_qalora=True), "use_qalora"),
-        "DoRA": (LoraConfig(target_modules=QV, use_dora=True), "use_dora"),
         "modules_to_save": (LoraConfig(target_modules=QV, modules_to_save=["lm_head"]), "modules_to_save"),
         "bias all": (LoraConfig(target_modules=QV, bias="all"), "bias='all'"),
         "bias lora_only": (LoraConfig(target_modules=QV, bias="lora_only"), "bias='lora_only'"),
@@ -103,13 +101,11 @@ def _peft_configs():
 
 
 PEFT_CASES = [
-    "aLoRA",
     "trainable tokens",
     "exclude_modules",
     "layer_replication",
     "target_parameters",
     "QA-LoRA",
-    "DoRA",
     "modules_to_save",
     "bias all",
     "bias lora_only",
@@ -142,6 +138,10 @@ HAND_CASES = {
     "an init unknown to us": ({"init_lora_weights": "something-new"}, "init_lora_weights 'something-new'"),
     "a layers_pattern the model lacks": ({"layers_to_transform": [0], "layers_pattern": "h"}, "layers_pattern 'h'"),
     "a key unknown to us, set": ({"use_something_new": True}, "use_something_new"),
+    # DoRA beside another LoRA variant: PEFT refuses the combination (its registry of variants has none)
+    "DoRA with aLoRA": ({"use_dora": True, "alora_invocation_tokens": [5, 6]}, "use_dora (DoRA) together with alora"),
+    "DoRA with VeLoRA": ({"use_dora": True, "velora_config": {"rank": 1}}, "use_dora (DoRA) together with velora"),
+    "DoRA with a MiCA init": ({"use_dora": True, "init_lora_weights": "mica"}, "with init_lora_weights 'mica'"),
     "an unknown list, set": ({"enable_lora": [True, False, True]}, "enable_lora"),
 }
 

@@ -79,7 +79,7 @@ def _bias(t):
 CASES = {
     "pickle": (_pickle_only, "pickle"),
     "rank above max": (lambda p: _edit_config(p, r=4, rank_pattern={"q_proj": 128}), "maximum LoRA rank"),
-    "dora": (lambda p: _edit_config(p, use_dora=True), "DoRA"),
+    "dora without magnitudes": (lambda p: _edit_config(p, use_dora=True), "lacks its DoRA magnitude"),
     "modules_to_save": (lambda p: _edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
     "bias config": (lambda p: _edit_config(p, bias="all"), "bias"),
     "bias tensor": (lambda p: _edit_tensors(p, _bias), "bias"),

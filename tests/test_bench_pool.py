@@ -20,10 +20,10 @@ from lora_server.cli import main
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # (K, V) x layers x KV heads x head dim x 16 tokens x 4 bytes = 8192
 RANK = 8
 # An adapter takes arena pages (a page is a block: 2048 floats) packed per adapters.page_layout: its table first
-# (2 layers x 7 modules x 3 int64 = 336 bytes: 96 floats aligned), then per layer and fused group A's slices back
+# (2 layers x 7 modules x 5 int64 = 560 bytes: 160 floats aligned), then per layer and fused group A's slices back
 # to back, then each slice's B^T, a unit on the next page when the rest of this one is too small. A rank-8 adapter
 # on q, k, v, o: per layer qkv A 3 x 8 x 64 = 1536 floats, B^T q 512, k 256, v 256, o A 512, o B^T 512.
-# Page 0: table + layer 0's qkv A (1632); page 1: its B^T q, k, v, o A, o B^T (2048); page 2: layer 1's qkv A,
+# Page 0: table + layer 0's qkv A (1696); page 1: its B^T q, k, v, o A, o B^T (2048); page 2: layer 1's qkv A,
 # q B^T (2048); page 3: the rest (1536). 4 pages:
 ADAPTER_BLOCKS = 4
 ADAPTER_BYTES = ADAPTER_BLOCKS * BLOCK_BYTES  # what a load copies (and the bytes the pool counts)

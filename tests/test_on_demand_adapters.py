@@ -104,40 +104,40 @@ def test_without_the_flag_nothing_is_looked_up(roots, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def alora(roots, hf_smollm2):
-    """An Activated LoRA adapter made with PEFT for the served model, in the adapter root: PEFT applies it only from
-    its invocation tokens on, which this server does not implement."""
+def biased(roots, hf_smollm2):
+    """An adapter made with PEFT for the served model, in the adapter root, with a bias on lora_B (lora_bias), which
+    PEFT adds and this server does not implement."""
     from peft import LoraConfig
 
     from tests.test_adapter_keys import save_peft
 
-    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[1, 2], task_type="CAUSAL_LM")
-    save_peft(hf_smollm2, config, roots / "adapters" / "alora", scale=0.01)
-    return roots / "adapters" / "alora"
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_bias=True, task_type="CAUSAL_LM")
+    save_peft(hf_smollm2, config, roots / "adapters" / "biased", scale=0.01)
+    return roots / "adapters" / "biased"
 
 
-def test_an_adapter_peft_computes_otherwise_is_refused_on_every_path(server, alora):
+def test_an_adapter_peft_computes_otherwise_is_refused_on_every_path(server, biased):
     """On demand, through the admin API and through vLLM's /v1/load_lora_adapter: a 400 naming the key, and nothing
     registered."""
     with pytest.raises(openai.BadRequestError) as on_demand:
-        _ask(server.client(), "alora")
-    assert "alora_invocation_tokens" in on_demand.value.body["message"] and on_demand.value.body["param"] == "model"
-    assert str(alora.parent) not in on_demand.value.body["message"]  # an anonymous caller: no path
+        _ask(server.client(), "biased")
+    assert "lora_bias" in on_demand.value.body["message"] and on_demand.value.body["param"] == "model"
+    assert str(biased.parent) not in on_demand.value.body["message"]  # an anonymous caller: no path
     for path, body in (
-        ("/admin/adapters", {"name": "alora2", "path": str(alora)}),
-        ("/v1/load_lora_adapter", {"lora_name": "alora2", "lora_path": str(alora)}),
+        ("/admin/adapters", {"name": "biased2", "path": str(biased)}),
+        ("/v1/load_lora_adapter", {"lora_name": "biased2", "lora_path": str(biased)}),
     ):
         r = server.admin("POST", path, json=body)
         assert r.status_code == 400, r.text
-        assert "alora_invocation_tokens" in r.json()["error"]["message"]
-    assert not {"alora", "alora2"} & _served(server)
+        assert "lora_bias" in r.json()["error"]["message"]
+    assert not {"biased", "biased2"} & _served(server)
     assert _ask(server.client(), "fresh").usage.completion_tokens == 3  # still serving
 
 
 @pytest.mark.slow
-def test_an_adapter_given_at_start_that_peft_computes_otherwise_stops_the_start(alora, tmp_path):
-    cmd = [sys.executable, "-m", "lora_server.cli", "serve", "--adapter", f"alora={alora}"]
+def test_an_adapter_given_at_start_that_peft_computes_otherwise_stops_the_start(biased, tmp_path):
+    cmd = [sys.executable, "-m", "lora_server.cli", "serve", "--adapter", f"biased={biased}"]
     cmd += ["--data-dir", str(tmp_path), "--port", str(free_port()), "--quantization", "none", "--kv-cache-gb", "0.1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "error: adapter_config.json sets alora_invocation_tokens" in done.stderr
+    assert "error: adapter_config.json sets lora_bias" in done.stderr

@@ -25,24 +25,25 @@ def _adapter(ranks: dict[tuple[int, str], int], seed: int = 0) -> LoraAdapter:
 
 
 def test_a_small_adapter_by_hand():
-    # pages of 2048 bytes = 512 float32; the table: 2 layers x 7 modules x (1 + 2 * 1) int64 = 336 bytes, 384 aligned
+    # pages of 2048 bytes = 512 float32; the table: 2 layers x 7 modules x (1 + 2 * 1 + 2) int64 = 560 bytes, 640
+    # aligned
     geometry = PageGeometry(2048, torch.float32, 16, SHAPES)
-    assert (geometry.page_elems, geometry.table_elems) == (512, 96)
+    assert (geometry.page_elems, geometry.table_elems) == (512, 160)
     layout = PageLayout(geometry, {(0, "q"): 4, (0, "v"): 4})
-    # layer 0, qkv, A: q [4, 8] at 96, v [4, 8] right after (64 elements, 256 bytes); then B^T: q [4, 8] at 160,
-    # v [4, 4] at 192 (48 elements, 192 bytes -> 256 aligned)
+    # layer 0, qkv, A: q [4, 8] at 160, v [4, 8] right after (64 elements, 256 bytes); then B^T: q [4, 8] at 224,
+    # v [4, 4] at 256 (48 elements, 192 bytes -> 256 aligned)
     where = {(b.module, b.is_b): (b.page, b.offset, b.row0, b.row1) for b in layout.blocks}
     assert where == {
-        ("q", False): (0, 96, 0, 4),
-        ("v", False): (0, 128, 0, 4),
-        ("q", True): (0, 160, 0, 4),
-        ("v", True): (0, 192, 0, 4),
+        ("q", False): (0, 160, 0, 4),
+        ("v", False): (0, 192, 0, 4),
+        ("q", True): (0, 224, 0, 4),
+        ("v", True): (0, 256, 0, 4),
     }
     assert layout.num_pages == 1 and layout.nbytes == 2048
-    table = layout.table([5]).reshape(2, 7, 3)  # given arena page 5: offsets + 5 * 512
-    assert table[0, MODULE_INDEX["q"]].tolist() == [4, 2656, 2720]
-    assert table[0, MODULE_INDEX["v"]].tolist() == [4, 2688, 2752]
-    assert table[0, MODULE_INDEX["k"]].tolist() == [0, -1, -1]
+    table = layout.table([5]).reshape(2, 7, 5)  # given arena page 5: offsets + 5 * 512; no DoRA rows (-1)
+    assert table[0, MODULE_INDEX["q"]].tolist() == [4, 2720, 2784, -1, -1]
+    assert table[0, MODULE_INDEX["v"]].tolist() == [4, 2752, 2816, -1, -1]
+    assert table[0, MODULE_INDEX["k"]].tolist() == [0, -1, -1, -1, -1]
     assert (table[1, :, 0] == 0).all() and (table[1, :, 1:] == -1).all()
 
 
@@ -82,7 +83,7 @@ def _check_by_table(layout: PageLayout, adapter: LoraAdapter, pages: list[int], 
     [
         pytest.param(2048, 16, {(i, m): 8 for i in range(2) for m in MODULES}, id="every-module-r8"),
         pytest.param(2048, 32, {(0, "gate"): 32, (0, "up"): 32, (1, "down"): 20, (1, "q"): 3}, id="row-groups"),
-        pytest.param(1536, 16, {(0, "gate"): 16, (0, "up"): 16, (0, "q"): 16, (1, "v"): 1}, id="per-module"),
+        pytest.param(1664, 16, {(0, "gate"): 16, (0, "up"): 16, (0, "q"): 16, (1, "v"): 1}, id="per-module"),
     ],
 )
 def test_blocks_fit_their_pages_and_read_back_through_the_table(page_bytes, max_rank, ranks):

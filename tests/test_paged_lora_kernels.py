@@ -407,7 +407,8 @@ def test_packed_arenas_are_scattered_and_mixed():
                 assert rank == (dense[layer, name][0].shape[0] if (layer, name) in dense else 0)
                 used = lora_table.groups(rank)
                 assert row[1 + used : 1 + num_groups] == [-1] * (num_groups - used)
-                assert row[1 + num_groups + used :] == [-1] * (num_groups - used)
+                assert row[1 + num_groups + used : lora_table.dora_column(32)] == [-1] * (num_groups - used)
+                assert row[lora_table.dora_column(32) :] == [-1, -1]  # not DoRA modules
                 for start in row[1 : 1 + used] + row[1 + num_groups : 1 + num_groups + used]:
                     group_pages.add(start // elems_per_page)
                 if rank:

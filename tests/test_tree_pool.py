@@ -652,3 +652,34 @@ def test_pinned_adapter_is_loaded_when_there_is_room_and_never_evicted(policy):
     assert pool.resident_adapters()[AdapterKey(1)] == 0
     pool.release(adm, [], table, 9.0)
     pool.check_integrity()
+
+
+def test_an_activated_lora_matches_and_offers_the_base_models_kv():
+    """An aLoRA request (base_tokens: its tokens before the invocation) matches its prefix among the base model's
+    blocks of the same salt, holds the adapter by a lock of its own, and offers back only the full blocks of its
+    base tokens: nothing is cached under the adapter. Block size 4; hand-computed block ids."""
+    pool = pool_of("tree-cost", num_gpu_blocks=16)
+    pool.register_adapter(1, 200, staged=True)  # 2 blocks
+    base = PrefixKey("t1", BASE_ADAPTER_ID)
+    conversation = list(range(10))
+    assert serve(pool, base, conversation, 1.0) == []  # the base's full blocks: tokens 0-7 in blocks 0, 1
+    ask = conversation + [50, 51, 52, 53, 54]  # the invocation starts at 10
+    adm = pool.admit(K1, ask, 2.0, token_budget=16, base_tokens=10)
+    assert adm is not None
+    assert (adm.blocks, adm.num_cached_tokens, adm.num_new_tokens) == ((0, 1), 8, 7)
+    assert adm.adapter_page == 3 and adm.adapter_loaded  # blocks 3, 4 (block 2, freed, went to the list's back)
+    assert adm.new_blocks == (5, 6)
+    assert pool.tree.adapter(A1).lock == 1  # resident while the request runs, whatever its KV path
+    twin = pool.admit(K1, ask, 2.0, token_budget=16, base_tokens=10)  # a second check of the same conversation
+    assert twin is not None and twin.blocks == (0, 1)  # the same blocks: held once
+    table = [*adm.blocks, *adm.new_blocks]
+    pool.release(adm, ask + [60, 61, 62, 63], table, 3.0)  # 19 tokens computed: full blocks 0-3
+    pool.release(twin, [], [*twin.blocks, *twin.new_blocks], 3.0)
+    assert pool.tree.adapter(A1).lock == 0 and not pool.tree.adapter(A1).children
+    # block 5 (tokens 8-11) holds invocation tokens: only the blocks wholly before the invocation (10 // 4 = 2)
+    # are the base's, and those the tree has
+    assert dump(pool.tree, AdapterKey(BASE_ADAPTER_ID)) == {tuple(range(8)): ("gpu", [0, 1])}
+    later = pool.admit(base, conversation + [10, 11], 4.0)
+    assert later is not None and later.num_cached_tokens == 8
+    pool.release(later, [], list(later.blocks), 4.0)
+    pool.check_integrity()

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
+from lora_server.adapters.sources import source_scheme
 from lora_server.admin.api.errors import ApiError
 from lora_server.admin.store import (
     MAX_TENANT_WEIGHT,
@@ -170,19 +171,23 @@ def admin_router(
                 param="name",
                 code="adapter_exists",
             )
-        resolved = Path(path).expanduser().resolve()
-        if not any(resolved.is_relative_to(r) for r in allowed_roots):
-            raise ApiError(
-                400,
-                f"adapter path {path} is outside the allowed adapter roots "
-                f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)",
-                param="path",
-            )
+        if source_scheme(path) is not None:  # a URL: the engine downloads it if its scheme is enabled
+            source = path
+        else:
+            resolved = Path(path).expanduser().resolve()
+            if not any(resolved.is_relative_to(r) for r in allowed_roots):
+                raise ApiError(
+                    400,
+                    f"adapter path {path} is outside the allowed adapter roots "
+                    f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)",
+                    param="path",
+                )
+            source = str(resolved)
         # files first (a 400 changes nothing), then the store (a 503 changes nothing), then the engine
-        checked = control.check_adapter(name, str(resolved), pinned)
+        checked = control.check_adapter(name, source, pinned)
         old = store.get_adapter(name)
         version = max(1 if old is None else old.version + 1, control.next_version(name))
-        record = store.put_adapter(AdapterRecord(name, str(resolved), version, pinned, time.time()))
+        record = store.put_adapter(AdapterRecord(name, source, version, pinned, time.time()))
         try:
             info = control.serve_adapter(checked, pinned, record.version)
         except ApiError:  # not expected under the lock; the store is put back as it was

@@ -1,8 +1,10 @@
 """Stages adapters' weights on the host, off the engine's step: a background thread reads a registered adapter's files
 again, checks them against the content hash it was registered with, converts them to the model's dtype and lays
 them out in pages (adapters.page_layout), in pinned memory on CUDA so that the device copy (a copy operation of the
-pool's, on a side stream) never waits for the host. The engine thread asks for what it needs and takes what is
-ready; a request whose adapter is not staged yet waits while the running batch keeps stepping.
+pool's, on a side stream) never waits for the host. A DoRA adapter's scales are computed here too, from the base
+weights (adapters.dora, through the model's narrow ``row_norms``; on CUDA on a stream of its own). The engine
+thread asks for what it needs and takes what is ready; a request whose adapter is not staged yet waits while the
+running batch keeps stepping.
 
 Ownership: the loader owns the staged images and the set of contents in flight. Staged images are kept up to
 ``capacity``, least recently used first out, evicted on the engine thread only (``take_events``), so an image the
@@ -25,8 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
+from lora_server.adapters.load import load_adapter
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
-from lora_server.adapters.peft_format import AdapterError, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
 from lora_server.engine.load_times import LatencyHistogram
 from lora_server.engine.reports import Histogram
@@ -53,12 +57,21 @@ class LoaderEvents:
 
 class AdapterLoader:
     """Stages registered adapters' pages on the host (see the module). ``request`` and ``take_events`` are for the
-    engine thread; the work is the loader thread's."""
+    engine thread; the work is the loader thread's. ``row_norms``: what DoRA needs of the base weights (None: DoRA
+    adapters fail to stage, saying so)."""
 
-    def __init__(self, registry: AdapterRegistry, geometry: PageGeometry, device: torch.device, capacity: int) -> None:
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        geometry: PageGeometry,
+        device: torch.device,
+        capacity: int,
+        row_norms: BaseRowNorms | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"the loader must be able to stage at least one adapter, got capacity {capacity}")
         self.registry, self.geometry, self.device, self.capacity = registry, geometry, device, capacity
+        self.row_norms = row_norms
         self._staged: OrderedDict[int, StagedAdapter] = OrderedDict()  # least recently used first
         self._in_flight: set[int] = set()
         self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
@@ -186,7 +199,7 @@ class AdapterLoader:
         if content is None:
             raise AdapterError(f"adapter content {adapter_id} is no longer registered")
         g = self.geometry
-        adapter = load_peft_adapter(content.name, content.path, g.shapes, g.max_rank, self.registry.allowed_roots)
+        adapter = load_adapter(content.name, content.path, g.shapes, g.max_rank, self.registry.allowed_roots)
         # the same bytes are the same weights; other bytes may still hold them (a copy, a re-save)
         if adapter.file_digest != content.file_digest and content_hash(adapter) != content.digest:
             raise AdapterError(
@@ -194,8 +207,13 @@ class AdapterLoader:
                 "register it again",
                 "its files changed since it was registered",
             )
-        layout = PageLayout(g, content.rank_map)
+        dora = None
+        if adapter.magnitudes:
+            if self.row_norms is None:
+                raise AdapterError(f"adapter `{content.name}` is a DoRA adapter, which this engine cannot serve")
+            dora = dora_epilogues(adapter, self.row_norms, g.dtype)
+        layout = PageLayout(g, content.rank_map, dora=adapter.magnitudes.keys())
         image = None  # pinned on CUDA, to its size (lora_server.model.pinned)
         if self.device.type == "cuda":
             image = pinned_empty((layout.num_pages, g.page_bytes), torch.uint8, self.device)
-        return StagedAdapter(adapter_id, layout, layout.image(adapter, image))
+        return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora))

@@ -14,13 +14,15 @@ import itertools
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from lora_server.adapters.load import load_adapter
 from lora_server.adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
-from lora_server.adapters.peft_format import AdapterError, LoraAdapter, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError, LoraAdapter
+from lora_server.adapters.sources import AdapterSources, source_scheme
 from lora_server.errors import UnknownAdapterError
-from lora_server.kv_pool import PoolConfig
+from lora_server.kv_pool import POLICIES, PoolConfig
 from lora_server.kv_pool.tree import AdapterKey
 
 
@@ -36,6 +38,7 @@ class AdapterHandle:
     pinned: bool = False  # kept on the device once loaded (see kv_pool)
     source: str = "api"  # where it was registered from: "demo", "command line" or "api"
     registered_at: float = 0.0  # when this version was registered (seconds since the epoch)
+    invocation_tokens: tuple[int, ...] = ()  # an activated LoRA's (LoraAdapter.invocation_tokens); () otherwise
 
     @property
     def key(self) -> AdapterKey:
@@ -56,6 +59,7 @@ class CheckedAdapter:
     ranks: tuple[tuple[int, str, int], ...]  # (layer, module, rank) of every module it targets
     num_pages: int
     host_nbytes: int  # its A and B in float32, as read
+    invocation_tokens: tuple[int, ...] = field(default=(), kw_only=True)  # an aLoRA's (LoraAdapter's)
 
     @property
     def rank_map(self) -> dict[tuple[int, str], int]:
@@ -83,10 +87,15 @@ class AdapterChanges:
 def content_hash(adapter: LoraAdapter) -> str:
     """A hash of the weights as served: every (layer, module)'s A and scaled B in float32, in a fixed order."""
     digest = hashlib.blake2b(digest_size=16)
+    if adapter.invocation_tokens:  # the same weights activated elsewhere compute something else
+        digest.update(f"alora{list(adapter.invocation_tokens)};".encode())
     for (layer, module), (a, b) in sorted(adapter.weights.items()):
         digest.update(f"{layer}.{module}.{tuple(a.shape)}.{tuple(b.shape)};".encode())
         digest.update(a.float().contiguous().numpy().tobytes())
         digest.update(b.float().contiguous().numpy().tobytes())
+    for (layer, module), magnitude in sorted(adapter.magnitudes.items()):  # DoRA's: the same A, B scale otherwise
+        digest.update(f"dora.{layer}.{module}.{tuple(magnitude.shape)};".encode())
+        digest.update(magnitude.float().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -95,8 +104,28 @@ class AdapterRegistry:
     the engine thread takes changes, the loader reads contents. A content id lives while a name points to it or a
     request holds it: unloading or replacing a name retires the old weights once their last request ends."""
 
-    def __init__(self, geometry: PageGeometry, allowed_roots: list[Path] | None, pool: PoolConfig) -> None:
-        self.geometry, self.allowed_roots, self.pool = geometry, allowed_roots, pool
+    def __init__(
+        self,
+        geometry: PageGeometry,
+        allowed_roots: list[Path] | None,
+        pool: PoolConfig,
+        sources: AdapterSources | None = None,
+    ) -> None:
+        """``allowed_roots``: where a local adapter path must lie (None: anywhere). ``sources``: the URL schemes
+        adapters may come from and the cache they are downloaded into (None: none)."""
+        self.geometry, self.pool = geometry, pool
+        self.sources = AdapterSources() if sources is None else sources
+        self._local_roots = allowed_roots
+        # what registered adapters are read from again (the loader): the local roots, and the cache for URLs
+        self.allowed_roots = allowed_roots
+        if allowed_roots is not None and self.sources.schemes:
+            self.allowed_roots = [*allowed_roots, self.sources.cache_dir]
+
+        def in_use() -> set[Path]:  # the paths a name or a live content reads: their cache entries stay
+            with self._lock:
+                return {*self._paths.values(), *(c.path for c in self._contents.values())}
+
+        self._in_use = in_use
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._current: dict[str, AdapterHandle] = {}
@@ -129,8 +158,12 @@ class AdapterRegistry:
 
     def check(self, name: str, path: str | Path, pinned: bool = False) -> CheckedAdapter:
         """Read and validate a PEFT directory for ``name`` and hash its weights; AdapterError with the reason, also
-        for a pin that would not fit now. Changes nothing."""
-        adapter = load_peft_adapter(name, path, self.geometry.shapes, self.geometry.max_rank, self.allowed_roots)
+        for a pin that would not fit now. Changes nothing but the adapter cache: a URL (``self.sources``) is read
+        from its copy there, downloaded first if need be."""
+        roots = self._local_roots
+        if source_scheme(path) is not None:  # a URL: its copy in the adapter cache, downloaded now or reused
+            path, roots = self.sources.fetch(str(path), self._in_use), self.allowed_roots
+        adapter = load_adapter(name, path, self.geometry.shapes, self.geometry.max_rank, roots)
         ranks = adapter_ranks(adapter)
         checked = CheckedAdapter(
             name,
@@ -138,9 +171,15 @@ class AdapterRegistry:
             content_hash(adapter),
             adapter.file_digest,
             tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
-            PageLayout(self.geometry, ranks).num_pages,
+            PageLayout(self.geometry, ranks, dora=adapter.magnitudes.keys()).num_pages,
             adapter.nbytes,
+            invocation_tokens=adapter.invocation_tokens,
         )
+        if POLICIES[self.pool.policy].adapter_slots and checked.num_pages > self.pool.adapter_slot_blocks:
+            raise AdapterError(  # a DoRA adapter at the largest rank on every module: its scales take more pages
+                f"adapter `{name}` takes {checked.num_pages} pages; the {self.pool.policy} policy's adapter slots hold "
+                f"{self.pool.adapter_slot_blocks} (an adapter of every module at the largest rank, without DoRA)"
+            )
         if pinned:
             with self._lock:
                 self._check_pin(checked.num_pages, self._by_digest.get(checked.digest), self._current.get(name))
@@ -185,6 +224,7 @@ class AdapterRegistry:
                 pinned,
                 source,
                 time.time() if registered_at is None else registered_at,
+                checked.invocation_tokens,
             )
             self._versions[name] = number
             self._current[name] = handle

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora_server.adapters.page_layout import PageLayout
+from lora_server.adapters.sources import AdapterSources
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
@@ -31,6 +32,7 @@ from lora_server.engine.request import (
     FinishReason,
     Request,
     TenantShare,
+    activation_start,
 )
 from lora_server.engine.residency import Residency
 from lora_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -110,8 +112,11 @@ class EngineCore:
         runner = self.runner
         self.copy_costs = runner.measure_copy_costs()
         self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers, self.copy_costs))
-        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config)
-        self.loader = AdapterLoader(self.adapters, runner.geometry, runner.device, capacity=config.max_cpu_loras)
+        sources = AdapterSources(config.adapter_sources or (), config.adapter_cache_path, config.adapter_cache_bytes)
+        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config, sources)
+        self.loader = AdapterLoader(
+            self.adapters, runner.geometry, runner.device, config.max_cpu_loras, runner.base_row_norms
+        )
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         self.residency = Residency(
             self.adapters,
@@ -191,6 +196,7 @@ class EngineCore:
                     "Please reduce the prompt or max_tokens."
                 )
         handle = None if adapter is None else self.adapters.acquire(adapter)  # last: nothing raises after it
+        adapter_from = 0 if handle is None else activation_start(ids, handle.invocation_tokens)
         return EngineRequest(
             request_id,
             tuple(ids),
@@ -202,6 +208,7 @@ class EngineCore:
             priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             grammar=grammar,
+            adapter_from=adapter_from,
         )
 
     def _grammar(self, params: SamplingParams, compile_grammar: bool) -> GrammarMatcher | None:

@@ -245,7 +245,7 @@ class Engine:
             return None
         page = self.snapshot().resident_pages.get(handle.adapter_id)
         return AdapterInfo(
-            path=str(path),
+            path=adapters.sources.url_of(path) or str(path),  # an adapter from a source: its URL, not the cache's copy
             source=handle.source,
             version=handle.version,
             pinned=handle.pinned,

@@ -93,7 +93,7 @@ class PoolReport:
 class AdapterInfo:
     """Where an adapter name's current version is served from."""
 
-    path: str  # its PEFT directory
+    path: str  # its PEFT directory, or the URL it was downloaded from (adapters.sources)
     source: str  # where it was registered from: "demo", "command line", "api" or "on-demand"
     version: int
     pinned: bool

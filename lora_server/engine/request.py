@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,10 +78,26 @@ class EngineRequest:
     # its structured output's compiled matcher (opaque to callers; None without one, or until attach_grammars):
     # the engine advances it once the request is added
     grammar: GrammarMatcher | None = None
+    adapter_from: int = 0  # the position from which its adapter applies (activation_start)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def activation_start(prompt: Sequence[int], invocation: Sequence[int]) -> int:
+    """The position from which an adapter applies to a request of ``prompt``: 0 for a plain LoRA (``invocation``
+    empty); for an activated LoRA (PEFT's alora_invocation_tokens) the start of the last occurrence of
+    ``invocation`` in the prompt, every later token (generated ones included) computed with the adapter and every
+    earlier one as the base model's; without an occurrence, the adapter applies to no token (PEFT's rule: the
+    base model answers), i.e. sys.maxsize."""
+    if not invocation:
+        return 0
+    n, first = len(invocation), invocation[0]
+    for start in range(len(prompt) - n, -1, -1):
+        if prompt[start] == first and tuple(prompt[start : start + n]) == tuple(invocation):
+            return start
+    return sys.maxsize
 
 
 @dataclass(eq=False)
@@ -110,6 +128,9 @@ class Request:
     grammar: GrammarMatcher | None = None  # its structured output's state: the output so far, accepted token by token
     # with params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... computed so far (token 0 has none)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # the position from which its adapter applies (activation_start): an activated LoRA's earlier tokens are
+    # computed, cached and shared as the base model's, and no step's chunk crosses it
+    adapter_from: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -129,6 +150,7 @@ class Request:
             priority=described.priority,
             arrival_time=described.arrival_time,
             grammar=described.grammar,
+            adapter_from=described.adapter_from,
         )
 
     @property
@@ -164,8 +186,17 @@ class Request:
 
     @property
     def lora_page(self) -> int:
-        """Its adapter's table page in the arena while admitted (the pool's placement), -1 = no adapter."""
-        return -1 if self.admission is None else self.admission.adapter_page
+        """Its adapter's table page in the arena while admitted (the pool's placement) for the tokens it computes
+        next; -1 = no adapter (also an activated LoRA's tokens before its invocation)."""
+        if self.admission is None or self.num_computed_tokens < self.adapter_from:
+            return -1
+        return self.admission.adapter_page
+
+    def chunk_limit(self) -> int:
+        """The most tokens its next step may compute: a chunk ends where its adapter switches on."""
+        if self.num_computed_tokens < self.adapter_from:
+            return self.adapter_from - self.num_computed_tokens
+        return sys.maxsize
 
     @property
     def finished(self) -> bool:

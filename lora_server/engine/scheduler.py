@@ -195,7 +195,7 @@ class Scheduler:
                 continue
             if self._copying(request):
                 continue
-            n = min(request.num_uncomputed_tokens, budget, chunk_cap)
+            n = min(request.num_uncomputed_tokens, budget, chunk_cap, request.chunk_limit())
             if not self._reserve_or_preempt(request, n, work, now):
                 continue
             work.items.append((request, n))
@@ -299,6 +299,7 @@ class Scheduler:
             token_budget=budget,
             partial=self.config.enable_chunked_prefill,
             reuse_prefix=not request.needs_prompt_logprobs,  # prompt logprobs need every prompt position computed
+            base_tokens=request.adapter_from if request.adapter is not None else 0,
         )
         if admission is None:
             return None
@@ -309,7 +310,7 @@ class Scheduler:
             request.scheduled_time = now
             request.num_cached_tokens = admission.num_cached_tokens
         request.adapter_loaded = request.adapter_loaded or admission.adapter_loaded
-        return admission.num_new_tokens
+        return min(admission.num_new_tokens, request.chunk_limit())  # its blocks may cover more: the next chunk's
 
     def _add_drafts(self, work: ScheduledWork, budget: int, now: float) -> int:
         """Drafts for this step's decodes, from the budget the running requests left (speculation is optional

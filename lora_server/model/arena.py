@@ -9,6 +9,7 @@ and, on the CPU, the views the CPU's LoRA path multiplies with (views into the a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,8 @@ class ResidentAdapter:
 class ResidentAdapters:
     """The adapters in the arena, by table page: what an ADAPTER_LOAD wrote and an ADAPTER_UNLOAD forgets. On the
     CPU each also gets its LoRA terms: per layer and fused group, views of its A blocks as [in, K * r] (the group's
-    slices at once where they lie back to back with one rank) and of its B^T rows per slice."""
+    slices at once where they lie back to back with one rank) and of its B^T rows per slice, and of a DoRA module's
+    scale and shift (on the group's last term)."""
 
     def __init__(self, arena: Arena, geometry: PageGeometry, slice_starts: dict[str, list[int]]) -> None:
         self.arena, self.geometry, self.slice_starts = arena, geometry, slice_starts
@@ -133,15 +135,26 @@ class ResidentAdapters:
     def _terms(self, layout: PageLayout, pages: list[int]) -> list[dict[str, list[LoraTerm]]]:
         weights, page_elems = self.arena.weights, self.geometry.page_elems
         found: dict[tuple[int, str, bool], list[tuple[int, torch.Tensor]]] = {}
+        dora: dict[tuple[int, str], list[torch.Tensor]] = {}  # (layer, module) -> [scale, shift], each [out]
         for block in layout.blocks:
             start = pages[block.page] * page_elems + block.offset
             rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
+            if block.dora:
+                dora.setdefault((block.layer, block.module), [rows[0], rows[0]])[block.row0] = rows[0]
+                continue
             found.setdefault((block.layer, block.module, block.is_b), []).append((block.row0, rows))
         out: list[dict[str, list[LoraTerm]]] = []
         for layer in range(self.geometry.shapes.num_layers):
             by_group: dict[str, list[LoraTerm]] = {}
             for group, modules in GROUPS.items():
                 terms = self._group_terms(layer, group, modules, found)
+                starts, epilogues = self.slice_starts[group], []
+                for k, module in enumerate(modules):
+                    if (layer, module) in dora:
+                        scale, shift = dora[(layer, module)]  # a shift of zeros (no bias) is left out
+                        epilogues.append((starts[k], starts[k + 1], scale, shift if shift.any() else None))
+                if epilogues:  # after every term of the group: on its last
+                    terms[-1] = dataclasses.replace(terms[-1], epilogues=tuple(epilogues))
                 if terms:
                     by_group[group] = terms
             out.append(by_group)

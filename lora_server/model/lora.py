@@ -5,8 +5,10 @@ is the pool's (kv_pool)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -14,6 +16,9 @@ from torch import nn
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, groups
 from lora_server.kernels.segment_lora import LoraTerm
+
+if TYPE_CHECKING:
+    from lora_server.model.quant import QuantLinear
 
 
 @dataclass(slots=True)
@@ -84,6 +89,45 @@ class LoraLinear(nn.Module):
             host_segments=lambda: [(s, e, terms(page, layer, group)) for s, e, page in lora.host_segments],
         )
         return out
+
+
+class BaseRowNorms:
+    """What DoRA needs of the base model (adapters.dora.BaseRowNorms): for one (layer, module), ||W + B A|| of each
+    output row, W the weight that module's LoRA wrapper's base linear serves (dequantized to the model's dtype), and
+    the module's bias; float32 on the host. For the adapter loader's thread: it reads the weights and writes nothing
+    the engine reads. On CUDA it runs on a stream of its own and waits for that stream alone (the engine's stream
+    and graphs are not touched), W dequantized ``chunk_elems`` values at a time so that it takes little device
+    memory beside the arena."""
+
+    def __init__(
+        self,
+        wrappers: list[dict[str, LoraLinear]],
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk_elems: int = 1 << 22,
+    ) -> None:
+        self.wrappers, self.dtype, self.device, self.chunk_elems = wrappers, dtype, device, chunk_elems
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @torch.no_grad()
+    def __call__(
+        self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # A [r, in], B [out, r] -> ([out], [out] | None)
+        group = next(g for g, modules in GROUPS.items() if module in modules)
+        wrapper, k = self.wrappers[layer][group], GROUPS[group].index(module)
+        base = cast("QuantLinear", wrapper.base)
+        first, end = wrapper.slice_starts[k], wrapper.slice_starts[k + 1]  # the module's rows of the fused weight
+        chunk = max(1, self.chunk_elems // a.shape[1])
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            a_dev, b_dev = a.to(self.device, torch.float32), b.to(self.device, torch.float32)
+            norms = []
+            for row in range(first, end, chunk):
+                ids = torch.arange(row, min(row + chunk, end), device=self.device)
+                w = base.rows(ids, self.dtype).float()  # [rows, in], maybe the weight itself: not in place
+                w = torch.addmm(w, b_dev[row - first : row - first + ids.shape[0]], a_dev)
+                norms.append(torch.linalg.vector_norm(w, dim=1))
+            bias = base.bias
+            return torch.cat(norms).cpu(), None if bias is None else bias[first:end].float().cpu()
 
 
 def workspace_shape(max_tokens: int, max_rank: int) -> tuple[int, int, int, int]:

@@ -28,7 +28,7 @@ from lora_server.model.copy_order import CopyOrder, CudaStreams
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
-from lora_server.model.lora import LoraBatch, LoraWorkspace, workspace_shape
+from lora_server.model.lora import BaseRowNorms, LoraBatch, LoraWorkspace, workspace_shape
 from lora_server.model.pinned import pinned_zeros
 from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens, scoring_rows
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
@@ -102,10 +102,14 @@ class ModelRunner:
             arch.q_size,
             arch.kv_size,
             fused=arch.fused_projections,
+            architecture=arch.architecture,
+            head_dim=arch.head_dim,
         )
         self.geometry = PageGeometry(
             page_bytes(arch, self.block_size, self.kv_dtype), self.dtype, config.max_lora_rank, self.adapter_shapes
         )
+        # what staging a DoRA adapter reads of the base weights (on the adapter loader's thread)
+        self.base_row_norms = BaseRowNorms(self.model.lora_wrappers(), self.dtype, self.device)
         # an fp8 cache's scales, fixed for the engine's life: [layers, 2 (k, v), kv_heads] float32; None otherwise
         self.kv_scales = (
             calibrate_kv_scales(self.model, arch, self.dtype, self.device, max_model_len)

@@ -1,0 +1,243 @@
+"""Activated LoRA (PEFT's alora_invocation_tokens) against HF transformers + PEFT at fp32, and the base model's KV
+it shares. An aLoRA applies from the last occurrence of its invocation sequence in the prompt on (every generated
+token included); the tokens before it are the base model's, so their KV is the base's: matched in and offered to
+the base model's prefix tree. Without an occurrence it applies to no token (PEFT's rule).
+
+The reference runs each row alone (PEFT computes the offsets of one adapter per batch row itself, in generate);
+the engine runs them in one batch with a plain LoRA of the same weights and the base model."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.engine.request import activation_start
+from lora_server.sampling_params import SamplingParams
+
+BLOCK = 16
+NEW_TOKENS = 8
+LOGPROB_TOL = 2e-3
+CHECKS = ("<|im_start|>check\n", "<|im_start|>judge\n")  # the two aLoRAs' invocation texts
+
+
+def test_activation_start_is_the_last_occurrence():
+    """Hand-worked cases of PEFT's calculate_alora_offsets rule (offset = len - start of the last occurrence)."""
+    assert activation_start([5, 1, 2, 7, 1, 2, 9], [1, 2]) == 4
+    assert activation_start([1, 2], [1, 2]) == 0
+    assert activation_start([1, 2, 1], [1, 2]) == 0
+    assert activation_start([3, 4], [1, 2]) == sys.maxsize  # absent: the adapter applies nowhere
+    assert activation_start([1], [1, 2]) == sys.maxsize  # a prefix of the sequence at the end is no occurrence
+    assert activation_start([3, 4], []) == 0  # a plain LoRA: every token
+
+
+def _engine(**kw) -> Engine:
+    config = {"quantization": "none", "kv_cache_bytes": 64 << 20, "max_lora_rank": 8, "show_progress": False}
+    return Engine(EngineConfig(**{**config, **kw}))
+
+
+@pytest.fixture(scope="module")
+def alora(tmp_path_factory, hf_smollm2, smollm2_path):
+    """Two aLoRAs (their own weights and invocation sequences) and, for each, a plain LoRA of the same weights;
+    the PEFT model holding all four. Returns (root, {name: invocation ids}, peft model)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    tokenizer = _engine(kv_cache_bytes=8 << 20).tokenizer
+    assert tokenizer is not None
+    root, invocations = tmp_path_factory.mktemp("alora"), {}
+    for i, text in enumerate(CHECKS):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        name = f"check{i}"
+        invocations[name] = ids
+        torch.manual_seed(40 + i)
+        config = LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules="all-linear",
+            init_lora_weights=False,
+            alora_invocation_tokens=ids,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(copy.deepcopy(hf_smollm2), config)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(1.5)  # strong enough that the answers move
+        model.save_pretrained(root / name)
+        config.alora_invocation_tokens = None  # the same weights as a plain LoRA
+        model.peft_config["default"] = config
+        model.save_pretrained(root / f"plain{i}")
+    names = [*invocations, "plain0", "plain1"]
+    peft = PeftModel.from_pretrained(copy.deepcopy(hf_smollm2), root / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        peft.load_adapter(root / name, adapter_name=name)
+    return root, invocations, peft.eval()
+
+
+def _peft_generate(peft, adapter: str | None, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """HF + PEFT greedy tokens, each from a forward over the whole sequence so far (PEFT's forward finds an aLoRA's
+    invocation in it itself), and the log-softmax of every position of the last one."""
+    import contextlib
+
+    if adapter is not None:
+        peft.set_adapter(adapter)
+    ids = list(prompt)
+    with torch.no_grad(), peft.disable_adapter() if adapter is None else contextlib.nullcontext():
+        for _ in range(NEW_TOKENS):
+            logits = peft(input_ids=torch.tensor([ids])).logits[0]
+            ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt) :], torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_alora_alone_and_mixed_matches_peft(alora, engine_alora):
+    """One batch: each aLoRA with its invocation, the same weights as plain LoRAs, an aLoRA whose prompt lacks its
+    invocation, the base model. Every row's greedy tokens equal HF + PEFT's with only its adapter, logprobs
+    within 2e-3; the masking matters (an aLoRA is neither its plain LoRA nor the base model)."""
+    _, invocations, peft = alora
+    engine = engine_alora
+    conversation = engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    answer = engine.encode("The capital of France is Paris.<|im_end|>\n", add_special_tokens=False)
+    asks = {name: conversation + answer + ids for name, ids in invocations.items()}
+    plan = [
+        ("check0", asks["check0"]),
+        ("plain0", asks["check0"]),
+        (None, asks["check0"]),
+        ("check1", asks["check1"]),
+        ("check1", conversation),  # no invocation: the base model answers
+        ("plain1", asks["check1"]),
+    ]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    outs = engine.generate([p for _, p in plan], params, adapters=[a for a, _ in plan])
+    alone = engine.generate([asks["check0"]], params, adapters="check0")[0]
+    assert alone.token_ids == outs[0].token_ids  # alone and mixed
+    for (adapter, prompt), out in zip(plan, outs, strict=True):
+        tokens, ref = _peft_generate(peft, adapter, prompt)
+        assert out.token_ids == tokens, adapter
+        for step, lp in enumerate(out.logprobs):
+            assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL, adapter
+    check0, plain0, base, _, unasked, _ = outs
+    assert check0.token_ids != base.token_ids and check0.token_ids != plain0.token_ids
+    assert unasked.token_ids == engine.generate([conversation], params)[0].token_ids  # the base model's answer
+    engine.core.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def engine_alora(alora):
+    root, invocations, _ = alora
+    engine = _engine(block_size=BLOCK, kv_cache_bytes=256 << 20)
+    for name in [*invocations, "plain0", "plain1"]:
+        engine.add_adapter(name, root / name)
+    return engine
+
+
+def test_alora_prefix_is_the_base_models_kv(alora, engine_alora):
+    """After a base request on a conversation, an aLoRA request on the conversation plus its invocation reuses the
+    base's blocks (the same block ids: held once), and its own blocks from the invocation on are not cached; its
+    plain LoRA twin (same weights) reuses nothing."""
+    engine = engine_alora
+    _, invocations, _ = alora
+    conversation = engine.chat_prompt([{"role": "user", "content": "Describe the water cycle in a few sentences."}])
+    assert len(conversation) > 2 * BLOCK
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    [base] = engine.generate([conversation], params, cache_salt="blocks")
+    prompt = conversation + base.token_ids + invocations["check0"]
+    computed = len(conversation) + NEW_TOKENS - 1  # the base request's KV: all but its last token
+    core = engine.core
+    described = [
+        engine.make_request(prompt, params, adapter, "blocks", f"held-{i}")
+        for i, adapter in enumerate(["check0", "check0", None])
+    ]
+    engine.stage_adapters(["check0"])
+    for request in described:
+        core.add(request)
+    core.step()
+    running = {r.request_id: r for r in core.scheduler.running}
+    assert len(running) == 3
+    shared = computed // BLOCK  # the base request's full blocks, all before the invocation
+    tables = [running[f"held-{i}"].block_table[:shared] for i in range(3)]
+    assert tables[0] == tables[1] == tables[2]  # one copy of the conversation's KV for all three
+    assert [running[f"held-{i}"].num_cached_tokens for i in range(3)] == [shared * BLOCK] * 3
+    while core.has_work():
+        core.step()
+    [twin] = engine.generate([prompt], params, adapters="plain0", cache_salt="blocks")
+    assert twin.num_cached_tokens == 0  # a plain LoRA never reuses the base model's KV
+    tree = core.pool.tree
+    for name in invocations:  # nothing is ever cached under an aLoRA's own node
+        node = tree.adapter(engine.core.adapters.get(name).key)
+        assert node is not None and not node.children
+    core.check_integrity()
+
+
+def test_alora_multi_turn_trace_prefills_the_conversation_once(alora, engine_alora):
+    """A three-turn conversation; after each base answer both aLoRAs check it. Every check's prompt is the
+    conversation so far, the answer and its invocation: served as aLoRAs, a check prefills only what follows the
+    base model's full blocks of it (hand-computed below); served as plain LoRAs of the same weights, each check
+    prefills its adapter's own copy of the conversation. Prints both totals (the figure the docs quote)."""
+    engine = engine_alora
+    _, invocations, _ = alora
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    checks, base = {"alora": 0, "plain": 0}, {"alora": 0, "plain": 0}
+    expected = 0
+    for kind in checks:
+        chat: list[dict[str, str]] = []
+        for text in ["Name a large city.", "Why is it known?", "Say it in one word."]:
+            chat.append({"role": "user", "content": text})
+            conversation = engine.chat_prompt(chat)
+            [answer] = engine.generate([conversation], params, cache_salt=f"trace-{kind}")
+            base[kind] += len(conversation) - answer.num_cached_tokens
+            offered = (len(conversation) + NEW_TOKENS - 1) // BLOCK  # the base model's full blocks of it
+            for i, (name, ids) in enumerate(invocations.items()):
+                prompt = conversation + answer.token_ids + ids
+                adapter = name if kind == "alora" else f"plain{i}"
+                [check] = engine.generate([prompt], params, adapters=adapter, cache_salt=f"trace-{kind}")
+                checks[kind] += len(prompt) - check.num_cached_tokens
+                if kind == "alora":
+                    start = len(conversation) + NEW_TOKENS  # where its invocation starts
+                    expected += len(prompt) - BLOCK * min(offered, (len(prompt) - 1) // BLOCK, start // BLOCK)
+                    offered = max(offered, start // BLOCK)  # the check offers its base part's full blocks
+            chat.append({"role": "assistant", "content": engine.tokenizer.decode(answer.token_ids)})
+    assert base["alora"] == base["plain"]  # the same base conversation either way
+    assert checks["alora"] == expected
+    total = {kind: base[kind] + checks[kind] for kind in checks}
+    saved = total["plain"] - total["alora"]
+    print(
+        f"\naLoRA trace: {total['alora']} prompt tokens prefilled with the checks as aLoRAs, {total['plain']} as "
+        f"plain LoRAs of the same weights ({saved} saved, {saved / total['plain']:.0%})"
+    )
+    assert saved > 0
+    engine.core.check_integrity()
+
+
+@pytest.mark.slow
+def test_alora_through_the_http_server_streamed_and_not(alora, tmp_path):
+    """The real server with an aLoRA and its plain twin, the openai client: streamed and not, each completion's
+    text is HF + PEFT's greedy tokens' (the prompt given as token ids, so both see the same tokens)."""
+    from tests.servers import Server
+
+    root, invocations, peft = alora
+    adapters = ["--adapter", f"check0={root / 'check0'}", "--adapter", f"plain0={root / 'plain0'}"]
+    server = Server(tmp_path, [root], [*adapters, "--served-model-name", "base"])
+    try:
+        tokenizer = _engine(kv_cache_bytes=8 << 20).tokenizer
+        assert tokenizer is not None
+        conversation = tokenizer.encode("<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\nBlue.")
+        prompt = conversation + tokenizer.encode("<|im_end|>\n", add_special_tokens=False) + invocations["check0"]
+        client = server.client()
+        for adapter in ("check0", "plain0", "base"):
+            tokens, _ = _peft_generate(peft, None if adapter == "base" else adapter, prompt)
+            want = tokenizer.decode(tokens, skip_special_tokens=True)
+            body = {"ignore_eos": True}
+            whole = client.completions.create(
+                model=adapter, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body=body
+            )
+            assert whole.choices[0].text == want, adapter
+            parts = client.completions.create(
+                model=adapter, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body=body, stream=True
+            )
+            assert "".join(c.choices[0].text for c in parts if c.choices) == want, adapter
+    finally:
+        server.stop()
