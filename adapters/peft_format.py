@@ -66,7 +66,16 @@ _MAGNITUDE_KEY = re.compile(
 _IMAGE_SIDE = re.compile(r"(?:base_model\.model\.)?((?:model\.)?(?:vision_tower|multi_modal_projector)\..+)")
 
 
-VOCAB_MODULES = ("embed_tokens", "lm_head")  # the embedding and the output head: refused as targets, by name
+VOCAB_MODULES = ("embed_tokens", "lm_head")  # the embedding and the output head (VocabLora), as PEFT names them
+# Their paths in the model PEFT wrapped (what a regex target_modules and rank/alpha patterns match)
+VOCAB_PATHS = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+_EMBED_LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.embed_tokens\.lora_embedding_([AB])(?:\.[\w-]+)?")
+_HEAD_LORA_KEY = re.compile(r"(?:base_model\.model\.)?lm_head\.lora_([AB])(?:\.[\w-]+)?\.weight")
+# PEFT saves the base's own embedding and head beside a LoRA on them (save_embedding_layers): the base's weights
+_VOCAB_BASE_KEY = re.compile(r"(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\.base_layer\.weight")
+_TOKENS_KEY = re.compile(
+    r"(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\.token_adapter\.trainable_tokens_delta(?:\.[\w-]+)?"
+)
 ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand: every linear layer but the output head
 # Every key of PEFT's LoraConfig (peft 0.21) is in one of three groups (docs/adapters.md, "Which PEFT
 # configurations are served"). Keys whose values this loader computes with (_plan):
@@ -85,6 +94,8 @@ READ_KEYS = frozenset(
         "init_lora_weights",  # the inits that only set the first weights (see _INIT_REWRITES_BASE)
         "alora_invocation_tokens",  # Activated LoRA: LoraAdapter.invocation_tokens (_invocation_tokens)
         "use_dora",  # DoRA: LoraAdapter.magnitudes (_magnitudes)
+        "trainable_token_indices",  # PEFT's trainable tokens: LoraAdapter.vocab (_vocab)
+        "ensure_weight_tying",  # no effect but beside LoRA on the embedding or head, where it is refused (_plan)
     }
 )
 # Keys that never change what a loaded adapter computes on a Llama model: metadata, training-only settings, and the
@@ -108,13 +119,11 @@ NO_EFFECT_KEYS = frozenset(
         "velora_config",  # VeLoRA changes the backward pass only
         "qalora_group_size",  # read only with use_qalora (refused)
         "runtime_config",
-        "ensure_weight_tying",  # ties modules_to_save and trainable tokens (both refused)
     }
 )
 # Keys that change what PEFT computes and that this loader does not implement: refused when set (anything but
 # null, false or empty), the key named.
 UNSUPPORTED_KEYS = {
-    "trainable_token_indices": "trainable token embeddings",
     "exclude_modules": "modules excluded from the targets",
     "layer_replication": "layers replicated into a deeper model",
     "target_parameters": "LoRA on parameters instead of modules",
@@ -157,6 +166,10 @@ class BaseShapes:
     modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_MODULES)
     architecture: str = ""  # ModelArch.architecture: which GGUF general.architecture an adapter must name
     head_dim: int = 0  # the heads' width: llama.cpp permutes a llama adapter's Q/K rows per head
+    vocab_size: int = 0  # the embedding's rows (0: not known, and no adapter may touch the vocabulary)
+    tied_embeddings: bool = False  # the output head is the embedding (tie_word_embeddings)
+    # where the engine refuses LoRA on the embedding or head and trainable tokens (VocabLora), why; "" serves them
+    vocab_refusal: str = "this engine does not serve them"
 
     @classmethod
     def llama(
@@ -169,6 +182,9 @@ class BaseShapes:
         fused: bool = False,
         architecture: str = "",
         head_dim: int = 0,
+        vocab_size: int = 0,
+        tied_embeddings: bool = False,
+        vocab_refusal: str = "this engine does not serve them",
     ) -> BaseShapes:
         return cls(
             num_layers,
@@ -184,12 +200,49 @@ class BaseShapes:
             FUSED_MODULES if fused else LLAMA_MODULES,
             architecture,
             head_dim,
+            vocab_size,
+            tied_embeddings,
+            vocab_refusal,
         )
+
+    @property
+    def hidden(self) -> int:
+        return self.features["q"][0]
 
     def module_features(self, module: str) -> tuple[int, int]:
         """(in, out) of a PEFT module (a path of ``modules``): a fused one's out is its parts' together."""
         parts = self.modules[module]
         return self.features[parts[0]][0], sum(self.features[p][1] for p in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class VocabLora:
+    """What an adapter changes of the embedding and the output head, as PEFT computes it, float32 on the host.
+
+    Per token t of a request on this adapter, its embedding (before any embedding scale):
+        rows[t]                                   where t is one of embed_tokens' ids (trainable tokens), else
+        E[t] + embed_a_t[t] @ embed_b_t           with LoRA on embed_tokens, else E[t]
+    Per logits row of hidden state h (before any final soft-cap):
+        logits + (h @ head_a.T) @ head_b_t        with LoRA on lm_head, and then
+        logits[:, ids] = h @ rows.T               for head_tokens' (ids, rows)."""
+
+    embed_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # lora_embedding_A.T [vocab, r], scaled B.T [r, hidden]
+    head_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # lora_A [r, hidden], scaled lora_B.T [r, vocab]
+    embed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [n] int64, their new rows [n, hidden]
+    head_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [n] int64, the head's new rows [n, hidden]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by a stable name (hashing, sizes, moving to the device)."""
+        named = {}
+        for field_name in ("embed_lora", "head_lora", "embed_tokens", "head_tokens"):
+            pair = getattr(self, field_name)
+            if pair is not None:
+                named[f"{field_name}.0"], named[f"{field_name}.1"] = pair
+        return named
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
 @dataclass(slots=True)
@@ -207,6 +260,8 @@ class LoraAdapter:
     # DoRA (PEFT's use_dora): the learned magnitude m [out] (float32) of every (layer, module) it targets, empty for
     # a plain LoRA; such a module serves m / ||W + B A||_row times (base + LoRA), see adapters.dora
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # LoRA on the embedding or the output head, trainable tokens (None: the adapter leaves the vocabulary alone)
+    vocab: VocabLora | None = None
 
     @property
     def modules(self) -> set[str]:
@@ -214,7 +269,8 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        layers = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return layers + (0 if self.vocab is None else self.vocab.nbytes)
 
 
 def load_peft_adapter(
@@ -256,7 +312,8 @@ def load_peft_adapter(
     tensors = _parse_safetensors(weights_bytes)
     layers = _layers_path(name, tensors)  # before the config: target_modules regexes match the names under it
     try:
-        plan = _plan(config, base, max_rank, layers)
+        plan, vocab_plan = _plan(config, base, max_rank, layers)
+        token_indices = _token_indices(config, base, vocab_plan)
     except AdapterError:
         raise
     except _MALFORMED as exc:  # a config shape the named checks in _plan miss; only _plan runs in this block
@@ -264,11 +321,16 @@ def load_peft_adapter(
     digest = hashlib.blake2b(config_bytes, digest_size=16)
     digest.update(weights_bytes)
     magnitudes = _magnitudes(tensors, plan, base, _flag(config, "use_dora"))
+    vocab = _vocab(tensors, vocab_plan, token_indices, base)
     weights = _convert(tensors, plan, base)
     invocation = _invocation_tokens(config)
-    return LoraAdapter(
-        name, root, max(r for r, _ in plan.values()), weights, digest.hexdigest(), invocation, magnitudes=magnitudes
-    )
+    if invocation and vocab is not None:
+        raise AdapterError(
+            "alora_invocation_tokens with LoRA on the embedding or head, or trainable tokens: an activated LoRA "
+            "applies to the decoder's linear modules only"
+        )
+    rank = max((r for r, _ in [*plan.values(), *vocab_plan.values()]), default=0)
+    return LoraAdapter(name, root, rank, weights, digest.hexdigest(), invocation, magnitudes=magnitudes, vocab=vocab)
 
 
 def _resolve(path: Path, what: str, public: str) -> Path:
@@ -328,10 +390,11 @@ def _layers_path(name: str, tensors: dict[str, torch.Tensor]) -> str:
 
 def _plan(
     config: dict, base: BaseShapes, max_rank: int, layers_path: str = TEXT_LAYERS
-) -> dict[tuple[int, str], tuple[int, float]]:
-    """(layer, PEFT module path) -> (rank, scaling) for every module the config targets, after every config check;
-    PEFT's semantics, and its defaults (r 8, lora_alpha 8). A regex target_modules, rank_pattern and alpha_pattern
-    match the modules' names in the model PEFT wrapped: ``{layers_path}.{layer}.{module path}``."""
+) -> tuple[dict[tuple[int, str], tuple[int, float]], dict[str, tuple[int, float]]]:
+    """(layer, PEFT module path) -> (rank, scaling) for every decoder module the config targets, and ("embed_tokens"
+    or "lm_head") -> (rank, scaling) for the vocabulary modules it targets, after every config check; PEFT's
+    semantics, and its defaults (r 8, lora_alpha 8). A regex target_modules, rank_pattern and alpha_pattern
+    match the modules' names in the model PEFT wrapped: ``{layers_path}.{layer}.{module path}``, VOCAB_PATHS."""
     _check_keys(config)
     rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
     rank_patterns = _patterns(config, "rank_pattern", _rank)
@@ -348,19 +411,18 @@ def _plan(
     if isinstance(targets, str):
         regex = _regex(targets, f"target_modules {targets!r}")
         chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
-        if not chosen:
+        vocab = [m for m, full in VOCAB_PATHS.items() if regex.fullmatch(full)]
+        if not chosen and not vocab:
             raise AdapterError(f"target_modules regex {targets!r} matches no module of the base model")
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = [t for t in targets if t.split(".")[-1] not in names]
-        vocab = [t for t in unknown if t.split(".")[-1] in VOCAB_MODULES]
-        if vocab:
-            raise AdapterError(
-                f"target modules {vocab}: LoRA on the embedding or the output head is not served yet (only the "
-                f"decoder layers' linear modules: {', '.join(names)})"
-            )
+        vocab = sorted({t.split(".")[-1] for t in targets if t.split(".")[-1] in VOCAB_MODULES})
+        unknown = [t for t in targets if t.split(".")[-1] not in names and t.split(".")[-1] not in VOCAB_MODULES]
         if unknown:
-            raise AdapterError(f"target modules {unknown} are not in the base model (supported: {', '.join(names)})")
-        wanted = {names[t.split(".")[-1]] for t in targets}
+            raise AdapterError(
+                f"target modules {unknown} are not in the base model (supported: {', '.join(names)}, "
+                f"{', '.join(VOCAB_MODULES)})"
+            )
+        wanted = {names[t.split(".")[-1]] for t in targets if t.split(".")[-1] in names}
         chosen = {k for k in candidates if k[1] in wanted}
     else:
         raise AdapterError(
@@ -374,7 +436,77 @@ def _plan(
         if r > max_rank:
             raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
         plan[key] = (r, a / math.sqrt(r) if rslora else a / r)
-    return plan
+    vocab_plan: dict[str, tuple[int, float]] = {}
+    if vocab:
+        _check_vocab_served(base, f"target modules {vocab} (LoRA on the embedding or the output head)")
+        if layers_path != TEXT_LAYERS:
+            raise AdapterError(f"target modules {vocab}: LoRA on the embedding or head of this model is not served")
+        if config.get("layers_to_transform") is not None:
+            raise AdapterError(f"target modules {vocab} with layers_to_transform: PEFT then skips them; not served")
+        if _set(config.get("ensure_weight_tying")):
+            raise AdapterError(
+                f"ensure_weight_tying with LoRA on {vocab}: PEFT then ties the embedding's LoRA to the head's, "
+                "which this server does not"
+            )
+        if _flag(config, "use_dora"):
+            raise AdapterError(f"use_dora with LoRA on {vocab}: DoRA on the embedding or head is not served")
+    for module in vocab:
+        full = VOCAB_PATHS[module]
+        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))
+        a = next((v for p, v in alpha_patterns if p.fullmatch(full)), alpha)
+        if r > max_rank:
+            raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
+        vocab_plan[module] = (r, a / math.sqrt(r) if rslora else a / r)
+    return plan, vocab_plan
+
+
+def _check_vocab_served(base: BaseShapes, what: str) -> None:
+    if base.vocab_refusal or base.vocab_size <= 0:
+        raise AdapterError(f"{what}: not served here ({base.vocab_refusal or 'the vocabulary size is not known'})")
+
+
+def _token_indices(config: dict, base: BaseShapes, vocab_plan: dict[str, tuple[int, float]]) -> dict[str, list[int]]:
+    """PEFT's trainable_token_indices as ("embed_tokens" or "lm_head") -> token ids: a list means the embedding's;
+    a dict names the modules (by a name ending in embed_tokens or lm_head). Refused: ids that are not distinct
+    non-negative integers, ids at or beyond the base's vocabulary (an adapter trained with added tokens: the base
+    has no row for them, and the base's tokenizer no text), a module that LoRA also targets."""
+    value = config.get("trainable_token_indices")
+    if not _set(value):
+        return {}
+    _check_vocab_served(base, "trainable_token_indices (trainable tokens)")
+    if isinstance(value, list):
+        entries = {"embed_tokens": value}
+    elif isinstance(value, dict):
+        entries = {}
+        for key, ids in value.items():
+            module = key.split(".")[-1]
+            if module not in VOCAB_MODULES or module in entries:
+                raise AdapterError(
+                    f"trainable_token_indices names {key!r}: only the embedding (embed_tokens) and the output head "
+                    "(lm_head), once each, are served"
+                )
+            entries[module] = ids
+    else:
+        raise AdapterError(f"trainable_token_indices must be a list of token ids or an object, got {value!r}")
+    if "lm_head" in entries and _set(config.get("ensure_weight_tying")):
+        raise AdapterError("ensure_weight_tying with trainable tokens on lm_head is not served")
+    out = {}
+    for module, ids in entries.items():
+        if not isinstance(ids, list) or not ids or any(type(i) is not int or i < 0 for i in ids):
+            raise AdapterError(f"trainable_token_indices[{module!r}] must be a non-empty list of token ids: {ids!r}")
+        if len(set(ids)) != len(ids):
+            raise AdapterError(f"trainable_token_indices[{module!r}] lists a token id twice")
+        beyond = [i for i in ids if i >= base.vocab_size]
+        if beyond:
+            raise AdapterError(
+                f"trainable_token_indices[{module!r}]: {len(beyond)} token id(s) (e.g. {beyond[0]}) are beyond the "
+                f"base model's vocabulary of {base.vocab_size} tokens: an adapter trained with added tokens needs "
+                "their embeddings and tokenizer, which the base model does not have"
+            )
+        if module in vocab_plan:
+            raise AdapterError(f"trainable_token_indices on {module} that LoRA also targets: not served")
+        out[module] = ids
+    return out
 
 
 def _check_keys(config: dict) -> None:
@@ -538,6 +670,83 @@ def _magnitudes(
     return magnitudes
 
 
+def _vocab(
+    tensors: dict[str, torch.Tensor],
+    vocab_plan: dict[str, tuple[int, float]],
+    token_indices: dict[str, list[int]],
+    base: BaseShapes,
+) -> VocabLora | None:
+    """The adapter's VocabLora, its tensors taken out of ``tensors`` (float32, scaling folded into B): LoRA on
+    embed_tokens (lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]) and lm_head (lora_A [r, hidden],
+    lora_B [vocab, r]), trainable tokens' rows (trainable_tokens_delta [n, hidden]: the listed ids' whole new
+    rows). With a tied head, the embedding's trainable tokens are the head's too (PEFT ties its token adapter to
+    the head's), unless the head has its own. PEFT's copy of the base embedding or head (save_embedding_layers) is
+    checked for the base's shape and dropped: the base model's own weights are served."""
+    vocab, hidden = base.vocab_size, base.hidden
+    lora: dict[str, dict[str, torch.Tensor]] = {}
+    deltas: dict[str, torch.Tensor] = {}
+    for key in list(tensors):
+        if m := _EMBED_LORA_KEY.fullmatch(key):
+            lora.setdefault("embed_tokens", {})[m.group(1)] = tensors.pop(key).float()
+        elif m := _HEAD_LORA_KEY.fullmatch(key):
+            lora.setdefault("lm_head", {})[m.group(1)] = tensors.pop(key).float()
+        elif m := _TOKENS_KEY.fullmatch(key):
+            deltas[m.group(1).split(".")[-1]] = tensors.pop(key).float()
+        elif m := _VOCAB_BASE_KEY.fullmatch(key):
+            saved = tensors.pop(key)
+            if not vocab_plan:
+                raise AdapterError(f"tensor {key}: a copy of the base's {m.group(1)}, which no LoRA here targets")
+            if tuple(saved.shape) != (vocab, hidden):
+                raise AdapterError(
+                    f"tensor {key} {tuple(saved.shape)}: the adapter was trained on a model whose {m.group(1)} is not "
+                    f"the base's ({vocab}, {hidden}) (a resized vocabulary), which is not served"
+                )
+    if set(lora) != set(vocab_plan):
+        raise AdapterError(
+            f"LoRA weights on {sorted(lora) or 'no vocabulary module'} but the config targets "
+            f"{sorted(vocab_plan) or 'neither embed_tokens nor lm_head'}"
+        )
+    shapes = {"embed_tokens": ((vocab,), (hidden,)), "lm_head": ((hidden,), (vocab,))}
+    pairs = {}
+    for module, (rank, scaling) in vocab_plan.items():
+        found = lora[module]
+        if set(found) != {"A", "B"}:
+            raise AdapterError(f"{module} lacks its LoRA A or B weights")
+        a, b = found["A"], found["B"]
+        (a_in,), (b_out,) = shapes[module]
+        if a.shape != (rank, a_in) or b.shape != (b_out, rank):
+            raise AdapterError(
+                f"{module}: LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not match the base ({rank}, {a_in}) / "
+                f"({b_out}, {rank})"
+            )
+        b_t = (b * scaling).t().contiguous()
+        if not (torch.isfinite(a).all() and torch.isfinite(b_t).all()):
+            raise AdapterError(f"{module} has NaN or Inf LoRA weights (or its B times the scaling overflows)")
+        pairs[module] = (a.t().contiguous() if module == "embed_tokens" else a, b_t)
+    if set(deltas) - set(token_indices):
+        raise AdapterError(f"trainable_tokens_delta of {sorted(set(deltas) - set(token_indices))} the config lacks")
+    tokens = {}
+    for module, ids in token_indices.items():
+        if module not in deltas:
+            raise AdapterError(f"trainable_token_indices names {module}, whose trainable_tokens_delta is missing")
+        rows = deltas[module]
+        if rows.shape != (len(ids), hidden):
+            raise AdapterError(
+                f"{module} trainable_tokens_delta {tuple(rows.shape)} does not match its {len(ids)} token ids and "
+                f"the base's hidden size {hidden}"
+            )
+        if not torch.isfinite(rows).all():
+            raise AdapterError(f"{module} trainable_tokens_delta has NaN or Inf values")
+        tokens[module] = (torch.tensor(ids, dtype=torch.int64), rows.contiguous())
+    if "lm_head" not in tokens and "embed_tokens" in tokens and base.tied_embeddings:
+        tokens["lm_head"] = tokens["embed_tokens"]  # PEFT ties the head's token adapter to the embedding's
+    if "lm_head" in tokens and "lm_head" in pairs:
+        raise AdapterError("trainable tokens on the (tied) output head together with LoRA on lm_head: not served")
+    if not pairs and not tokens:
+        return None
+    return VocabLora(pairs.get("embed_tokens"), pairs.get("lm_head"), tokens.get("embed_tokens"), tokens.get("lm_head"))
+
+
 def _vocab_key(key: str) -> bool:
     """Whether a tensor key is an adapter's weight on the embedding or the output head."""
     return any(f".{m}." in f".{key}" for m in VOCAB_MODULES)
@@ -551,7 +760,9 @@ def _convert(
         m = _KEY.fullmatch(key)
         if m is None:
             if _vocab_key(key):
-                raise AdapterError(f"{key}: LoRA on the embedding or the output head is not served yet")
+                raise AdapterError(
+                    f"{key}: this weight on the embedding or the output head is not one this server serves"
+                )
             if "bias" in key:
                 raise AdapterError(f"bias terms are not supported ({key})")
             raise AdapterError(f"unexpected tensor {key} in the adapter")

@@ -75,7 +75,6 @@ def _peft_configs():
 
     # case -> (the config PEFT saves, the key the refusal names)
     return {
-        "trainable tokens": (LoraConfig(target_modules=QV, trainable_token_indices=[1, 2]), "trainable_token_indices"),
         "exclude_modules": (LoraConfig(target_modules="all-linear", exclude_modules=["k_proj"]), "exclude_modules"),
         "layer_replication": (LoraConfig(target_modules=QV, layer_replication=[[0, 2], [1, 2]]), "layer_replication"),
         "target_parameters": (LoraConfig(target_modules=[], target_parameters=["q_proj.weight"]), "target_parameters"),
@@ -100,8 +99,7 @@ def _peft_configs():
     }
 
 
-PEFT_CASES = [
-    "trainable tokens",
+PEFT_CASES = [  # trainable tokens are served (tests/test_vocab_lora.py)
     "exclude_modules",
     "layer_replication",
     "target_parameters",

@@ -30,7 +30,7 @@ import torch
 from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
 from lora_server.adapters.load import load_adapter
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
-from lora_server.adapters.peft_format import AdapterError
+from lora_server.adapters.peft_format import AdapterError, VocabLora
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
 from lora_server.engine.load_times import LatencyHistogram
 from lora_server.engine.reports import Histogram
@@ -44,6 +44,7 @@ class StagedAdapter:
     adapter_id: int
     layout: PageLayout
     image: torch.Tensor  # uint8 [num_pages, page_bytes], pinned on CUDA
+    vocab: VocabLora | None = None  # its embedding / head changes, float32 on the host (kept beside the pages)
 
 
 @dataclass(slots=True)
@@ -216,4 +217,4 @@ class AdapterLoader:
         image = None  # pinned on CUDA, to its size (lora_server.model.pinned)
         if self.device.type == "cuda":
             image = pinned_empty((layout.num_pages, g.page_bytes), torch.uint8, self.device)
-        return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora))
+        return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora), adapter.vocab)

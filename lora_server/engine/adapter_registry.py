@@ -60,6 +60,8 @@ class CheckedAdapter:
     num_pages: int
     host_nbytes: int  # its A and B in float32, as read
     invocation_tokens: tuple[int, ...] = field(default=(), kw_only=True)  # an aLoRA's (LoraAdapter's)
+    # its largest rank, LoRA on the embedding or head included (0: it has only trainable tokens)
+    rank: int = field(default=0, kw_only=True)
 
     @property
     def rank_map(self) -> dict[tuple[int, str], int]:
@@ -96,6 +98,9 @@ def content_hash(adapter: LoraAdapter) -> str:
     for (layer, module), magnitude in sorted(adapter.magnitudes.items()):  # DoRA's: the same A, B scale otherwise
         digest.update(f"dora.{layer}.{module}.{tuple(magnitude.shape)};".encode())
         digest.update(magnitude.float().contiguous().numpy().tobytes())
+    for key, tensor in ({} if adapter.vocab is None else adapter.vocab.tensors()).items():  # the embedding's, head's
+        digest.update(f"vocab.{key}.{tuple(tensor.shape)};".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())  # float32 weights, int64 ids
     return digest.hexdigest()
 
 
@@ -174,6 +179,7 @@ class AdapterRegistry:
             PageLayout(self.geometry, ranks, dora=adapter.magnitudes.keys()).num_pages,
             adapter.nbytes,
             invocation_tokens=adapter.invocation_tokens,
+            rank=adapter.rank,
         )
         if POLICIES[self.pool.policy].adapter_slots and checked.num_pages > self.pool.adapter_slot_blocks:
             raise AdapterError(  # a DoRA adapter at the largest rank on every module: its scales take more pages

@@ -316,8 +316,8 @@ class EngineCore:
         head = model.compute_logits
         rows: list[torch.Tensor] = []
 
-        def observed(hidden: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, >= vocab] float32
-            logits = head(hidden)
+        def observed(hidden: torch.Tensor, segments: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
+            logits = head(hidden, segments)  # [m, hidden] -> [m, >= vocab] float32
             rows.append(torch.log_softmax(logits[:, :vocab].float(), dim=-1).cpu())  # [m, vocab]
             return logits
 
@@ -560,7 +560,7 @@ class EngineCore:
     def _rank(self, adapter_id: int) -> int | None:
         """An adapter's largest rank over its modules (None: the base model, or weights no longer registered)."""
         content = None if adapter_id == BASE_ADAPTER_ID else self.adapters.content(adapter_id)
-        return None if content is None else max(r for _, _, r in content.ranks)
+        return None if content is None else content.rank
 
 
 def _pool_config(config: EngineConfig, runner: ModelRunner, num_layers: int, costs: CopyCosts) -> PoolConfig:

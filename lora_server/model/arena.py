@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.peft_format import VocabLora
 from lora_server.kernels.lora_table import GROUPS
 from lora_server.kernels.segment_lora import LoraTerm
 from lora_server.model.arch import ModelArch
+from lora_server.model.lora import VocabTerms
 
 
 class Arena:
@@ -67,6 +69,8 @@ class ResidentAdapter:
     pages: list[int]  # its arena pages, table page first
     # CPU only: [layer][group] -> the terms its LoRA is computed as (segment_lora), views into the arena
     terms: list[dict[str, list[LoraTerm]]] | None = None
+    # its changes to the embedding and head, held beside its pages (not in them), loaded and dropped with it
+    vocab: VocabTerms | None = None
 
 
 class ResidentAdapters:
@@ -86,10 +90,11 @@ class ResidentAdapters:
     def __len__(self) -> int:
         return len(self._by_page)
 
-    def load(self, pages: list[int], layout: PageLayout, image: torch.Tensor) -> None:
+    def load(self, pages: list[int], layout: PageLayout, image: torch.Tensor, vocab: VocabLora | None = None) -> None:
         """Copy a staged image (uint8 [n, page_bytes], pinned on CUDA) into arena ``pages`` (at least n; the first
         is the table page) and write its table there. Asynchronous on CUDA (the caller's stream): ``image`` must
-        stay untouched until the copy has run (torch's pinned allocator keeps it alive)."""
+        stay untouched until the copy has run (torch's pinned allocator keeps it alive). ``vocab``: the adapter's
+        changes to the embedding and head, kept (on the device, in the model's dtype) until it is unloaded."""
         assert len(pages) >= layout.num_pages == image.shape[0], (len(pages), layout.num_pages, image.shape)
         arena = self.arena
         pages = pages[: layout.num_pages]
@@ -106,6 +111,9 @@ class ResidentAdapters:
         table.numpy()[:] = values
         dst.copy_(table, non_blocking=True)
         resident = ResidentAdapter(layout, pages)
+        if vocab is not None:
+            g = self.geometry
+            resident.vocab = VocabTerms(vocab, g.shapes.vocab_size, g.dtype, arena.pages.device)
         if self._cpu:
             resident.terms = self._terms(layout, pages)
         self._by_page[pages[0]] = resident
@@ -125,6 +133,10 @@ class ResidentAdapters:
     def unload(self, table_page: int) -> None:
         """Forget the adapter whose table is on ``table_page`` (its pages go back to the pool: nothing to copy)."""
         del self._by_page[table_page]
+
+    def vocab(self, table_page: int) -> VocabTerms | None:
+        """The embedding and head changes of the adapter whose table is on ``table_page`` (None: it has none)."""
+        return self._by_page[table_page].vocab
 
     def terms(self, table_page: int, layer: int, group: str) -> list[LoraTerm]:
         """The CPU's LoRA terms of one resident adapter's layer and fused group (empty: it targets none of them)."""

@@ -93,6 +93,7 @@ class PromptScoring:
     rows: torch.Tensor  # [P] int64
     targets: torch.Tensor  # [P] int64
     owners: list[tuple[str, int, int, int]]
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first, end, table page) of adapters' rows
 
 
 @dataclass(slots=True)
@@ -115,6 +116,8 @@ class ForwardBatch:
     lora: LoraBatch | None = None  # each token's adapter slot; None when no token has an adapter
     num_padding: int = 0  # the last num_padding of the B sequences are padding (see above)
     prompt_scoring: PromptScoring | None = None  # prompt tokens whose logprobs this step computes, if any
+    # (first, end, table page) of the logits rows (of logits_indices) whose request has an adapter, host integers
+    logits_segments: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ the KV write, attention, the gated activation."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from lora_server.kernels import ops
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.checkpoint import Checkpoint
-from lora_server.model.lora import LoraBatch, LoraLinear
+from lora_server.model.lora import LoraBatch, LoraLinear, VocabTerms
 from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for_cpu, swap_for_cuda, tensor_mode
 
 
@@ -256,10 +257,18 @@ class LlamaModel(nn.Module):
         self.embed, self.layers, self.norm, self.rotary = embed, nn.ModuleList(layers), norm, rotary
         self.local_rotary = local_rotary  # Gemma 3's sliding layers' table
         self.lm_head = lm_head  # None: tied to the embedding
+        # table page -> that resident adapter's embedding / head changes, or None (set by the runner: its arena)
+        self.vocab_terms: Callable[[int], VocabTerms | None] | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
         x = self.embed.rows(batch.input_ids, self.dtype)  # [T, hidden]
+        vocab_terms = self.vocab_terms
+        if batch.lora is not None and vocab_terms is not None:  # adapters' embeddings, before the scale (PEFT)
+            for start, end, page in batch.lora.host_segments:
+                terms = vocab_terms(page)
+                if terms is not None:
+                    terms.embed_(x[start:end], batch.input_ids[start:end])
         if self.arch.embed_scale != 1.0:  # Gemma: times sqrt(hidden) rounded to the dtype, as HF's normalizer
             x = x * torch.tensor(self.arch.embed_scale, dtype=self.dtype)
         rope = self.rotary.table(batch.positions, self.dtype)
@@ -280,9 +289,18 @@ class LlamaModel(nn.Module):
             for layer in layers
         ]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+    def compute_logits(
+        self, hidden: torch.Tensor, segments: Sequence[tuple[int, int, int]] = ()
+    ) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        """The head's logits (soft-capped where the family caps them); ``segments``: (first row, end row, table
+        page) of the rows that belong to an adapter, whose changes to the head apply before the cap."""
         head = self.lm_head if self.lm_head is not None else self.embed
         logits = head(hidden).float()
+        vocab_terms = self.vocab_terms
+        for start, end, page in segments:
+            terms = None if vocab_terms is None else vocab_terms(page)
+            if terms is not None:
+                terms.head_(logits[start:end], hidden[start:end])
         cap = self.arch.final_softcap
         return logits if cap <= 0 else torch.tanh(logits / cap) * cap
 

@@ -18,6 +18,7 @@ from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, groups
 from lora_server.kernels.segment_lora import LoraTerm
 
 if TYPE_CHECKING:
+    from lora_server.adapters.peft_format import VocabLora
     from lora_server.model.quant import QuantLinear
 
 
@@ -89,6 +90,50 @@ class LoraLinear(nn.Module):
             host_segments=lambda: [(s, e, terms(page, layer, group)) for s, e, page in lora.host_segments],
         )
         return out
+
+
+class VocabTerms:
+    """One resident adapter's changes to the embedding and the output head (adapters.peft_format.VocabLora) on the
+    device in the model's dtype, as the model applies them to its tokens' rows (the CPU path: per host segment)."""
+
+    def __init__(self, vocab: VocabLora, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        def put(pair: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+            return None if pair is None else (pair[0].to(device, dtype), pair[1].to(device, dtype))
+
+        self.embed_lora, self.head_lora = put(vocab.embed_lora), put(vocab.head_lora)
+        # token id -> its row in embed_rows, -1 for the ids the adapter does not replace: [vocab] int64
+        self.embed_slot: torch.Tensor | None = None
+        self.embed_rows: torch.Tensor | None = None  # [n, hidden]
+        if vocab.embed_tokens is not None:
+            ids, rows = vocab.embed_tokens
+            self.embed_slot = torch.full((vocab_size,), -1, dtype=torch.int64, device=device)
+            self.embed_slot[ids.to(device)] = torch.arange(ids.numel(), device=device)
+            self.embed_rows = rows.to(device, dtype)
+        self.head_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [n] int64, rows [n, hidden]
+        if vocab.head_tokens is not None:
+            ids, rows = vocab.head_tokens
+            self.head_tokens = (ids.to(device), rows.to(device, dtype))
+
+    def embed_(self, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """In place: x [n, hidden], the embedding rows of token ids [n] (before any embedding scale), become the
+        adapter's: + A^T[id] @ B^T (scaled) with LoRA on the embedding; a trainable token's own row."""
+        if self.embed_lora is not None:
+            a_t, b_t = self.embed_lora
+            x.add_(a_t[ids] @ b_t)
+        if self.embed_slot is not None and self.embed_rows is not None:
+            slot = self.embed_slot[ids]
+            hit = slot >= 0
+            x[hit] = self.embed_rows[slot[hit]]
+
+    def head_(self, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """In place: logits [n, >= vocab] float32 of hidden [n, hidden] (before any soft-cap) become the adapter's:
+        + (h @ A^T) @ B^T (scaled) with LoRA on the head; a trainable token's column from its own head row."""
+        if self.head_lora is not None:
+            a, b_t = self.head_lora
+            logits[:, : b_t.shape[1]] += ((hidden @ a.T) @ b_t).float()
+        if self.head_tokens is not None:
+            ids, rows = self.head_tokens
+            logits[:, ids] = (hidden @ rows.T).float()
 
 
 class BaseRowNorms:

@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
-from lora_server.adapters.peft_format import AdapterError, BaseShapes
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, VocabLora
 from lora_server.config import EngineConfig
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import MODULES, max_tiles, tile_map
@@ -48,6 +48,9 @@ class StagedImage(Protocol):
 
     @property
     def image(self) -> torch.Tensor: ...  # uint8 [pages, page bytes]
+
+    @property
+    def vocab(self) -> VocabLora | None: ...  # what it changes of the embedding and head
 
 
 COPY_PROBE_BYTES = 64 << 20  # measure_copy_costs copies at least this much (beyond the CPU's caches)
@@ -104,6 +107,10 @@ class ModelRunner:
             fused=arch.fused_projections,
             architecture=arch.architecture,
             head_dim=arch.head_dim,
+            vocab_size=arch.vocab_size,
+            tied_embeddings=arch.tie_word_embeddings,
+            # applied per token and logits row on the CPU path only: the CUDA kernels and graphs do not have them
+            vocab_refusal="" if self.device.type == "cpu" else f"the {self.device.type} path does not apply them yet",
         )
         self.geometry = PageGeometry(
             page_bytes(arch, self.block_size, self.kv_dtype), self.dtype, config.max_lora_rank, self.adapter_shapes
@@ -171,6 +178,7 @@ class ModelRunner:
         self.arena = arena
         wrappers = self.model.lora_wrappers()
         self.adapters = ResidentAdapters(arena, self.geometry, {g: w.slice_starts for g, w in wrappers[0].items()})
+        self.model.vocab_terms = self.adapters.vocab
         workspace = LoraWorkspace(
             ops.LoraArena(arena.weights, arena.table, arena.table_stride, self.config.max_lora_rank),
             self.adapters.terms,
@@ -346,7 +354,7 @@ class ModelRunner:
                 assert images is not None and op.adapter in images, f"no staged image for {op.adapter}"
                 image = images[op.adapter]
                 with order.adapter_load(list(op.dst), image.image):
-                    self.adapters.load(list(op.dst), image.layout, image.image)
+                    self.adapters.load(list(op.dst), image.layout, image.image, image.vocab)
                 adapter_s += time.perf_counter() - start
             else:
                 self.adapters.unload(op.src[0])
@@ -385,6 +393,8 @@ class ModelRunner:
         scored_rows: list[int] = []  # prompt logprobs: hidden rows that score the next prompt token
         scored_targets: list[int] = []
         owners: list[tuple[str, int, int, int]] = []
+        logits_segments: list[tuple[int, int, int]] = []  # adapters' logits rows (compute_logits' segments)
+        scored_segments: list[tuple[int, int, int]] = []  # adapters' scored prompt rows
         bs = self.block_size
         for request, n in items:
             drafts = request.draft_token_ids
@@ -404,10 +414,16 @@ class ModelRunner:
                 num_prompt = request.num_tokens - request.num_output_tokens
                 scored = range(max(start, request.num_prompt_logprobs), min(end, num_prompt - 1))
                 if scored:
+                    if request.lora_page >= 0:
+                        first = len(scored_rows)
+                        scored_segments.append((first, first + len(scored), request.lora_page))
                     scored_rows.extend(first_row + p for p in scored)
                     scored_targets.extend(tokens[scored.start + 1 : scored.stop + 1])
                     owners.append((request.request_id, params.prompt_logprobs, scored.start + 1, len(scored)))
             if end == len(tokens) and not params.scores_prompt:
+                if request.lora_page >= 0:
+                    first = len(logits_rows)
+                    logits_segments.append((first, first + 1 + len(drafts), request.lora_page))
                 logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
                 sampling.append(request)
         padding = 0 if bucket is None else bucket - len(items)
@@ -460,7 +476,10 @@ class ModelRunner:
             query_start_loc=dev["query_start_loc"],
             logits_indices=dev["logits_indices"],
             num_padding=padding,
-            prompt_scoring=PromptScoring(dev["scored_rows"], dev["scored_targets"], owners) if owners else None,
+            prompt_scoring=(
+                PromptScoring(dev["scored_rows"], dev["scored_targets"], owners, scored_segments) if owners else None
+            ),
+            logits_segments=logits_segments,
         )
         return batch, sampling
 
@@ -506,7 +525,7 @@ class ModelRunner:
         scores = self._score_prompts(hidden, batch.prompt_scoring)
         if not sampling:
             return sampling, None, scores
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices], batch.logits_segments)
         rows: list[ScheduledSequence] = []
         for request in sampling:
             drafts = request.draft_token_ids
@@ -519,7 +538,9 @@ class ModelRunner:
         if scoring is None:
             return {}
         k = max(owner_k for _, owner_k, _, _ in scoring.owners)
-        scores = score_tokens(hidden[scoring.rows], scoring.targets, k, self.model.compute_logits, self.arch.vocab_size)
+        scores = score_tokens(
+            hidden[scoring.rows], scoring.targets, k, self.model.compute_logits, self.arch.vocab_size, scoring.segments
+        )
         by_request, row = {}, 0
         for request_id, owner_k, first, count in scoring.owners:
             end = row + count

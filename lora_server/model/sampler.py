@@ -43,17 +43,25 @@ def scoring_rows(vocab: int) -> int:
 
 
 def score_tokens(
-    hidden: torch.Tensor, targets: torch.Tensor, k: int, logits_of: Callable[[torch.Tensor], torch.Tensor], vocab: int
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    logits_of: Callable[[torch.Tensor, Sequence[tuple[int, int, int]]], torch.Tensor],
+    vocab: int,
+    segments: Sequence[tuple[int, int, int]] = (),
 ) -> TokenScores:
     """hidden: [P, H] final hidden states, targets: [P] int64 the token each row scores, ``logits_of`` the model's
     head ([m, H] -> [m, >= vocab] float32). Row j's result is log_softmax(logits_of(hidden[j])[:vocab])[targets[j]],
-    its rank and topk(k). The rows go through the head a slice at a time, so that at most SCORING_LOGITS_BYTES of
-    logits exist at once however long the prompt (never a [P, vocab] tensor); the result comes back in one
-    transfer."""
+    its rank and topk(k); ``segments`` (first row, end row, table page): the rows' adapters, handed to
+    ``logits_of`` for each slice's rows. The rows go through the head a slice at a time, so that at most
+    SCORING_LOGITS_BYTES of logits exist at once however long the prompt (never a [P, vocab] tensor); the result
+    comes back in one transfer."""
     step = scoring_rows(vocab)
     packed = []
     for start in range(0, hidden.shape[0], step):
-        logprobs = torch.log_softmax(logits_of(hidden[start : start + step])[:, :vocab], dim=-1)  # [m, vocab]
+        end = min(start + step, hidden.shape[0])
+        cut = [(max(s, start) - start, min(e, end) - start, p) for s, e, p in segments if s < end and e > start]
+        logprobs = torch.log_softmax(logits_of(hidden[start:end], cut)[:, :vocab], dim=-1)  # [m, vocab]
         chosen = logprobs.gather(1, targets[start : start + step, None])  # [m, 1]
         rank = (logprobs > chosen).sum(-1, keepdim=True) + 1  # [m, 1]
         top_vals, top_ids = logprobs.topk(k, dim=-1)  # [m, k]

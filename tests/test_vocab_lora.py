@@ -1,0 +1,295 @@
+"""LoRA on the embedding (embed_tokens) and the output head (lm_head), and PEFT's trainable tokens
+(trainable_token_indices), served as PEFT 0.21 computes them.
+
+End to end on tiny Llamas, one with its own head and one whose head is tied to the embedding: the engine's greedy
+tokens and log-probabilities against HF transformers + PEFT at fp32, each adapter alone and all of them in one
+batch with a plain LoRA and the base; prompt log-probabilities (the scoring path's head) too. Each adapter moves the
+model (PEFT with it against PEFT without it), so a change the engine dropped fails the comparison. The trainable
+tokens' prompts use the trained ids, and on the tied model a trained head row is made strongly preferred, so that
+the greedy tokens are trained ids. Refusals: ids beyond the base's vocabulary (an adapter trained with added
+tokens), and an engine that does not apply these forms (the CUDA path)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.sampling_params import SamplingParams
+from tests import test_adapter_keys
+from tests.test_model_vs_hf import LOGPROB_TOL, _near_tie
+
+tiny = test_adapter_keys.tiny  # a random tiny Llama with its own head (vocab 128, hidden 64), and its HF model
+TRAINED = [7, 19, 42]  # the trainable tokens' ids
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory):
+    """The same tiny Llama with its head tied to the embedding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(**{**test_adapter_keys.TINY, "tie_word_embeddings": True})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("tiny-tied")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _save(model, config, path: Path, edit=None) -> Path:
+    """PEFT's adapter ``config`` on a copy of ``model``, its LoRA weights drawn at random (B times 0.5 on top of
+    PEFT's draw) and ``edit(peft_model)`` applied before saving."""
+    from peft import get_peft_model
+
+    torch.manual_seed(len(str(path)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft = get_peft_model(copy.deepcopy(model), config)
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)
+            if edit is not None:
+                edit(peft)
+        peft.save_pretrained(path)
+    return path
+
+
+def _hidden_direction(model, prompts: list[list[int]]) -> torch.Tensor:
+    """The unit mean of the base's final hidden states over ``prompts``: a head row along it wins the argmax."""
+    with torch.no_grad():
+        hidden = torch.cat([model.model(input_ids=torch.tensor([p])).last_hidden_state[0] for p in prompts])
+    mean = hidden.mean(0)
+    return mean / mean.norm()
+
+
+def _make_adapters(model, tmp_path: Path, prompts: list[list[int]]) -> dict[str, Path]:
+    from peft import LoraConfig
+
+    direction = _hidden_direction(model, prompts)
+
+    def strong_rows(peft) -> None:  # the trained ids' rows: random, the last one along the hidden states (tied)
+        for name, p in peft.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+                p[-1] = direction * 12
+
+    return {
+        "plain": _save(
+            model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False), tmp_path / "plain"
+        ),
+        "embed": _save(
+            model,
+            LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens"], init_lora_weights=False),
+            tmp_path / "embed",
+        ),
+        "head": _save(
+            model,
+            LoraConfig(r=4, lora_alpha=4, target_modules=["lm_head", "v_proj"], init_lora_weights=False),
+            tmp_path / "head",
+        ),
+        # q_proj's B is zero (PEFT's init): only the trained rows move the model
+        "tokens": _save(
+            model,
+            LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=TRAINED),
+            tmp_path / "tokens",
+            strong_rows,
+        ),
+    }
+
+
+def _reference(model, adapter: Path | None):
+    from peft import PeftModel
+
+    if adapter is None:
+        return model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PeftModel.from_pretrained(copy.deepcopy(model), adapter).eval()
+
+
+def _log_softmax(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts that use the trained ids (and tokens the embedding LoRA changes: all of them)."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for n in (5, 13, 9, 21, 3, 17):
+        ids = torch.randint(0, 128, (n,), generator=gen).tolist()
+        ids[n // 2] = TRAINED[len(prompts) % len(TRAINED)]
+        ids[-1] = TRAINED[(len(prompts) + 1) % len(TRAINED)]
+        prompts.append(ids)
+    return prompts
+
+
+def _engine(path: Path, adapters: dict[str, Path]) -> Engine:
+    config = dict(quantization="none", kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
+    engine = Engine(EngineConfig(model=str(path), **config))
+    for name, adapter in adapters.items():
+        engine.add_adapter(name, adapter)
+    return engine
+
+
+def _check(engine: Engine, base_model, adapters: dict[str, Path], plan: list[str | None]) -> list[list[int]]:
+    """The requests of ``plan`` (an adapter name or None each, on _prompts()) in one batch: logprobs within
+    LOGPROB_TOL of PEFT's with that adapter alone, greedy tokens PEFT's but for near ties, and each adapter moving the
+    model. Returns the generated tokens."""
+    prompts = _prompts()[: len(plan)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    outs = engine.generate(prompts, params, adapters=plan)
+    refs = {name: _reference(base_model, adapters[name]) for name in set(plan) if name is not None}
+    generated = []
+    for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
+        model = base_model if adapter is None else refs[adapter]
+        ref = _log_softmax(model, prompt + out.token_ids)
+        if adapter is not None:
+            moved = (ref - _log_softmax(base_model, prompt + out.token_ids)).abs().max()
+            assert moved > 0.05, (adapter, float(moved))
+        for step, lp in enumerate(out.logprobs):
+            row = ref[len(prompt) - 1 + step]
+            assert abs(lp.logprob - row[lp.token_id].item()) <= LOGPROB_TOL, (adapter, step)
+            assert lp.token_id == int(row.argmax()) or _near_tie(row), (adapter, step)
+        generated.append(out.token_ids)
+    return generated
+
+
+@pytest.fixture(scope="module")
+def untied_setup(tiny, tmp_path_factory):
+    path, model = tiny
+    adapters = _make_adapters(model, tmp_path_factory.mktemp("untied-adapters"), _prompts())
+    return path, model, adapters, _engine(path, adapters)
+
+
+@pytest.fixture(scope="module")
+def tied_setup(tiny_tied, tmp_path_factory):
+    path, model = tiny_tied
+    adapters = _make_adapters(model, tmp_path_factory.mktemp("tied-adapters"), _prompts())
+    return path, model, adapters, _engine(path, adapters)
+
+
+@pytest.mark.parametrize("form", ["embed", "head", "tokens"])
+@pytest.mark.parametrize("setup", ["untied_setup", "tied_setup"])
+def test_each_form_alone_matches_peft(request, setup, form):
+    _, model, adapters, engine = request.getfixturevalue(setup)
+    generated = _check(engine, model, adapters, [form, form, form])
+    if form == "tokens" and setup == "tied_setup":  # the tied head's trained row wins: the greedy token is its id
+        assert all(TRAINED[-1] in tokens for tokens in generated), generated
+
+
+@pytest.mark.parametrize("setup", ["untied_setup", "tied_setup"])
+def test_mixed_batch_matches_peft(request, setup):
+    _, model, adapters, engine = request.getfixturevalue(setup)
+    _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
+
+
+@pytest.mark.parametrize("form", ["embed", "head", "tokens"])
+def test_prompt_logprobs_match_peft(tied_setup, form):
+    """The scoring path's head: every prompt token's logprob under the adapter, as PEFT's."""
+    _, model, adapters, engine = tied_setup
+    prompt = _prompts()[3]
+    scores = engine.core.full_prompt_logprobs(f"score-{form}", prompt, form)
+    ref = _log_softmax(_reference(model, adapters[form]), prompt)[:-1]
+    assert (scores - ref).abs().max() <= LOGPROB_TOL
+
+
+def test_peft_keeps_the_full_rows_and_ties_the_head(tiny_tied, tmp_path):
+    """What the engine relies on: trainable_tokens_delta holds the listed ids' whole new rows, and on a tied model
+    PEFT's head uses them too."""
+    from peft import LoraConfig
+
+    _, model = tiny_tied
+    path = _save(model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[5, 9]), tmp_path / "a")
+    delta = next(v for k, v in load_file(str(path / "adapter_model.safetensors")).items() if "trainable_tokens" in k)
+    assert torch.equal(delta, model.model.embed_tokens.weight[[5, 9]])  # PEFT's init: the rows as they were
+    peft = _reference(model, path)
+    with torch.no_grad():
+        new = torch.randn(2, 64)
+        next(p for n, p in peft.named_parameters() if "trainable_tokens_delta" in n).copy_(new)
+        h = torch.randn(1, 1, 64)
+        assert torch.allclose(peft.get_output_embeddings()(h)[0, 0, [5, 9]], new @ h[0, 0])
+
+
+def test_ids_beyond_the_vocabulary_are_refused(tiny, tmp_path):
+    from peft import LoraConfig
+
+    _, model = tiny
+    path = _save(model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 4, 5]), tmp_path / "a")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "trainable_token_indices": [3, 128, 130]}))
+    shapes = BaseShapes.llama(2, 64, 128, 64, 32, vocab_size=128, vocab_refusal="")
+    with pytest.raises(
+        AdapterError, match=re.escape("2 token id(s) (e.g. 128) are beyond the base model's vocabulary of 128")
+    ):
+        load_peft_adapter("x", path, shapes, max_rank=16)
+
+
+def test_an_engine_that_does_not_apply_them_refuses_them(untied_setup):
+    """The CUDA path (kernels, graphs) does not apply these forms: its BaseShapes say why, and registration fails."""
+    _, _, adapters, _ = untied_setup
+    shapes = BaseShapes.llama(2, 64, 128, 64, 32, vocab_size=128, vocab_refusal="the cuda path does not apply them yet")
+    for form, named in (("embed", "embed_tokens"), ("head", "lm_head"), ("tokens", "trainable_token_indices")):
+        with pytest.raises(AdapterError, match=re.escape(named) + ".*cuda path does not apply them"):
+            load_peft_adapter(form, adapters[form], shapes, max_rank=16)
+    load_peft_adapter("plain", adapters["plain"], shapes, max_rank=16)
+
+
+def test_the_saved_base_embedding_must_be_the_bases_shape(untied_setup, tmp_path):
+    """PEFT saves the base's embedding beside a LoRA on it; one of another vocabulary (resized) is refused."""
+    _, _, adapters, _ = untied_setup
+    out = tmp_path / "resized"
+    out.mkdir()
+    tensors = load_file(str(adapters["embed"] / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("embed_tokens.base_layer.weight"))
+    tensors[key] = torch.zeros(130, 64)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text((adapters["embed"] / "adapter_config.json").read_text())
+    shapes = BaseShapes.llama(2, 64, 128, 64, 32, vocab_size=128, vocab_refusal="")
+    with pytest.raises(AdapterError, match="resized vocabulary"):
+        load_peft_adapter("x", out, shapes, max_rank=16)
+
+
+def test_speculative_decoding_verifies_with_the_adapters_head(tied_setup):
+    """Prompt-lookup drafts are verified on logits rows that carry the request's adapter: with the tied trained row
+    repeating, drafts are proposed and accepted, and the tokens and logprobs stay PEFT's."""
+    path, model, adapters, _ = tied_setup
+    config = dict(quantization="none", kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
+    engine = Engine(EngineConfig(model=str(path), speculative_ngram=3, speculative_ngram_min=1, **config))
+    for name, adapter in adapters.items():
+        engine.add_adapter(name, adapter)
+    _check(engine, model, adapters, ["tokens", "head", None, "embed", "tokens"])
+    snap = engine.snapshot()
+    assert snap.spec_draft_tokens > 0 and snap.spec_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_gemma_embedding_scale_and_soft_cap(tmp_path):
+    """Gemma 2 (tied head, embeddings times sqrt(hidden), soft-capped logits): PEFT scales an embedding LoRA's rows
+    and trainable tokens' rows like the base's, and a head LoRA's logits are capped with the base's."""
+    from tests.test_architectures import _build
+
+    model = _build(tmp_path / "base", "gemma2")
+    adapters = _make_adapters(model, tmp_path, _prompts())
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path / "base"), block_size=16, num_kv_blocks=128, max_lora_rank=8, show_progress=False
+        )
+    )
+    for name, adapter in adapters.items():
+        engine.add_adapter(name, adapter)
+    _check(engine, model, adapters, ["embed", "tokens", "head", None, "plain", "embed"])
