@@ -280,11 +280,16 @@ def test_speculative_decoding_verifies_with_the_adapters_head(tied_setup):
 @pytest.mark.slow
 def test_gemma_embedding_scale_and_soft_cap(tmp_path):
     """Gemma 2 (tied head, embeddings times sqrt(hidden), soft-capped logits): PEFT scales an embedding LoRA's rows
-    and trainable tokens' rows like the base's, and a head LoRA's logits are capped with the base's."""
+    and trainable tokens' rows like the base's, and a head LoRA's logits are capped with the base's; LoRA on both
+    the tied embedding and head changes each independently."""
     from tests.test_architectures import _build
+
+    from peft import LoraConfig
 
     model = _build(tmp_path / "base", "gemma2")
     adapters = _make_adapters(model, tmp_path, _prompts())
+    both = LoraConfig(r=4, target_modules=["embed_tokens", "lm_head"], init_lora_weights=False)  # on a tied model
+    adapters["both"] = _save(model, both, tmp_path / "both")
     engine = Engine(
         EngineConfig(
             model=str(tmp_path / "base"), block_size=16, num_kv_blocks=128, max_lora_rank=8, show_progress=False
@@ -292,4 +297,4 @@ def test_gemma_embedding_scale_and_soft_cap(tmp_path):
     )
     for name, adapter in adapters.items():
         engine.add_adapter(name, adapter)
-    _check(engine, model, adapters, ["embed", "tokens", "head", None, "plain", "embed"])
+    _check(engine, model, adapters, ["embed", "tokens", "head", None, "plain", "both"])
