@@ -282,9 +282,9 @@ def test_gemma_embedding_scale_and_soft_cap(tmp_path):
     """Gemma 2 (tied head, embeddings times sqrt(hidden), soft-capped logits): PEFT scales an embedding LoRA's rows
     and trainable tokens' rows like the base's, and a head LoRA's logits are capped with the base's; LoRA on both
     the tied embedding and head changes each independently."""
-    from tests.test_architectures import _build
-
     from peft import LoraConfig
+
+    from tests.test_architectures import _build
 
     model = _build(tmp_path / "base", "gemma2")
     adapters = _make_adapters(model, tmp_path, _prompts())
