@@ -298,3 +298,53 @@ def test_gemma_embedding_scale_and_soft_cap(tmp_path):
     for name, adapter in adapters.items():
         engine.add_adapter(name, adapter)
     _check(engine, model, adapters, ["embed", "tokens", "head", None, "plain", "both"])
+
+
+@pytest.mark.slow
+def test_the_server_serves_each_form_streamed_and_not(tmp_path_factory, hf_smollm2):
+    """``lora-server serve`` on the embedded model (its head tied to its embedding): an embedding LoRA, a head LoRA
+    and trainable tokens registered through the admin API answer the openai client's completions with HF + PEFT's
+    greedy tokens, streamed and not, beside the base model (prompts as token ids: no tokenizer between the sides)."""
+    from peft import LoraConfig
+
+    from tests.servers import BASE, Server
+    from tests.test_architectures import _peft_greedy
+    from tests.test_dora import EXTRA
+
+    root = tmp_path_factory.mktemp("vocab-server")
+    prompt = [1, 9690, 314, 253, 2914, 1005, 28, 2]
+    trained = [253, 2914, 28]
+
+    def rows(peft) -> None:  # the trained ids' own rows, far from the base's
+        for name, p in peft.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+
+    def lora(target: str) -> LoraConfig:
+        return LoraConfig(r=4, target_modules=[target], init_lora_weights=False)
+
+    adapters = {
+        "embed": _save(hf_smollm2, lora("embed_tokens"), root / "e"),
+        "head": _save(hf_smollm2, lora("lm_head"), root / "h"),
+        "tokens": _save(
+            hf_smollm2, LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=trained), root / "t", rows
+        ),
+    }
+    refs = {name: _reference(hf_smollm2, path) for name, path in adapters.items()}  # PEFT loads them one by one
+    expected = {name: _peft_greedy(refs[name], "default", prompt, 8) for name in adapters}
+    expected[BASE] = _peft_greedy(refs["embed"], None, prompt, 8)
+    assert all(expected[name] != expected[BASE] for name in adapters), expected
+    server = Server(root, [root])
+    try:
+        for name, path in adapters.items():
+            assert server.admin("POST", "/admin/adapters", json={"name": name, "path": str(path)}).status_code == 200
+        client = server.client()
+        for name, tokens in expected.items():
+            text = server.admin("POST", "/detokenize", json={"model": BASE, "tokens": tokens}).json()["prompt"]
+            asked = dict(model=name, prompt=prompt, max_tokens=8, temperature=0, extra_body=EXTRA)
+            whole = client.completions.create(**asked)
+            assert whole.choices[0].text == text and whole.usage.completion_tokens == 8, name
+            stream = client.completions.create(**asked, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text, name
+    finally:
+        server.stop()
