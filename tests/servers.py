@@ -122,3 +122,27 @@ def write_adapter(path: Path, seed: int, r: int = 4, scale: float = 0.05) -> Pat
         json.dumps(dict(peft_type="LORA", r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], bias="none"))
     )
     return path
+
+
+GREEDY_EXTRA = {"ignore_eos": True, "skip_special_tokens": False}  # vLLM's: every token, as /detokenize writes it
+
+
+def assert_serves_greedy(root: Path, adapters: dict[str, Path], prompt: list[int], expected: dict[str, list[int]]):
+    """``lora-server serve`` in ``root`` (its only adapter root) with ``adapters`` registered through the admin API:
+    the openai client's greedy completions of ``prompt`` (token ids), streamed and not, are ``expected``'s tokens
+    for each model name (an adapter, or BASE)."""
+    server = Server(root, [root])
+    try:
+        for name, path in adapters.items():
+            assert server.admin("POST", "/admin/adapters", json={"name": name, "path": str(path)}).status_code == 200
+        client = server.client()
+        for name, tokens in expected.items():
+            text = server.admin("POST", "/detokenize", json={"model": BASE, "tokens": tokens}).json()["prompt"]
+            n = len(tokens)
+            asked = dict(model=name, prompt=prompt, max_tokens=n, temperature=0, extra_body=GREEDY_EXTRA)
+            whole = client.completions.create(**asked)
+            assert whole.choices[0].text == text and whole.usage.completion_tokens == n, name
+            stream = client.completions.create(**asked, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text, name
+    finally:
+        server.stop()

@@ -463,14 +463,12 @@ def test_dora_on_cuda_matches_peft(tiny, tmp_path):
 
 # ---- through the HTTP server -------------------------------------------------------------------------------------
 
-EXTRA = {"ignore_eos": True, "skip_special_tokens": False}  # vLLM's: every token, written as /detokenize writes it
-
 
 @pytest.mark.slow
 def test_the_server_serves_dora_streamed_and_not(tmp_path_factory, hf_smollm2):
     """``lora-server serve`` on the embedded model: a DoRA adapter registered through the admin API answers the
     openai client's completions with HF + PEFT's greedy tokens, streamed and not, beside the base model."""
-    from tests.servers import BASE, Server
+    from tests.servers import BASE, assert_serves_greedy
 
     root = tmp_path_factory.mktemp("dora-server")
     dora = save_adapter(hf_smollm2, root / "dora", seed=40, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -478,16 +476,4 @@ def test_the_server_serves_dora_streamed_and_not(tmp_path_factory, hf_smollm2):
     model = peft_model(hf_smollm2, {"dora": dora})
     expected = {"dora": _peft_greedy(model, "dora", prompt, 8), BASE: _peft_greedy(model, None, prompt, 8)}
     assert expected["dora"] != expected[BASE]
-    server = Server(root, [root])
-    try:
-        assert server.admin("POST", "/admin/adapters", json={"name": "dora", "path": str(dora)}).status_code == 200
-        client = server.client()
-        for name, tokens in expected.items():
-            text = server.admin("POST", "/detokenize", json={"model": BASE, "tokens": tokens}).json()["prompt"]
-            asked = dict(model=name, prompt=prompt, max_tokens=8, temperature=0, extra_body=EXTRA)
-            whole = client.completions.create(**asked)
-            assert whole.choices[0].text == text and whole.usage.completion_tokens == 8, name
-            stream = client.completions.create(**asked, stream=True)
-            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text, name
-    finally:
-        server.stop()
+    assert_serves_greedy(root, {"dora": dora}, prompt, expected)

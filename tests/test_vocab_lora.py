@@ -307,9 +307,8 @@ def test_the_server_serves_each_form_streamed_and_not(tmp_path_factory, hf_smoll
     greedy tokens, streamed and not, beside the base model (prompts as token ids: no tokenizer between the sides)."""
     from peft import LoraConfig
 
-    from tests.servers import BASE, Server
+    from tests.servers import BASE, assert_serves_greedy
     from tests.test_architectures import _peft_greedy
-    from tests.test_dora import EXTRA
 
     root = tmp_path_factory.mktemp("vocab-server")
     prompt = [1, 9690, 314, 253, 2914, 1005, 28, 2]
@@ -334,17 +333,4 @@ def test_the_server_serves_each_form_streamed_and_not(tmp_path_factory, hf_smoll
     expected = {name: _peft_greedy(refs[name], "default", prompt, 8) for name in adapters}
     expected[BASE] = _peft_greedy(refs["embed"], None, prompt, 8)
     assert all(expected[name] != expected[BASE] for name in adapters), expected
-    server = Server(root, [root])
-    try:
-        for name, path in adapters.items():
-            assert server.admin("POST", "/admin/adapters", json={"name": name, "path": str(path)}).status_code == 200
-        client = server.client()
-        for name, tokens in expected.items():
-            text = server.admin("POST", "/detokenize", json={"model": BASE, "tokens": tokens}).json()["prompt"]
-            asked = dict(model=name, prompt=prompt, max_tokens=8, temperature=0, extra_body=EXTRA)
-            whole = client.completions.create(**asked)
-            assert whole.choices[0].text == text and whole.usage.completion_tokens == 8, name
-            stream = client.completions.create(**asked, stream=True)
-            assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text, name
-    finally:
-        server.stop()
+    assert_serves_greedy(root, adapters, prompt, expected)
