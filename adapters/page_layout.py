@@ -7,8 +7,11 @@ group's A blocks of every slice back to back when they fit in a page (so that a 
 [K, r, in] view), else each slice's alone; B^T slice by slice; a block larger than a page in row groups of
 ROW_GROUP rows; a DoRA module's scale and shift (adapters.dora) a row each. A unit that does not fit in what is
 left of a page starts the next. Blocks: A [r, in], B^T [r, out] (B transposed, its scaling folded in) and DoRA's
-[2, out], row-major, in the model's dtype. The image holds every page in order with the table left zero: the
-table's offsets depend on which pages the adapter is given, so ``table`` computes it at load."""
+[2, out], row-major, in the model's dtype. After the layers come the adapter's changes to the embedding and the head
+(``vocab_pieces``: layer VOCAB_LAYER), each matrix in runs of whole rows, as many as what is left of a page holds, so
+that a vocabulary-long one spans pages. The image holds every page in order with the table left zero: the table's
+offsets depend on which pages the adapter is given, so ``table`` computes it at load (the table does not list the
+vocabulary pieces: model.arena reads them through views)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter, VocabLora
 from lora_server.kernels.lora_table import (
     GROUPS,
     MODULE_INDEX,
@@ -31,6 +34,31 @@ from lora_server.kernels.lora_table import (
 )
 
 _ALIGN_BYTES = 128  # every unit starts on a 128-byte boundary (whole cache lines and vector loads)
+VOCAB_LAYER = -1  # Block.layer of the embedding's and head's pieces (vocab_pieces)
+
+
+def vocab_pieces(vocab: VocabLora | None) -> dict[str, torch.Tensor]:
+    """The matrices that hold an adapter's changes to the embedding and head (adapters.peft_format.VocabLora) in its
+    pages, [rows, width] each, by name: embed_a_t [vocab, r] and embed_b_t [r, hidden] (LoRA on the embedding, its
+    scaling in embed_b_t), head_a [r, hidden] and head_b [vocab, r] (LoRA on the head, its scaling in head_b),
+    embed_rows and head_rows [n, hidden] (trainable tokens' rows; their ids stay with VocabLora)."""
+    if vocab is None:
+        return {}
+    pieces = {}
+    if vocab.embed_lora is not None:
+        pieces["embed_a_t"], pieces["embed_b_t"] = vocab.embed_lora
+    if vocab.head_lora is not None:
+        pieces["head_a"], pieces["head_b"] = vocab.head_lora[0], vocab.head_lora[1].t()
+    if vocab.embed_tokens is not None:
+        pieces["embed_rows"] = vocab.embed_tokens[1]
+    if vocab.head_tokens is not None:
+        pieces["head_rows"] = vocab.head_tokens[1]
+    return pieces
+
+
+def vocab_shapes(vocab: VocabLora | None) -> dict[str, tuple[int, int]]:
+    """vocab_pieces' [rows, width] by name: what a PageLayout needs to place them."""
+    return {name: (t.shape[0], t.shape[1]) for name, t in vocab_pieces(vocab).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +106,15 @@ def _align(nbytes: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Block:
     """Where one weight block lies in an adapter's pages: rows [row0, row1) of A, B^T or (``dora``) DoRA's [2, out]
-    (row 0 the scale, row 1 the shift) of one (layer, module)."""
+    (row 0 the scale, row 1 the shift) of one (layer, module); or, with layer VOCAB_LAYER, of the vocabulary piece
+    named ``module`` (vocab_pieces)."""
 
     layer: int
     module: str
     is_b: bool
     row0: int
     row1: int
-    width: int  # elements per row: in (A) or out (B^T, DoRA's)
+    width: int  # elements per row: in (A) or out (B^T, DoRA's); a vocabulary piece's width
     page: int  # index into the adapter's pages
     offset: int  # element offset inside that page
     dora: bool = False  # a row of DoRA's epilogue (is_b is then False)
@@ -93,10 +122,15 @@ class Block:
 
 class PageLayout:
     """Where each block of one adapter goes in its pages, for a PageGeometry; ``ranks``: (layer, module) -> r for
-    the modules it targets; ``dora``: those of them that are DoRA modules (LoraAdapter.magnitudes' keys)."""
+    the modules it targets; ``dora``: those of them that are DoRA modules (LoraAdapter.magnitudes' keys);
+    ``vocab``: the [rows, width] of its embedding and head pieces by name (vocab_shapes)."""
 
     def __init__(
-        self, geometry: PageGeometry, ranks: dict[tuple[int, str], int], dora: Collection[tuple[int, str]] = ()
+        self,
+        geometry: PageGeometry,
+        ranks: dict[tuple[int, str], int],
+        dora: Collection[tuple[int, str]] = (),
+        vocab: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         geometry.check_fits()
         if any(r > geometry.max_rank for r in ranks.values()):
@@ -117,6 +151,23 @@ class PageLayout:
                     for row in (0, 1):  # scale, shift: a unit each, so that each fits what a page has room for
                         page, offset = self._claim(features[m][1], item)
                         self.blocks.append(Block(layer, m, False, row, row + 1, features[m][1], page, offset, True))
+        self.vocab = dict(vocab or {})
+        for name, (rows, width) in self.vocab.items():
+            self._place_rows(name, rows, width, item)
+
+    def _place_rows(self, name: str, rows: int, width: int, item: int) -> None:
+        """Put a vocabulary piece [rows, width] in runs of whole rows: as many as what is left of the page holds,
+        the rest on the next pages (a row is at most hidden wide: check_fits makes room for 16 of those)."""
+        page_elems, row0 = self.geometry.page_elems, 0
+        while row0 < rows:
+            fit = (page_elems - self._cursor) // width
+            if fit == 0:
+                self.num_pages, self._cursor = self.num_pages + 1, 0
+                fit = page_elems // width
+            row1 = min(rows, row0 + fit)
+            page, offset = self._claim((row1 - row0) * width, item)
+            self.blocks.append(Block(VOCAB_LAYER, name, False, row0, row1, width, page, offset))
+            row0 = row1
 
     def _place_unit(self, layer: int, is_b: bool, pieces: list[tuple[str, int, int]], item: int) -> None:
         """Put one unit (these blocks back to back) where it fits whole; split it per module, then per row group,
@@ -164,6 +215,8 @@ class PageLayout:
         unused bytes zero; written into ``out`` when given (the caller's pinned memory, of that shape). ``dora``:
         the [2, out] epilogue of each DoRA module (adapters.dora.dora_epilogues), exactly the layout's."""
         assert set(dora or {}) == self.dora, "the DoRA epilogues are not the layout's DoRA modules"
+        pieces = vocab_pieces(adapter.vocab)
+        assert vocab_shapes(adapter.vocab) == self.vocab, "the adapter's vocabulary pieces are not the layout's"
         g = self.geometry
         shape = (self.num_pages, g.page_bytes)
         if out is None:
@@ -173,8 +226,11 @@ class PageLayout:
             pages = out.zero_()
         values = pages.view(-1).view(g.dtype).view(self.num_pages, g.page_elems)
         for block in self.blocks:
-            a, b = adapter.weights[(block.layer, block.module)]
-            matrix = dora[(block.layer, block.module)] if dora and block.dora else b.t() if block.is_b else a
+            if block.layer == VOCAB_LAYER:
+                matrix = pieces[block.module]
+            else:
+                a, b = adapter.weights[(block.layer, block.module)]
+                matrix = dora[(block.layer, block.module)] if dora and block.dora else b.t() if block.is_b else a
             rows = matrix[block.row0 : block.row1]
             n = rows.numel()
             values[block.page, block.offset : block.offset + n].copy_(rows.reshape(-1))
@@ -191,6 +247,8 @@ class PageLayout:
             table[layer, MODULE_INDEX[module], 0] = r
         page_elems = g.page_elems
         for block in self.blocks:
+            if block.layer == VOCAB_LAYER:
+                continue
             base = pages[block.page] * page_elems + block.offset
             if block.dora:
                 table[block.layer, MODULE_INDEX[block.module], dora_column(g.max_rank) + block.row0] = base

@@ -1,14 +1,15 @@
 """adapters.page_layout: where an adapter's blocks go in its pages, its table, its image. A small case by hand
 (every offset computed here from the packing rule), then larger adapters that split per module and per row group,
-checked against the rule's invariants and by reading every weight back through the table, the kernels' way."""
+checked against the rule's invariants and by reading every weight back through the table, the kernels' way; the
+embedding's and head's pieces by hand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lora_server.adapters.page_layout import PageGeometry, PageLayout
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter
+from lora_server.adapters.page_layout import VOCAB_LAYER, PageGeometry, PageLayout, vocab_shapes
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter, VocabLora
 from lora_server.kernels.lora_table import MODULE_INDEX, MODULES, ROW_GROUP, groups, row_len
 
 # 2 layers, hidden 8, intermediate 16, q 8, kv 4
@@ -109,3 +110,52 @@ def test_a_page_too_small_for_a_row_group_is_refused():
     geometry = PageGeometry(1024, torch.float32, 16, SHAPES)  # 16 rows of 16 floats beside the table need more
     with pytest.raises(AdapterError, match="raise --block-size"):
         PageLayout(geometry, {(0, "q"): 4})
+
+
+def test_vocabulary_pieces_by_hand():
+    """The embedding's and head's pieces after the layers, in runs of whole rows: as many as what is left of the
+    page holds, the rest on the next page; read back from the image. Pages of 512 float32 (table 160)."""
+    vocab, r = 300, 2
+    gen = torch.Generator().manual_seed(2)
+    lora = VocabLora(
+        embed_lora=(torch.randn(vocab, r, generator=gen), torch.randn(r, 8, generator=gen)),
+        head_lora=(torch.randn(r, 8, generator=gen), torch.randn(r, vocab, generator=gen)),
+        embed_tokens=(torch.tensor([1, 2, 3]), torch.randn(3, 8, generator=gen)),
+        head_tokens=(torch.tensor([4, 5]), torch.randn(2, 8, generator=gen)),
+    )
+    adapter = _adapter({(0, "q"): 4})
+    adapter.vocab = lora
+    geometry = PageGeometry(2048, torch.float32, 16, SHAPES)
+    layout = PageLayout(geometry, {(0, "q"): 4}, vocab=vocab_shapes(lora))
+    # q's A [4, 8] at 160, B^T [4, 8] at 192: the cursor at 224. embed_a_t [300, 2]: (512 - 224) // 2 = 144 rows on
+    # page 0 (to 512), 156 rows (312 values, 1248 bytes -> 1280) at page 1's start: the cursor at 320. embed_b_t
+    # [2, 8] at 320 (64 bytes -> 128), head_a at 352; head_b [300, 2]: (512 - 384) // 2 = 64 rows at 384, 236 rows
+    # (472 values, 1888 bytes -> 1920) on page 2: the cursor at 480; embed_rows [3, 8]: (512 - 480) // 8 = 4 rows fit,
+    # at 480; head_rows on page 3
+    where = [(b.module, b.row0, b.row1, b.page, b.offset) for b in layout.blocks if b.layer == VOCAB_LAYER]
+    assert where == [
+        ("embed_a_t", 0, 144, 0, 224),
+        ("embed_a_t", 144, 300, 1, 0),
+        ("embed_b_t", 0, 2, 1, 320),
+        ("head_a", 0, 2, 1, 352),
+        ("head_b", 0, 64, 1, 384),
+        ("head_b", 64, 300, 2, 0),
+        ("embed_rows", 0, 3, 2, 480),
+        ("head_rows", 0, 2, 3, 0),
+    ]
+    assert layout.num_pages == 4
+    values = layout.image(adapter).view(-1).view(torch.float32).view(4, 512)
+    whole = {
+        "embed_a_t": lora.embed_lora[0],
+        "embed_b_t": lora.embed_lora[1],
+        "head_a": lora.head_lora[0],
+        "head_b": lora.head_lora[1].t(),
+        "embed_rows": lora.embed_tokens[1],
+        "head_rows": lora.head_tokens[1],
+    }
+    for name, _, _, _, _ in where:
+        runs = [b for b in layout.blocks if b.module == name]
+        got = torch.cat([values[b.page, b.offset : b.offset + (b.row1 - b.row0) * b.width] for b in runs])
+        assert torch.equal(got.view(-1, runs[0].width), whole[name])
+    table = layout.table([0, 1, 2, 3]).reshape(2, 7, 5)  # the table lists q alone
+    assert (table[:, :, 0] > 0).sum() == 1

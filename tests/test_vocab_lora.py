@@ -6,8 +6,9 @@ tokens and log-probabilities against HF transformers + PEFT at fp32, each adapte
 batch with a plain LoRA and the base; prompt log-probabilities (the scoring path's head) too. Each adapter moves the
 model (PEFT with it against PEFT without it), so a change the engine dropped fails the comparison. The trainable
 tokens' prompts use the trained ids, and on the tied model a trained head row is made strongly preferred, so that
-the greedy tokens are trained ids. Refusals: ids beyond the base's vocabulary (an adapter trained with added
-tokens), and an engine that does not apply these forms (the CUDA path)."""
+the greedy tokens are trained ids. Where they live: in the adapter's arena pages, which the pool counts. On CUDA
+(GPU tier) through the decode graphs. Refusals: ids beyond the base's vocabulary (an adapter trained with added
+tokens), and an engine whose BaseShapes say it does not apply these forms."""
 
 from __future__ import annotations
 
@@ -240,13 +241,99 @@ def test_ids_beyond_the_vocabulary_are_refused(tiny, tmp_path):
 
 
 def test_an_engine_that_does_not_apply_them_refuses_them(untied_setup):
-    """The CUDA path (kernels, graphs) does not apply these forms: its BaseShapes say why, and registration fails."""
+    """An engine that does not apply these forms says why in its BaseShapes, and registration fails."""
     _, _, adapters, _ = untied_setup
-    shapes = BaseShapes.llama(2, 64, 128, 64, 32, vocab_size=128, vocab_refusal="the cuda path does not apply them yet")
+    shapes = BaseShapes.llama(2, 64, 128, 64, 32, vocab_size=128, vocab_refusal="not under this engine's mode")
     for form, named in (("embed", "embed_tokens"), ("head", "lm_head"), ("tokens", "trainable_token_indices")):
-        with pytest.raises(AdapterError, match=re.escape(named) + ".*cuda path does not apply them"):
+        with pytest.raises(AdapterError, match=re.escape(named) + ".*not under this engine's mode"):
             load_peft_adapter(form, adapters[form], shapes, max_rank=16)
     load_peft_adapter("plain", adapters["plain"], shapes, max_rank=16)
+
+
+def test_their_rows_are_in_the_adapters_arena_pages(untied_setup):
+    """The embedding's and head's pieces are views of the adapter's own arena pages, the pages the pool gave it and
+    counts (how many a piece takes: test_page_layout's vocabulary case, by hand)."""
+    _, _, _, engine = untied_setup
+    engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=1), adapters=["embed", "head", "tokens", "plain"])
+    runner, pool = engine.core.runner, engine.core.pool
+    resident = {node.key.adapter_id: node for node in pool.tree.adapters() if node.blocks}
+    for name in ("embed", "head", "tokens", "plain"):
+        node = resident[engine.core.adapters.get(name).adapter_id]
+        terms = runner.adapters.vocab(node.blocks[0])
+        if name == "plain":
+            assert terms is None
+            continue
+        assert terms is not None and terms.pieces
+        page_bytes, base = runner.arena.page_bytes, runner.arena.pages.data_ptr()
+        owned = set(runner.adapters.pages_of(node.blocks[0]))
+        assert owned == set(node.blocks)
+        for runs in terms.pieces.values():
+            for _, _, rows in runs:
+                first, last = rows.data_ptr() - base, rows.data_ptr() - base + rows.nbytes - 1
+                assert {first // page_bytes, last // page_bytes} <= owned
+
+
+def test_the_pieces_may_span_pages():
+    """VocabTerms over pieces held in several runs of rows (what a vocabulary-long matrix becomes when it spans
+    pages) computes PEFT's formulas on the whole matrices (adapters.peft_format.VocabLora)."""
+    from lora_server.adapters.peft_format import VocabLora
+    from lora_server.model.lora import VocabTerms
+
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden, r = 40, 8, 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    lora = VocabLora(
+        embed_lora=(rand(vocab, r), rand(r, hidden)),
+        head_lora=(rand(r, hidden), rand(r, vocab)),
+        embed_tokens=(torch.tensor([3, 17, 31]), rand(3, hidden)),
+        head_tokens=(torch.tensor([5, 38]), rand(2, hidden)),
+    )
+
+    def runs(matrix, cuts):
+        bounds = [0, *cuts, matrix.shape[0]]
+        return [(a, b, matrix[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    pieces = {
+        "embed_a_t": runs(lora.embed_lora[0], [11, 12, 30]),
+        "embed_b_t": runs(lora.embed_lora[1], [1]),
+        "head_a": runs(lora.head_lora[0], [2]),
+        "head_b": runs(lora.head_lora[1].t(), [7, 25]),
+        "embed_rows": runs(lora.embed_tokens[1], [1]),
+        "head_rows": runs(lora.head_tokens[1], [1]),
+    }
+    terms = VocabTerms(lora, pieces, vocab, torch.device("cpu"))
+    ids = torch.tensor([0, 3, 11, 12, 17, 29, 30, 31, 39])
+    x = rand(ids.numel(), hidden)
+    embed = x + lora.embed_lora[0][ids] @ lora.embed_lora[1]
+    for i, t in enumerate(ids.tolist()):
+        if t in (3, 17, 31):
+            embed[i] = lora.embed_tokens[1][[3, 17, 31].index(t)]
+    terms.embed_(x, ids)
+    assert torch.allclose(x, embed)
+    h = rand(4, hidden)
+    logits = rand(4, vocab + 2).float()  # a head padded past the vocabulary
+    want = logits.clone()
+    want[:, :vocab] += ((h @ lora.head_lora[0].T) @ lora.head_lora[1]).float()
+    want[:, [5, 38]] = (h @ lora.head_tokens[1].T).float()
+    terms.head_(logits, h)
+    assert torch.allclose(logits, want, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_each_form_on_cuda_matches_peft(untied_setup, tied_setup):
+    """The CUDA path (GPU tier), fp32: the embedding's changes make a decode step run eagerly (its graph holds none),
+    the head's apply after a replayed graph; mixed with plain LoRA and the base, on both tiny Llamas."""
+    for path, model, adapters, _ in (untied_setup, tied_setup):
+        config = dict(kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
+        engine = Engine(EngineConfig(model=str(path), quantization="none", device="cuda", dtype="float32", **config))
+        for name, adapter in adapters.items():
+            engine.add_adapter(name, adapter)
+        assert engine.core.runner.graphs is not None
+        _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
+        _check(engine, model, adapters, ["head", None, "plain"])  # decode steps replay their graph
 
 
 def test_the_saved_base_embedding_must_be_the_bases_shape(untied_setup, tmp_path):

@@ -29,7 +29,7 @@ import torch
 
 from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
 from lora_server.adapters.load import load_adapter
-from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.page_layout import PageGeometry, PageLayout, vocab_shapes
 from lora_server.adapters.peft_format import AdapterError, VocabLora
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
 from lora_server.engine.load_times import LatencyHistogram
@@ -44,7 +44,7 @@ class StagedAdapter:
     adapter_id: int
     layout: PageLayout
     image: torch.Tensor  # uint8 [num_pages, page_bytes], pinned on CUDA
-    vocab: VocabLora | None = None  # its embedding / head changes, float32 on the host (kept beside the pages)
+    vocab: VocabLora | None = None  # its embedding / head changes (their rows are in the image; the ids are read here)
 
 
 @dataclass(slots=True)
@@ -213,7 +213,7 @@ class AdapterLoader:
             if self.row_norms is None:
                 raise AdapterError(f"adapter `{content.name}` is a DoRA adapter, which this engine cannot serve")
             dora = dora_epilogues(adapter, self.row_norms, g.dtype)
-        layout = PageLayout(g, content.rank_map, dora=adapter.magnitudes.keys())
+        layout = PageLayout(g, content.rank_map, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab))
         image = None  # pinned on CUDA, to its size (lora_server.model.pinned)
         if self.device.type == "cuda":
             image = pinned_empty((layout.num_pages, g.page_bytes), torch.uint8, self.device)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lora_server.adapters.load import load_adapter
-from lora_server.adapters.page_layout import PageGeometry, PageLayout, adapter_ranks
+from lora_server.adapters.page_layout import PageGeometry, PageLayout, adapter_ranks, vocab_shapes
 from lora_server.adapters.peft_format import AdapterError, LoraAdapter
 from lora_server.adapters.sources import AdapterSources, source_scheme
 from lora_server.errors import UnknownAdapterError
@@ -176,7 +176,7 @@ class AdapterRegistry:
             content_hash(adapter),
             adapter.file_digest,
             tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
-            PageLayout(self.geometry, ranks, dora=adapter.magnitudes.keys()).num_pages,
+            PageLayout(self.geometry, ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab)).num_pages,
             adapter.nbytes,
             invocation_tokens=adapter.invocation_tokens,
             rank=adapter.rank,
@@ -184,7 +184,8 @@ class AdapterRegistry:
         if POLICIES[self.pool.policy].adapter_slots and checked.num_pages > self.pool.adapter_slot_blocks:
             raise AdapterError(  # a DoRA adapter at the largest rank on every module: its scales take more pages
                 f"adapter `{name}` takes {checked.num_pages} pages; the {self.pool.policy} policy's adapter slots hold "
-                f"{self.pool.adapter_slot_blocks} (an adapter of every module at the largest rank, without DoRA)"
+                f"{self.pool.adapter_slot_blocks} (an adapter of every module at the largest rank, without DoRA or "
+                "changes to the embedding or head)"
             )
         if pinned:
             with self._lock:

@@ -4,8 +4,9 @@ a run of its weight blocks (adapters.page_layout), its first page starting with 
 Which page holds what is the pool's decision (kv_pool); this module holds the tensor and its views, and writes an
 adapter's staged pages and table where a load says (the runner moves KV pages to and from the host tier).
 
-Owned by the model runner. ``ResidentAdapters`` keeps, for each adapter in the arena (by its table page), its layout
-and, on the CPU, the views the CPU's LoRA path multiplies with (views into the arena: no second copy)."""
+Owned by the model runner. ``ResidentAdapters`` keeps, for each adapter in the arena (by its table page), its layout,
+on the CPU the views the CPU's LoRA path multiplies with, and on every device the views of its embedding and head
+changes (views into the arena: no second copy)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_server.adapters.page_layout import PageGeometry, PageLayout
+from lora_server.adapters.page_layout import VOCAB_LAYER, PageGeometry, PageLayout
 from lora_server.adapters.peft_format import VocabLora
 from lora_server.kernels.lora_table import GROUPS
 from lora_server.kernels.segment_lora import LoraTerm
 from lora_server.model.arch import ModelArch
-from lora_server.model.lora import VocabTerms
+from lora_server.model.lora import RowRuns, VocabTerms
 
 
 class Arena:
@@ -69,7 +70,7 @@ class ResidentAdapter:
     pages: list[int]  # its arena pages, table page first
     # CPU only: [layer][group] -> the terms its LoRA is computed as (segment_lora), views into the arena
     terms: list[dict[str, list[LoraTerm]]] | None = None
-    # its changes to the embedding and head, held beside its pages (not in them), loaded and dropped with it
+    # its changes to the embedding and head: views of its pages, and the trainable tokens' ids
     vocab: VocabTerms | None = None
 
 
@@ -94,7 +95,8 @@ class ResidentAdapters:
         """Copy a staged image (uint8 [n, page_bytes], pinned on CUDA) into arena ``pages`` (at least n; the first
         is the table page) and write its table there. Asynchronous on CUDA (the caller's stream): ``image`` must
         stay untouched until the copy has run (torch's pinned allocator keeps it alive). ``vocab``: the adapter's
-        changes to the embedding and head, kept (on the device, in the model's dtype) until it is unloaded."""
+        changes to the embedding and head (exactly the layout's pieces), whose ids are kept on the device until it
+        is unloaded (its rows are in the image)."""
         assert len(pages) >= layout.num_pages == image.shape[0], (len(pages), layout.num_pages, image.shape)
         arena = self.arena
         pages = pages[: layout.num_pages]
@@ -111,9 +113,10 @@ class ResidentAdapters:
         table.numpy()[:] = values
         dst.copy_(table, non_blocking=True)
         resident = ResidentAdapter(layout, pages)
+        assert (vocab is not None) == bool(layout.vocab), "the vocabulary pieces are not the layout's"
         if vocab is not None:
-            g = self.geometry
-            resident.vocab = VocabTerms(vocab, g.shapes.vocab_size, g.dtype, arena.pages.device)
+            pieces = self._vocab_pieces(layout, pages)
+            resident.vocab = VocabTerms(vocab, pieces, self.geometry.shapes.vocab_size, arena.pages.device)
         if self._cpu:
             resident.terms = self._terms(layout, pages)
         self._by_page[pages[0]] = resident
@@ -144,11 +147,24 @@ class ResidentAdapters:
         assert terms is not None, "LoRA terms are built on the CPU only"
         return terms[layer].get(group, [])
 
+    def _vocab_pieces(self, layout: PageLayout, pages: list[int]) -> dict[str, RowRuns]:
+        """Views of an adapter's vocabulary pieces in the arena, by name, each as its runs of rows."""
+        weights, page_elems = self.arena.weights, self.geometry.page_elems
+        pieces: dict[str, RowRuns] = {}
+        for block in layout.blocks:
+            if block.layer == VOCAB_LAYER:
+                start = pages[block.page] * page_elems + block.offset
+                rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
+                pieces.setdefault(block.module, []).append((block.row0, block.row1, rows))
+        return pieces
+
     def _terms(self, layout: PageLayout, pages: list[int]) -> list[dict[str, list[LoraTerm]]]:
         weights, page_elems = self.arena.weights, self.geometry.page_elems
         found: dict[tuple[int, str, bool], list[tuple[int, torch.Tensor]]] = {}
         dora: dict[tuple[int, str], list[torch.Tensor]] = {}  # (layer, module) -> [scale, shift], each [out]
         for block in layout.blocks:
+            if block.layer == VOCAB_LAYER:
+                continue
             start = pages[block.page] * page_elems + block.offset
             rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
             if block.dora:

@@ -92,48 +92,64 @@ class LoraLinear(nn.Module):
         return out
 
 
+RowRuns = list[tuple[int, int, torch.Tensor]]  # a matrix held in runs of rows: (row0, row1, view [row1 - row0, width])
+
+
 class VocabTerms:
-    """One resident adapter's changes to the embedding and the output head (adapters.peft_format.VocabLora) on the
-    device in the model's dtype, as the model applies them to its tokens' rows (the CPU path: per host segment)."""
+    """One resident adapter's changes to the embedding and the output head (adapters.peft_format.VocabLora), as the
+    model applies them to its tokens' rows, on any device: ``pieces`` are views of its matrices in the arena's pages
+    (adapters.page_layout.vocab_pieces, each in runs of rows), and the trainable tokens' ids are kept on the device.
+    Nothing here reads a device value on the host (no sync)."""
 
-    def __init__(self, vocab: VocabLora, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        def put(pair: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-            return None if pair is None else (pair[0].to(device, dtype), pair[1].to(device, dtype))
-
-        self.embed_lora, self.head_lora = put(vocab.embed_lora), put(vocab.head_lora)
+    def __init__(self, vocab: VocabLora, pieces: dict[str, RowRuns], vocab_size: int, device: torch.device) -> None:
+        self.pieces = pieces
         # token id -> its row in embed_rows, -1 for the ids the adapter does not replace: [vocab] int64
         self.embed_slot: torch.Tensor | None = None
-        self.embed_rows: torch.Tensor | None = None  # [n, hidden]
         if vocab.embed_tokens is not None:
-            ids, rows = vocab.embed_tokens
+            ids = vocab.embed_tokens[0].to(device)
             self.embed_slot = torch.full((vocab_size,), -1, dtype=torch.int64, device=device)
-            self.embed_slot[ids.to(device)] = torch.arange(ids.numel(), device=device)
-            self.embed_rows = rows.to(device, dtype)
-        self.head_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [n] int64, rows [n, hidden]
-        if vocab.head_tokens is not None:
-            ids, rows = vocab.head_tokens
-            self.head_tokens = (ids.to(device), rows.to(device, dtype))
+            self.embed_slot[ids] = torch.arange(ids.numel(), device=device)
+        # the head rows' token ids [n] int64, in head_rows' order
+        self.head_ids = None if vocab.head_tokens is None else vocab.head_tokens[0].to(device)
+
+    @property
+    def changes_embedding(self) -> bool:
+        return "embed_a_t" in self.pieces or self.embed_slot is not None
 
     def embed_(self, x: torch.Tensor, ids: torch.Tensor) -> None:
         """In place: x [n, hidden], the embedding rows of token ids [n] (before any embedding scale), become the
         adapter's: + A^T[id] @ B^T (scaled) with LoRA on the embedding; a trainable token's own row."""
-        if self.embed_lora is not None:
-            a_t, b_t = self.embed_lora
-            x.add_(a_t[ids] @ b_t)
-        if self.embed_slot is not None and self.embed_rows is not None:
+        pieces = self.pieces
+        if "embed_a_t" in pieces:
+            y = _gather(pieces["embed_a_t"], ids)  # [n, r]
+            for r0, r1, b_t in pieces["embed_b_t"]:
+                x.add_(y[:, r0:r1] @ b_t)
+        if self.embed_slot is not None:
             slot = self.embed_slot[ids]
-            hit = slot >= 0
-            x[hit] = self.embed_rows[slot[hit]]
+            x.copy_(torch.where((slot >= 0)[:, None], _gather(pieces["embed_rows"], slot), x))
 
     def head_(self, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """In place: logits [n, >= vocab] float32 of hidden [n, hidden] (before any soft-cap) become the adapter's:
         + (h @ A^T) @ B^T (scaled) with LoRA on the head; a trainable token's column from its own head row."""
-        if self.head_lora is not None:
-            a, b_t = self.head_lora
-            logits[:, : b_t.shape[1]] += ((hidden @ a.T) @ b_t).float()
-        if self.head_tokens is not None:
-            ids, rows = self.head_tokens
-            logits[:, ids] = (hidden @ rows.T).float()
+        pieces = self.pieces
+        if "head_a" in pieces:
+            y = torch.cat([hidden @ a.T for _, _, a in pieces["head_a"]], dim=1)  # [n, r]
+            for r0, r1, b in pieces["head_b"]:  # b [rows, r]: the scaled B's rows r0:r1, the head's columns
+                logits[:, r0:r1] += (y @ b.T).float()
+        if self.head_ids is not None:
+            for r0, r1, rows in pieces["head_rows"]:
+                logits[:, self.head_ids[r0:r1]] = (hidden @ rows.T).float()
+
+
+def _gather(runs: RowRuns, index: torch.Tensor) -> torch.Tensor:  # index [n] int64 -> [n, width]
+    """Rows ``index`` of the matrix held in ``runs``; zeros for an index in no run (-1)."""
+    out: torch.Tensor | None = None
+    for r0, r1, rows in runs:
+        got = rows[(index - r0).clamp(0, r1 - r0 - 1)]
+        inside = ((index >= r0) & (index < r1))[:, None]
+        out = torch.where(inside, got, 0 if out is None else out)
+    assert out is not None, "a piece without rows"
+    return out
 
 
 class BaseRowNorms:

@@ -109,8 +109,7 @@ class ModelRunner:
             head_dim=arch.head_dim,
             vocab_size=arch.vocab_size,
             tied_embeddings=arch.tie_word_embeddings,
-            # applied per token and logits row on the CPU path only: the CUDA kernels and graphs do not have them
-            vocab_refusal="" if self.device.type == "cpu" else f"the {self.device.type} path does not apply them yet",
+            vocab_refusal="",  # served on every device (model.lora.VocabTerms)
         )
         self.geometry = PageGeometry(
             page_bytes(arch, self.block_size, self.kv_dtype), self.dtype, config.max_lora_rank, self.adapter_shapes
@@ -519,7 +518,9 @@ class ModelRunner:
         position: 1 + d consecutive rows for a request with d draft tokens (row j sampled as if drafts[:j] were
         accepted; see verify_drafts), one row for the others."""
         batch, sampling = self.prepare(items)
-        hidden = self.graphs.replay(batch) if self.graphs is not None else None
+        hidden = None
+        if self.graphs is not None and not self._changes_embedding(batch):
+            hidden = self.graphs.replay(batch)
         if hidden is None:
             hidden = self._eager_forward(batch)
         scores = self._score_prompts(hidden, batch.prompt_scoring)
@@ -532,6 +533,16 @@ class ModelRunner:
             rows.extend([request, *(DraftPosition.of(request, j) for j in range(1, len(drafts) + 1))])
         sampled = self.sampler(logits, rows, None if mask is None else lambda logits_: mask(logits_, rows))
         return sampling, sampled, scores
+
+    def _changes_embedding(self, batch: ForwardBatch) -> bool:
+        """Whether an adapter of the batch changes the embedding (LoRA on it, trainable tokens). The decode graphs
+        hold no such change (they are captured on padding rows; the model applies it per host segment), so such a
+        step runs eagerly. The head's changes need nothing: the logits are computed after the graph."""
+        lora = batch.lora
+        if lora is None:
+            return False
+        terms = (self.adapters.vocab(page) for _, _, page in lora.host_segments)
+        return any(t is not None and t.changes_embedding for t in terms)
 
     def _score_prompts(self, hidden: torch.Tensor, scoring: PromptScoring | None) -> dict[str, tuple[int, TokenScores]]:
         """Each owner's scored prompt tokens (see execute), its top-k cut from the step's largest k."""
