@@ -43,6 +43,7 @@ from lora_server.errors import (
     InvalidRequestError,
     LoraServerError,
     RequestFailedError,
+    TensorParallelError,
 )
 from lora_server.kernels.lora_table import MODULES
 from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, PolicyParams, PoolConfig, UnifiedPool
@@ -71,6 +72,8 @@ log = logging.getLogger("lora_server")
 def is_device_fault(exc: BaseException) -> bool:
     """Whether an exception means the device (or the host's memory) can no longer be trusted: the engine stops
     instead of failing one request."""
+    if isinstance(exc, TensorParallelError):  # a rank died or the ranks fell out of step
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
@@ -113,7 +116,7 @@ class EngineCore:
         self.copy_costs = runner.measure_copy_costs()
         self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers, self.copy_costs))
         sources = AdapterSources(config.adapter_sources or (), config.adapter_cache_path, config.adapter_cache_bytes)
-        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config, sources)
+        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config, sources, runner.adapter_refusal)
         self.loader = AdapterLoader(
             self.adapters, runner.geometry, runner.device, config.max_cpu_loras, runner.base_row_norms
         )
@@ -180,6 +183,10 @@ class EngineCore:
                 f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}", param="priority"
             )
         self._check_vocab_bounds(params)
+        if params.prompt_logprobs is not None and self.runner.tp is not None:
+            raise InvalidRequestError(
+                "prompt logprobs are not served with --tensor-parallel-size above 1 yet", param="prompt_logprobs"
+            )
         grammar = self._grammar(params, compile_grammar)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(

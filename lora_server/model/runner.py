@@ -17,6 +17,9 @@ import torch
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
 from lora_server.adapters.peft_format import AdapterError, BaseShapes, VocabLora
 from lora_server.config import EngineConfig
+from lora_server.distributed.step_message import message_capacity
+from lora_server.distributed.tensor_parallel import TensorParallel
+from lora_server.distributed.workers import WorkerSetup
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import MODULES, max_tiles, tile_map
 from lora_server.kernels.reference import FP8_KV_DTYPE
@@ -82,10 +85,14 @@ class ModelRunner:
             raise ValueError(
                 "--kv-cache-dtype fp8 needs compute capability 8.9 or newer (Ada, Hopper): Triton's float8e4nv"
             )
-        self.arch = checkpoint.arch
         self.block_size = config.block_size
         self.startup_s: dict[str, float] = {}
         start = time.perf_counter()
+        # above 1: this process is rank 0 and builds its shard; workers build theirs (distributed.tensor_parallel)
+        self.tp = TensorParallel(config, checkpoint, max_model_len) if config.tensor_parallel_size > 1 else None
+        if self.tp is not None:
+            checkpoint = self.tp.checkpoint
+        self.arch = checkpoint.arch  # with tensor parallelism, the rank's share of the heads and the MLP
         with torch.no_grad():
             self.model: LlamaModel = build_llama(
                 checkpoint,
@@ -96,6 +103,8 @@ class ModelRunner:
                 config.show_progress,
                 config.cpu_head_copy,
             )
+            if self.tp is not None:
+                self.tp.parallelize(self.model)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         arch = self.arch
         self.adapter_shapes = BaseShapes.llama(
@@ -139,6 +148,9 @@ class ModelRunner:
             self.startup_s["warm-up"] = time.perf_counter() - start
         self.num_blocks = config.num_kv_blocks or max(1, self._arena_bytes() // self.geometry.page_bytes)
         self._use_arena(Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device))
+        if self.tp is not None:
+            capacity = message_capacity(self.max_step_tokens, config.max_num_seqs, self.block_size)
+            self.tp.start(WorkerSetup(self.num_blocks, config.max_num_seqs, self.block_tables.width, capacity))
         if self.graph_layout:
             start = time.perf_counter()
             self.graphs = self._capture_decode_graphs()
@@ -260,7 +272,20 @@ class ModelRunner:
         return graphs
 
     def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch, self._kv_caches())
+        if self.tp is None:
+            return self.model(batch, self._kv_caches())
+        with self.tp.in_step():
+            return self.model(batch, self._kv_caches())
+
+    @property
+    def adapter_refusal(self) -> str:
+        """Why this runner serves no adapter ("": it serves them)."""
+        return "" if self.tp is None else self.tp.adapter_refusal
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine's device state is otherwise freed with it)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _arena_bytes(self) -> int:
         """The arena's size: on CUDA with --gpu-memory-utilization, what model.warmup.arena_bytes leaves (a
@@ -333,6 +358,8 @@ class ModelRunner:
         forward pass waits for the KV copies on the device, not for adapter loads (the scheduler holds back the
         requests of an adapter until ``adapter_loaded`` says its copy ran); the host never blocks on a copy.
         Returns the seconds spent issuing adapter loads (host clock)."""
+        if self.tp is not None:  # the engine's idle loop comes here too: a dead rank stops it
+            self.tp.check_alive()
         if not ops:
             return 0.0
         order = self.copy_order
@@ -441,6 +468,7 @@ class ModelRunner:
             self.block_tables.width if graph_layout else None,
         )
         segments, tiles, block_t = self._lora_mapping(items, bucket if graph_layout else None)
+        max_query_len = max((n for _, n in items), default=1)
         # Arrays whose length is fixed by the bucket come first, so that a padded decode step finds every array a
         # graph reads at the offsets it was captured with
         arrays: HostArrays = {
@@ -457,6 +485,8 @@ class ModelRunner:
             "scored_rows": (scored_rows, torch.int64),
             "scored_targets": (scored_targets, torch.int64),
         }
+        if self.tp is not None:
+            self.tp.send_step(arrays, max_query_len, padding, plan.width)
         dev = self.step_inputs.upload(arrays)
         block_tables = self.block_tables.apply(
             plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]
@@ -467,7 +497,7 @@ class ModelRunner:
             lora_batch = LoraBatch(segments, lora_tiles, block_t)
         batch = ForwardBatch(
             lora=lora_batch,
-            max_query_len=max((n for _, n in items), default=1),
+            max_query_len=max_query_len,
             input_ids=dev["input_ids"],
             positions=dev["positions"],
             slot_mapping=dev["slot_mapping"],

@@ -1,0 +1,158 @@
+"""Tensor parallelism on the CPU (gloo): greedy tokens at TP=2 / TP=3 equal TP=1's and HF transformers' at fp32, the
+collectives of a step counted against hand-computed values, the refusals, and a killed worker rank stopping the
+engine with an error that names it, within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lora_server.adapters.peft_format import AdapterError
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.errors import ConfigError, InvalidRequestError, TensorParallelError
+from lora_server.sampling_params import SamplingParams
+from tests import test_adapter_keys
+from tests.test_adapter_keys import TINY
+
+tiny = test_adapter_keys.tiny  # a random tiny Llama in HF's format and the model (fp32): 2 layers, 4 heads, 2 KV
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def tiny_engine(path, tp: int, **kw) -> Engine:
+    config = dict(quantization="none", kv_cache_bytes=16 << 20, block_size=16, host_kv_bytes=0, show_progress=False)
+    return Engine(EngineConfig(model=str(path), tensor_parallel_size=tp, **{**config, **kw}))
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def prompts(lengths) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture
+def tp2(tiny):
+    """The tiny Llama at TP=2, its steps at most 32 tokens (long prompts prefill in chunks); one per test (one
+    tensor-parallel engine a process), closed after it."""
+    engine = tiny_engine(tiny[0], 2, max_num_batched_tokens=32)
+    yield engine
+    engine.core.runner.close()
+
+
+@pytest.mark.slow
+def test_tp2_greedy_equals_tp1_and_hf(tiny, tp2):
+    path, model = tiny
+    batch = prompts([3, 17, 40, 70])
+    one = tiny_engine(path, 1, max_num_batched_tokens=32)
+    expected = [o.token_ids for o in one.generate(batch, GREEDY)]
+    assert expected == [hf_greedy(model, p, GREEDY.max_tokens) for p in batch]
+    assert [o.token_ids for o in tp2.generate(batch, GREEDY)] == expected
+
+
+def test_tp1_runs_without_a_process_group(tiny):
+    before = dist.is_initialized()
+    assert tiny_engine(tiny[0], 1).core.runner.tp is None
+    assert dist.is_initialized() == before
+
+
+def test_tp3_is_refused_where_the_heads_do_not_divide(tiny):
+    with pytest.raises(ConfigError, match=r"num_heads \(4\) and num_kv_heads \(2\)"):
+        tiny_engine(tiny[0], 3)
+
+
+def test_quantized_weights_and_other_unsharded_features_are_refused():
+    with pytest.raises(ValueError, match="quantization int8"):
+        EngineConfig(tensor_parallel_size=2, quantization="int8", host_kv_bytes=0)
+    with pytest.raises(ValueError, match="host_kv_bytes 0"):
+        EngineConfig(tensor_parallel_size=2, quantization="none")
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        EngineConfig(tensor_parallel_size=2, quantization="none", host_kv_bytes=0, kv_cache_dtype="fp8")
+
+
+@pytest.mark.slow
+def test_adapters_and_prompt_logprobs_are_refused(tp2, tmp_path):
+    with pytest.raises(AdapterError, match="not served with --tensor-parallel-size 2"):
+        tp2.add_adapter("a", tmp_path)
+    with pytest.raises(InvalidRequestError, match="prompt logprobs"):
+        tp2.core.make_request("r", [5, 6, 7], SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+
+@pytest.mark.slow
+def test_the_collectives_of_each_step(tp2):
+    """Two prompts of 5 and 7 tokens (under the long-prefill cap, 32 // 4), 3 tokens each: one prefill step (12
+    tokens) and two decode steps (2 tokens). Per step: the embedding's all-reduce and two per layer (o, down), each
+    of [T, hidden] float32; one gather of each rank's [S, ceil(V/2)] logits; one broadcast of the step message."""
+    counter = tp2.core.runner.tp.comm.counter
+    counter.reset()
+    tp2.generate(prompts([5, 7]), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    hidden, layers, vocab_half = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"] // 2
+    tokens = 12 + 2 + 2
+    assert counter.calls == {"all_reduce": 3 * (2 * layers + 1), "gather": 3, "broadcast": 3}
+    # the message: 14 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
+    # 64) = 64), 3 per-sequence arrays of max_num_seqs + 1 (65), 2 values per new block (64 // 16 + 64), int64
+    message = (14 + 4 * 64 + 3 * 65 + 2 * (4 + 64)) * 8
+    assert counter.bytes == {
+        "all_reduce": (2 * layers + 1) * tokens * hidden * 4,
+        "gather": 3 * 2 * vocab_half * 4,
+        "broadcast": 3 * message,
+    }
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
+    engine = tiny_engine(tiny[0], 2)
+    runner = engine.core.runner
+    pid = runner.tp.workers.pids[0]
+    params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts([5] * 8)):
+        engine.add(engine.core.make_request(f"r{i}", prompt, params))
+    for _ in range(3):
+        engine.step()
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Timer(0.2, kill)  # while the engine steps: mid-step or between steps
+    killer.start()
+    try:
+        with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) was killed by signal 9"):
+            while engine.has_work():
+                engine.step()
+        elapsed = time.monotonic() - killed_at[0]
+        print(f"error {elapsed:.3f} s after the kill")
+        assert elapsed < 5.0
+    finally:
+        killer.join()
+        runner.close()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_embedded_model_tp3_greedy_equals_tp1(engine_fp32):
+    """SmolLM2-135M: 9 heads, 3 KV heads; TP=2 is refused, TP=3 gives TP=1's greedy tokens at fp32."""
+    config = dict(quantization="none", kv_cache_bytes=64 << 20, host_kv_bytes=0, show_progress=False)
+    with pytest.raises(ConfigError, match=r"num_heads \(9\) and num_kv_heads \(3\)"):
+        Engine(EngineConfig(tensor_parallel_size=2, **config))
+    batch = [engine_fp32.core.encode(text) for text in ("The capital of France is", "1, 2, 3, 4,")]
+    expected = [o.token_ids for o in engine_fp32.generate(batch, GREEDY)]
+    engine = Engine(EngineConfig(tensor_parallel_size=3, **config))
+    try:
+        assert [o.token_ids for o in engine.generate(batch, GREEDY)] == expected
+    finally:
+        engine.core.runner.close()
