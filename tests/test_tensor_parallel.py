@@ -145,10 +145,13 @@ def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
 
 @pytest.mark.slow
 def test_embedded_model_tp3_greedy_equals_tp1(engine_fp32):
-    """SmolLM2-135M: 9 heads, 3 KV heads; TP=2 is refused, TP=3 gives TP=1's greedy tokens at fp32."""
+    """SmolLM2-135M: 9 heads, 3 KV heads; TP=2 is refused, and so are its Q4_1 / Q8_0 blocks as they are (auto);
+    TP=3 at fp32 gives TP=1's greedy tokens."""
     config = dict(quantization="none", kv_cache_bytes=64 << 20, host_kv_bytes=0, show_progress=False)
     with pytest.raises(ConfigError, match=r"num_heads \(9\) and num_kv_heads \(3\)"):
         Engine(EngineConfig(tensor_parallel_size=2, **config))
+    with pytest.raises(ConfigError, match=r"--quantization auto holds \w+ as int[48]"):  # the GGUF's own blocks
+        Engine(EngineConfig(tensor_parallel_size=3, **{**config, "quantization": "auto"}))
     batch = [engine_fp32.core.encode(text) for text in ("The capital of France is", "1, 2, 3, 4,")]
     expected = [o.token_ids for o in engine_fp32.generate(batch, GREEDY)]
     engine = Engine(EngineConfig(tensor_parallel_size=3, **config))
@@ -156,3 +159,16 @@ def test_embedded_model_tp3_greedy_equals_tp1(engine_fp32):
         assert [o.token_ids for o in engine.generate(batch, GREEDY)] == expected
     finally:
         engine.core.runner.close()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_while_the_engine_idles_stops_its_thread(tp2):
+    """The engine thread's idle loop looks at the ranks too: the engine is marked dead (the server exits non-zero on
+    it) within seconds, naming the rank."""
+    tp2.start()
+    pid = tp2.core.runner.tp.workers.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    assert tp2.dead.wait(5.0), "the engine did not stop"
+    assert isinstance(tp2.dead_error, TensorParallelError)
+    assert f"rank 1 (pid {pid}) was killed by signal 9" in str(tp2.dead_error)
+    tp2.shutdown()

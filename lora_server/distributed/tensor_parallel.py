@@ -12,7 +12,7 @@ from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, check_tensor_parallel, shard_checkpoint
-from lora_server.distributed.step_message import StepChannel
+from lora_server.distributed.step_message import StepChannel, message_capacity
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup
 from lora_server.errors import ConfigError, TensorParallelError
 from lora_server.model.checkpoint import Checkpoint
@@ -26,6 +26,7 @@ class TensorParallel:
     ``start`` once the arena is sized. ``close`` stops the workers."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
+        self.config = config
         n = config.tensor_parallel_size
         if config.torch_device.type != "cpu":
             raise ConfigError(
@@ -49,8 +50,12 @@ class TensorParallel:
     def parallelize(self, model: LlamaModel) -> None:
         parallelize(model, self.shard, self.comm)
 
-    def start(self, setup: WorkerSetup) -> None:
-        """Hand the workers rank 0's decisions, once they have loaded, and join the group with them."""
+    def start(self, num_blocks: int, table_width: int, max_step_tokens: int) -> None:
+        """Hand the workers rank 0's decisions (its arena's pages, its block tables' width, the most tokens of a
+        step), once they have loaded, and join the group with them."""
+        config = self.config
+        capacity = message_capacity(max_step_tokens, config.max_num_seqs, config.block_size)
+        setup = WorkerSetup(num_blocks, config.max_num_seqs, table_width, capacity)
         self.workers.wait_loaded()
         self.workers.hand_setup(setup)
         init_group(0, self.shard.world, self.port)

@@ -18,6 +18,7 @@ import torch
 from lora_server.adapters.page_layout import PageLayout
 from lora_server.adapters.sources import AdapterSources
 from lora_server.config import EngineConfig
+from lora_server.distributed.tensor_parallel import TensorParallel
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
@@ -110,7 +111,9 @@ class EngineCore:
         self.source = (checkpoint.format, checkpoint.path)  # how and where the weights were read
         self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path, config.chat_template)
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
-        self.runner = ModelRunner(config, checkpoint, wanted_len)
+        # above 1: this process is rank 0 of the tensor-parallel ranks (it starts the others)
+        tp = TensorParallel(config, checkpoint, wanted_len) if config.tensor_parallel_size > 1 else None
+        self.runner = ModelRunner(config, checkpoint, wanted_len, tp)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
         runner = self.runner
         self.copy_costs = runner.measure_copy_costs()

@@ -10,16 +10,13 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
 from lora_server.adapters.peft_format import AdapterError, BaseShapes, VocabLora
 from lora_server.config import EngineConfig
-from lora_server.distributed.step_message import message_capacity
-from lora_server.distributed.tensor_parallel import TensorParallel
-from lora_server.distributed.workers import WorkerSetup
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import MODULES, max_tiles, tile_map
 from lora_server.kernels.reference import FP8_KV_DTYPE
@@ -38,6 +35,9 @@ from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 from lora_server.model.warmup import MemoryProfile, WarmupShapes, arena_bytes, measure_peak, warmup_sequences
 from lora_server.model.warmup import plan as warmup_plan
 from lora_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lora_server.distributed.tensor_parallel import TensorParallel
 
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
 DECODE_BLOCK_T, PREFILL_BLOCK_T = 16, 64  # token rows per LoRA tile: a decode step's few rows per adapter, a chunk's
@@ -75,7 +75,11 @@ class ModelRunner:
     compiled, on a small arena of its own, and the largest step's memory is measured); the arena, sized from the
     memory really left; the decode CUDA graphs, captured on it."""
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, tp: TensorParallel | None = None
+    ) -> None:
+        """``tp``: with --tensor-parallel-size above 1, this process's rank 0 (the runner builds rank 0's shard from
+        it and starts the workers once its arena is sized); None: the whole model here."""
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -88,8 +92,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.startup_s: dict[str, float] = {}
         start = time.perf_counter()
-        # above 1: this process is rank 0 and builds its shard; workers build theirs (distributed.tensor_parallel)
-        self.tp = TensorParallel(config, checkpoint, max_model_len) if config.tensor_parallel_size > 1 else None
+        self.tp = tp
         if self.tp is not None:
             checkpoint = self.tp.checkpoint
         self.arch = checkpoint.arch  # with tensor parallelism, the rank's share of the heads and the MLP
@@ -149,8 +152,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(1, self._arena_bytes() // self.geometry.page_bytes)
         self._use_arena(Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device))
         if self.tp is not None:
-            capacity = message_capacity(self.max_step_tokens, config.max_num_seqs, self.block_size)
-            self.tp.start(WorkerSetup(self.num_blocks, config.max_num_seqs, self.block_tables.width, capacity))
+            self.tp.start(self.num_blocks, self.block_tables.width, self.max_step_tokens)
         if self.graph_layout:
             start = time.perf_counter()
             self.graphs = self._capture_decode_graphs()
