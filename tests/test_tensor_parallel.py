@@ -113,6 +113,26 @@ def test_the_collectives_of_each_step(tp2):
 
 
 @pytest.mark.slow
+def test_a_step_whose_arrays_spill_past_the_message(tiny):
+    """A prompt served again from the prefix cache gets its 50 cached blocks' table entries in one step: more than
+    the message holds (blocks of 4 tokens, steps of 16), so they follow in a second broadcast; the tokens are HF's."""
+    path, model = tiny
+    engine = tiny_engine(path, 2, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    try:
+        prompt = prompts([200])
+        expected = [hf_greedy(model, prompt[0], GREEDY.max_tokens)]
+        assert [o.token_ids for o in engine.generate(prompt, GREEDY)] == expected
+        counter = engine.core.runner.tp.comm.counter
+        counter.reset()
+        assert [o.token_ids for o in engine.generate(prompt, GREEDY)] == expected
+        # served from the cache: 8 steps, each sampling (the prompt's last block, then 7 decodes); the first sent
+        # its arrays in two broadcasts
+        assert counter.calls == {"all_reduce": 8 * (2 * TINY["num_hidden_layers"] + 1), "gather": 8, "broadcast": 9}
+    finally:
+        engine.core.runner.close()
+
+
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
     engine = tiny_engine(tiny[0], 2)
     runner = engine.core.runner
