@@ -63,6 +63,20 @@ def test_tp2_greedy_equals_tp1_and_hf(tiny, tp2):
     assert [o.token_ids for o in tp2.generate(batch, GREEDY)] == expected
 
 
+@pytest.mark.slow
+def test_tp2_speculative_decoding_keeps_the_greedy_tokens(tiny):
+    """Drafts verified in one step: several logits rows a request, gathered like one."""
+    path, model = tiny
+    engine = tiny_engine(path, 2, speculative_ngram=3)
+    try:
+        batch = [[5, 6, 7, 8] * 6, prompts([20])[0] * 2]
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert [o.token_ids for o in engine.generate(batch, params)] == [hf_greedy(model, p, 16) for p in batch]
+        assert engine.snapshot().spec_draft_tokens > 0
+    finally:
+        engine.core.runner.close()
+
+
 def test_tp1_runs_without_a_process_group(tiny):
     before = dist.is_initialized()
     assert tiny_engine(tiny[0], 1).core.runner.tp is None

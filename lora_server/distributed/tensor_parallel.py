@@ -8,6 +8,8 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
+import torch
+
 from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
@@ -38,7 +40,11 @@ class TensorParallel:
         self.shard = Shard(checkpoint.arch, 0, n)
         self.checkpoint = shard_checkpoint(checkpoint, self.shard)
         self.port = free_port()
-        self.workers = WorkerRanks(config, self.port, max_model_len)
+        # the ranks share this machine's cores: each takes 1/N of torch's threads (rank 0 this process's)
+        self._threads_before = torch.get_num_threads()  # given back by close
+        threads = max(1, self._threads_before // n)
+        torch.set_num_threads(threads)
+        self.workers = WorkerRanks(config, self.port, max_model_len, threads)
         self._stop_workers = weakref.finalize(self, self.workers.close, 0.0)  # a runner that fails to start
         self.comm = Comm(0, n, self.workers.diagnose)
         self.channel: StepChannel | None = None
@@ -92,3 +98,4 @@ class TensorParallel:
         self.workers.close()
         self._stop_workers.detach()
         destroy_group()
+        torch.set_num_threads(self._threads_before)

@@ -15,6 +15,7 @@ collective fails, or its parent-watch thread sees the parent gone)."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import traceback
@@ -52,14 +53,15 @@ class WorkerSetup:
 class WorkerRanks:
     """Rank 0's handle on ranks 1..N-1 (spawned here, loading their shards at once)."""
 
-    def __init__(self, config: EngineConfig, port: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, port: int, max_model_len: int, threads: int) -> None:
+        """``threads``: each worker's torch threads (its share of the CPU's cores)."""
         ctx = mp.get_context("spawn")
         world = config.tensor_parallel_size
         self._loaded, self._setup = ctx.Queue(), ctx.Queue()
         self.processes = [
             ctx.Process(
                 target=run_worker,
-                args=(config, rank, port, max_model_len, self._loaded, self._setup),
+                args=(config, rank, port, max_model_len, threads, self._loaded, self._setup),
                 name=f"tp-rank-{rank}",
                 daemon=True,
             )
@@ -86,7 +88,7 @@ class WorkerRanks:
                 raise TensorParallelError(self.failure)
             try:
                 rank, error = self._loaded.get(timeout=POLL_S)
-            except Exception:  # noqa: BLE001 (queue.Empty: look at the processes again)
+            except queue.Empty:  # look at the processes again
                 continue
             if error is not None:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load its shard:\n{error}")
@@ -149,6 +151,7 @@ def run_worker(
     rank: int,
     port: int,
     max_model_len: int,
+    threads: int,
     loaded: mp.Queue,
     setup_queue: mp.Queue,
 ) -> None:
@@ -156,6 +159,7 @@ def run_worker(
     0 broadcasts until it says stop."""
     _exit_with_parent()
     torch.set_grad_enabled(False)
+    torch.set_num_threads(threads)
     world = config.tensor_parallel_size
     try:
         checkpoint = open_checkpoint(config)
