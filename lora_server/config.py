@@ -397,11 +397,6 @@ class EngineConfig:
             )
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"tensor_parallel_size {n} does not shard an fp8 KV cache (its calibration) yet")
-        if self.host_kv_bytes:
-            raise ValueError(
-                f"tensor_parallel_size {n} needs host_kv_bytes 0 (--host-kv-gb 0): KV swapped to the host tier is "
-                "not mirrored on the worker ranks yet"
-            )
 
     @property
     def torch_device(self) -> torch.device:

@@ -91,8 +91,6 @@ def test_tp3_is_refused_where_the_heads_do_not_divide(tiny):
 def test_quantized_weights_and_other_unsharded_features_are_refused():
     with pytest.raises(ValueError, match="quantization int8"):
         EngineConfig(tensor_parallel_size=2, quantization="int8", host_kv_bytes=0)
-    with pytest.raises(ValueError, match="host_kv_bytes 0"):
-        EngineConfig(tensor_parallel_size=2, quantization="none")
     with pytest.raises(ValueError, match="fp8 KV cache"):
         EngineConfig(tensor_parallel_size=2, quantization="none", host_kv_bytes=0, kv_cache_dtype="fp8")
 
@@ -116,9 +114,9 @@ def test_the_collectives_of_each_step(tp2):
     hidden, layers, vocab_half = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"] // 2
     tokens = 12 + 2 + 2
     assert counter.calls == {"all_reduce": 3 * (2 * layers + 1), "gather": 3, "broadcast": 3}
-    # the message: 14 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
+    # the message: 15 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
     # 64) = 64), 3 per-sequence arrays of max_num_seqs + 1 (65), 2 values per new block (64 // 16 + 64), int64
-    message = (14 + 4 * 64 + 3 * 65 + 2 * (4 + 64)) * 8
+    message = (15 + 4 * 64 + 3 * 65 + 2 * (4 + 64)) * 8
     assert counter.bytes == {
         "all_reduce": (2 * layers + 1) * tokens * hidden * 4,
         "gather": 3 * 2 * vocab_half * 4,
@@ -142,6 +140,23 @@ def test_a_step_whose_arrays_spill_past_the_message(tiny):
         # served from the cache: 8 steps, each sampling (the prompt's last block, then 7 decodes); the first sent
         # its arrays in two broadcasts
         assert counter.calls == {"all_reduce": 8 * (2 * TINY["num_hidden_layers"] + 1), "gather": 8, "broadcast": 9}
+    finally:
+        engine.core.runner.close()
+
+
+@pytest.mark.slow
+def test_kv_swapped_to_the_host_tier_and_back(tiny):
+    """A 16-block arena: four prompts of 96 tokens push each other's cached KV to the host tier, and the first two,
+    served again, bring theirs back; the workers make the same swaps on their own arenas and host tiers, so the
+    tokens served from swapped-in KV are HF's."""
+    path, model = tiny
+    engine = tiny_engine(path, 2, num_kv_blocks=16, host_kv_bytes=4 << 20)
+    try:
+        batch = prompts([96] * 4)
+        for prompt in batch + batch[:2]:
+            assert engine.generate([prompt], GREEDY)[0].token_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+        counters = engine.core.pool.tree.counters
+        assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)
     finally:
         engine.core.runner.close()
 

@@ -6,7 +6,9 @@ Layout of the message [capacity] int64:
   [4] spill: values past the capacity, sent in a second broadcast of exactly that many,
   [5 : 5 + len(STEP_ARRAYS)] each array's length, then the arrays back to back in STEP_ARRAYS' order.
 The arrays are the runner's host arrays of the same names (model.runner._build): the worker builds its
-ForwardBatch from them as rank 0 does, its block tables updated by the same entries."""
+ForwardBatch from them as rank 0 does, its block tables updated by the same entries; and ``kv_copies``, the KV
+swaps rank 0 made since its last step (runner.apply_copy_ops), which the worker makes on its own arena and host
+tier before the step."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ STEP_ARRAYS: dict[str, torch.dtype] = {
     "table_rows": torch.int64,
     "table_update_index": torch.int64,
     "table_update_value": torch.int32,
+    "kv_copies": torch.int64,  # (SWAP_OUT or SWAP_IN, source block, destination block) triples, in order
 }
+SWAP_OUT, SWAP_IN = 0, 1  # device page -> host block, host block -> device page
 HEADER = 5 + len(STEP_ARRAYS)
 
 

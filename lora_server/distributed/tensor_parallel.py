@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -14,12 +14,15 @@ from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, check_tensor_parallel, shard_checkpoint
-from lora_server.distributed.step_message import StepChannel, message_capacity
+from lora_server.distributed.step_message import SWAP_IN, SWAP_OUT, StepChannel, message_capacity
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup
 from lora_server.errors import ConfigError, TensorParallelError
+from lora_server.kv_pool.tree import CopyOp, OpKind
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.llama import LlamaModel
 from lora_server.model.step_inputs import HostArrays
+
+_SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
 
 
 class TensorParallel:
@@ -48,6 +51,7 @@ class TensorParallel:
         self._stop_workers = weakref.finalize(self, self.workers.close, 0.0)  # a runner that fails to start
         self.comm = Comm(0, n, self.workers.diagnose)
         self.channel: StepChannel | None = None
+        self._kv_copies: list[int] = []  # the KV swaps made since the last step, for the workers (step_message)
 
     @property
     def adapter_refusal(self) -> str:
@@ -56,12 +60,12 @@ class TensorParallel:
     def parallelize(self, model: LlamaModel) -> None:
         parallelize(model, self.shard, self.comm)
 
-    def start(self, num_blocks: int, table_width: int, max_step_tokens: int) -> None:
-        """Hand the workers rank 0's decisions (its arena's pages, its block tables' width, the most tokens of a
-        step), once they have loaded, and join the group with them."""
+    def start(self, num_blocks: int, num_host_blocks: int, table_width: int, max_step_tokens: int) -> None:
+        """Hand the workers rank 0's decisions (its arena's pages, its host tier's blocks, its block tables' width,
+        the most tokens of a step), once they have loaded, and join the group with them."""
         config = self.config
         capacity = message_capacity(max_step_tokens, config.max_num_seqs, config.block_size)
-        setup = WorkerSetup(num_blocks, config.max_num_seqs, table_width, capacity)
+        setup = WorkerSetup(num_blocks, num_host_blocks, config.max_num_seqs, table_width, capacity)
         self.workers.wait_loaded()
         self.workers.hand_setup(setup)
         init_group(0, self.shard.world, self.port)
@@ -71,7 +75,17 @@ class TensorParallel:
         """Broadcast one step's inputs (before rank 0's forward pass: the workers run theirs alongside)."""
         self.check_alive()
         assert self.channel is not None, "start() first"
-        self.channel.send(arrays, max_query_len, num_padding, table_width)
+        copies, self._kv_copies = self._kv_copies, []
+        self.channel.send({**arrays, "kv_copies": (copies, torch.int64)}, max_query_len, num_padding, table_width)
+
+    def mirror_kv_copies(self, ops: Sequence[CopyOp]) -> None:
+        """Queue the KV swaps among ``ops`` (rank 0 makes them now) for the workers, who make them before the next
+        step, as rank 0 made them before it (adapter ops: none while adapters are refused)."""
+        for op in ops:
+            direction = _SWAPS.get(op.kind)
+            if direction is not None:
+                for src, dst in zip(op.src, op.dst, strict=True):
+                    self._kv_copies += (direction, src, dst)
 
     @contextlib.contextmanager
     def in_step(self) -> Iterator[None]:

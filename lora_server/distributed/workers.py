@@ -28,7 +28,7 @@ from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, init_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, shard_checkpoint
-from lora_server.distributed.step_message import StepChannel, StepMessage
+from lora_server.distributed.step_message import SWAP_OUT, StepChannel, StepMessage
 from lora_server.errors import TensorParallelError
 from lora_server.model.arena import Arena
 from lora_server.model.batch import ForwardBatch
@@ -40,11 +40,12 @@ POLL_S = 0.1  # how often the watchdogs look
 
 @dataclass(frozen=True, slots=True)
 class WorkerSetup:
-    """What rank 0 decides and every worker follows: its arena's pages (each rank's page holds its share of the
-    KV heads, so the page ids the pool hands out mean the same tokens on every rank), its block tables' shape and
-    the step message's capacity."""
+    """What rank 0 decides and every worker follows: its arena's pages and its host tier's blocks (each rank's page
+    holds its share of the KV heads, so the page ids the pool hands out mean the same tokens on every rank), its
+    block tables' shape and the step message's capacity."""
 
     num_blocks: int
+    num_host_blocks: int
     max_seqs: int
     table_width: int
     message_capacity: int
@@ -184,12 +185,14 @@ def run_worker(
     local = shard.local_arch
     device = config.torch_device
     arena = Arena(setup.num_blocks, local, config.block_size, config.torch_kv_cache_dtype, config.torch_dtype, device)
+    host_kv = torch.zeros(setup.num_host_blocks, arena.page_bytes, dtype=torch.uint8)  # [host blocks, page bytes]
     kv_caches = [LayerKV(*arena.layer_kv(i)) for i in range(local.num_layers)]
     tables = WorkerBlockTables(setup.max_seqs, setup.table_width, arena.pages.device)
     init_group(rank, world, port)
     channel = StepChannel(comm, setup.message_capacity)
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
+            _copy_kv(step.arrays["kv_copies"].view(-1, 3).tolist(), arena.pages, host_kv)
             _run_step(model, step, tables.apply(step), kv_caches)
     destroy_group()
 
@@ -211,6 +214,15 @@ def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, 
     hidden = model(batch, kv_caches)
     if batch.logits_indices.numel():  # rank 0 samples: its head gathers every rank's logits
         model.compute_logits(hidden[batch.logits_indices])
+
+
+def _copy_kv(copies: list[list[int]], pages: torch.Tensor, host: torch.Tensor) -> None:
+    """Rank 0's KV swaps since its last step, in its order: (SWAP_OUT or SWAP_IN, source, destination) each."""
+    for direction, src, dst in copies:
+        if direction == SWAP_OUT:
+            host[dst].copy_(pages[src])
+        else:
+            pages[dst].copy_(host[src])
 
 
 def _exit_with_parent() -> None:

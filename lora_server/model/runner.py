@@ -152,7 +152,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(1, self._arena_bytes() // self.geometry.page_bytes)
         self._use_arena(Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device))
         if self.tp is not None:
-            self.tp.start(self.num_blocks, self.block_tables.width, self.max_step_tokens)
+            self.tp.start(self.num_blocks, self.num_host_blocks, self.block_tables.width, self.max_step_tokens)
         if self.graph_layout:
             start = time.perf_counter()
             self.graphs = self._capture_decode_graphs()
@@ -362,6 +362,7 @@ class ModelRunner:
         Returns the seconds spent issuing adapter loads (host clock)."""
         if self.tp is not None:  # the engine's idle loop comes here too: a dead rank stops it
             self.tp.check_alive()
+            self.tp.mirror_kv_copies(ops)
         if not ops:
             return 0.0
         order = self.copy_order
