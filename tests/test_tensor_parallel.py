@@ -18,8 +18,9 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import ConfigError, InvalidRequestError, TensorParallelError
 from lora_server.sampling_params import SamplingParams
-from tests import test_adapter_keys
+from tests import test_adapter_keys, test_architectures
 from tests.test_adapter_keys import TINY
+from tests.test_model_vs_hf import _compare
 
 tiny = test_adapter_keys.tiny  # a random tiny Llama in HF's format and the model (fp32): 2 layers, 4 heads, 2 KV
 
@@ -122,6 +123,34 @@ def test_the_collectives_of_each_step(tp2):
         "gather": 3 * 2 * vocab_half * 4,
         "broadcast": 3 * message,
     }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(test_architectures.FAMILIES) - {"gemma3"}))
+def test_tp2_families_match_hf(tmp_path, name):
+    """test_architectures' families at TP=2 (their biases, per-head norms, soft caps, sliding windows, partial
+    rotary, fused and tied projections on sharded weights): HF's greedy tokens and log-probabilities."""
+    hf = test_architectures._build(tmp_path, name)
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path),
+            block_size=4,
+            num_kv_blocks=256,
+            host_kv_bytes=0,
+            show_progress=False,
+            tensor_parallel_size=2,
+        )
+    )
+    try:
+        _compare(engine, hf, test_architectures._prompts())
+    finally:
+        engine.core.runner.close()
+
+
+def test_tp2_is_refused_on_a_single_kv_head(tmp_path):
+    test_architectures._build(tmp_path, "gemma3")  # one KV head
+    with pytest.raises(ConfigError, match=r"num_kv_heads \(1\)"):
+        Engine(EngineConfig(model=str(tmp_path), host_kv_bytes=0, show_progress=False, tensor_parallel_size=2))
 
 
 @pytest.mark.slow
