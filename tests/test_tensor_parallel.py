@@ -16,11 +16,13 @@ import torch.distributed as dist
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.errors import ConfigError, InvalidRequestError, TensorParallelError
+from lora_server.errors import ConfigError, TensorParallelError
+from lora_server.model import sampler
 from lora_server.sampling_params import SamplingParams
 from tests import test_adapter_keys, test_architectures
 from tests.test_adapter_keys import TINY
-from tests.test_model_vs_hf import _compare
+from tests.test_model_vs_hf import _compare, _hf_logprobs
+from tests.test_prompt_logprobs import _check
 
 tiny = test_adapter_keys.tiny  # a random tiny Llama in HF's format and the model (fp32): 2 layers, 4 heads, 2 KV
 
@@ -97,11 +99,23 @@ def test_quantized_weights_and_other_unsharded_features_are_refused():
 
 
 @pytest.mark.slow
-def test_adapters_and_prompt_logprobs_are_refused(tp2, tmp_path):
+def test_adapters_are_refused(tp2, tmp_path):
     with pytest.raises(AdapterError, match="not served with --tensor-parallel-size 2"):
         tp2.add_adapter("a", tmp_path)
-    with pytest.raises(InvalidRequestError, match="prompt logprobs"):
-        tp2.core.make_request("r", [5, 6, 7], SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+
+@pytest.mark.slow
+def test_tp2_prompt_logprobs_match_hf(tiny, tp2, monkeypatch):
+    """Prompt rows scored through the vocabulary-parallel head 5 at a time (rank 0's slice, which the workers
+    follow), across chunked prefill (steps of 32 tokens), beside a request that only generates."""
+    path, model = tiny
+    monkeypatch.setattr(sampler, "SCORING_LOGITS_BYTES", 5 * 4 * TINY["vocab_size"])
+    batch = prompts([40, 9])
+    scoring = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    outs = tp2.generate(batch, [scoring, GREEDY])
+    _check(outs[0].prompt_logprobs, batch[0], _hf_logprobs(model, batch[0]), 3)
+    assert outs[0].token_ids == hf_greedy(model, batch[0], 3)
+    assert outs[1].token_ids == hf_greedy(model, batch[1], GREEDY.max_tokens)
 
 
 @pytest.mark.slow
@@ -115,9 +129,9 @@ def test_the_collectives_of_each_step(tp2):
     hidden, layers, vocab_half = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"] // 2
     tokens = 12 + 2 + 2
     assert counter.calls == {"all_reduce": 3 * (2 * layers + 1), "gather": 3, "broadcast": 3}
-    # the message: 15 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
+    # the message: 17 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
     # 64) = 64), 3 per-sequence arrays of max_num_seqs + 1 (65), 2 values per new block (64 // 16 + 64), int64
-    message = (15 + 4 * 64 + 3 * 65 + 2 * (4 + 64)) * 8
+    message = (17 + 4 * 64 + 3 * 65 + 2 * (4 + 64)) * 8
     assert counter.bytes == {
         "all_reduce": (2 * layers + 1) * tokens * hidden * 4,
         "gather": 3 * 2 * vocab_half * 4,

@@ -20,6 +20,7 @@ from lora_server.errors import ConfigError, TensorParallelError
 from lora_server.kv_pool.tree import CopyOp, OpKind
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.llama import LlamaModel
+from lora_server.model.sampler import scoring_rows
 from lora_server.model.step_inputs import HostArrays
 
 _SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
@@ -76,7 +77,9 @@ class TensorParallel:
         self.check_alive()
         assert self.channel is not None, "start() first"
         copies, self._kv_copies = self._kv_copies, []
-        self.channel.send({**arrays, "kv_copies": (copies, torch.int64)}, max_query_len, num_padding, table_width)
+        arrays = {**arrays, "kv_copies": (copies, torch.int64)}
+        scoring_slice = scoring_rows(self.shard.arch.vocab_size)
+        self.channel.send(arrays, max_query_len, num_padding, table_width, scoring_slice)
 
     def mirror_kv_copies(self, ops: Sequence[CopyOp]) -> None:
         """Queue the KV swaps among ``ops`` (rank 0 makes them now) for the workers, who make them before the next

@@ -198,7 +198,8 @@ def run_worker(
 
 
 def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, kv_caches: list[LayerKV]) -> None:
-    """Rank 0's forward pass and head on this rank's shard: the same collectives in the same order."""
+    """Rank 0's forward pass and head on this rank's shard (runner.execute: the forward pass, the prompt rows
+    scored, the logits): the same collectives in the same order."""
     a = step.arrays
     batch = ForwardBatch(
         input_ids=a["input_ids"],
@@ -212,6 +213,9 @@ def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, 
         num_padding=step.num_padding,
     )
     hidden = model(batch, kv_caches)
+    scored = hidden[a["scored_rows"]]  # prompt logprobs: rank 0's head over these rows, a slice at a time
+    for start in range(0, scored.shape[0], step.scoring_slice):
+        model.compute_logits(scored[start : start + step.scoring_slice])
     if batch.logits_indices.numel():  # rank 0 samples: its head gathers every rank's logits
         model.compute_logits(hidden[batch.logits_indices])
 

@@ -186,10 +186,6 @@ class EngineCore:
                 f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}", param="priority"
             )
         self._check_vocab_bounds(params)
-        if params.prompt_logprobs is not None and self.runner.tp is not None:
-            raise InvalidRequestError(
-                "prompt logprobs are not served with --tensor-parallel-size above 1 yet", param="prompt_logprobs"
-            )
         grammar = self._grammar(params, compile_grammar)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
