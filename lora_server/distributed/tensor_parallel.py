@@ -108,6 +108,7 @@ class TensorParallel:
 
     def close(self) -> None:
         """Stop the workers (a STOP message where they are still in step) and leave the group."""
+        self.workers.expect_exit()
         if self.channel is not None and self.workers.failure is None:
             with contextlib.suppress(TensorParallelError):  # a worker died meanwhile: workers.close kills the rest
                 self.channel.send_stop()

@@ -107,9 +107,13 @@ class WorkerRanks:
             time.sleep(POLL_S / 2)
         return self.failure
 
+    def expect_exit(self) -> None:
+        """From now on a worker's exit is no failure (rank 0 is stopping them)."""
+        self._closing.set()
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait for the workers to exit (after a STOP) and kill any that does not."""
-        self._closing.set()
+        self.expect_exit()
         deadline = time.monotonic() + timeout_s
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
