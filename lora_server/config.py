@@ -309,6 +309,15 @@ class EngineConfig:
             unit_name="MiB",
         ),
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "split the base model across this many ranks (torch.distributed, gloo on the CPU): this process is rank "
+            "0 and starts the others; each holds its share of the heads, the MLP, the vocabulary and the KV cache "
+            "(per rank: --kv-cache-gb); it must divide the heads and KV heads; dense weights only, no adapters yet "
+            "(1: no tensor parallelism)"
+        ),
+    )
     show_progress: bool = True  # a progress bar while loading weights
 
     def __post_init__(self) -> None:
@@ -370,8 +379,24 @@ class EngineConfig:
             raise ValueError("speculative_ngram_min and speculative_ngram_max must satisfy 1 <= min <= max")
         if self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not do yet, refused by name (the model's own refusals, heads that do not
+        divide and weights held quantized, come at load: distributed.shard)."""
+        n = self.tensor_parallel_size
+        if self.quantization in ("int8", "int4", "fp8"):
+            raise ValueError(
+                f"tensor_parallel_size {n} serves dense weights only: quantization {self.quantization} is not sharded "
+                "yet; use quantization none"
+            )
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"tensor_parallel_size {n} does not shard an fp8 KV cache (its calibration) yet")
 
     @property
     def torch_device(self) -> torch.device:

@@ -80,3 +80,8 @@ class UnknownAdapterError(InvalidRequestError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+class TensorParallelError(LoraServerError, RuntimeError):
+    """A tensor-parallel rank died, or the ranks fell out of step: the engine cannot go on (it stops as on a device
+    fault); the message names the rank where it is known."""

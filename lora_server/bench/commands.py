@@ -1,7 +1,7 @@
 """The benchmarks' commands: ``lora-server bench-engine``, ``bench-gpu``, ``bench-spec``, ``bench-pool``,
-``bench-fair``, ``bench-long-prefill``, ``bench-quality``, and ``bench NAME`` (vLLM's shape: ``bench serve`` loads
-any OpenAI-compatible server). Each command's flags and defaults are here; its work is in its own module of this
-package, imported when it runs."""
+``bench-fair``, ``bench-long-prefill``, ``bench-quality``, ``bench-tp``, and ``bench NAME`` (vLLM's shape: ``bench
+serve`` loads any OpenAI-compatible server). Each command's flags and defaults are here; its work is in its own
+module of this package, imported when it runs."""
 
 from __future__ import annotations
 
@@ -194,6 +194,24 @@ def _embedded_model(args: argparse.Namespace) -> None:
     """bench-engine's defaults (dummy Llama-3-8B) -> the embedded model."""
     if args.load_format == "dummy":
         args.load_format, args.model, args.kv_cache_bytes = "auto", None, 0.25
+
+
+def _bench_tp_args(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, EngineConfig, quantization="none", host_kv_bytes=0, kv_cache_bytes=0.25, tensor_parallel_size=2)
+    p.add_argument("--batch", type=int, default=4, help="requests in the batch (default: 4)")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: 32)")
+    _json_flags(p, "bench-tp")
+
+
+@command(
+    "bench-tp", "the step time at --tensor-parallel-size 1 and N on this machine; a step's collectives", _bench_tp_args
+)
+def _bench_tp(args: argparse.Namespace) -> int:
+    from lora_server.bench.tensor_parallel import bench_tp
+
+    bench_tp(args, config_from_flags(EngineConfig, args))
+    return 0
 
 
 def _bench_spec_args(p: argparse.ArgumentParser) -> None:

@@ -115,10 +115,12 @@ class AdapterRegistry:
         allowed_roots: list[Path] | None,
         pool: PoolConfig,
         sources: AdapterSources | None = None,
+        refusal: str = "",
     ) -> None:
         """``allowed_roots``: where a local adapter path must lie (None: anywhere). ``sources``: the URL schemes
-        adapters may come from and the cache they are downloaded into (None: none)."""
-        self.geometry, self.pool = geometry, pool
+        adapters may come from and the cache they are downloaded into (None: none). ``refusal``: why this engine
+        serves no adapter at all ("": it serves them), every registration's error."""
+        self.geometry, self.pool, self.refusal = geometry, pool, refusal
         self.sources = AdapterSources() if sources is None else sources
         self._local_roots = allowed_roots
         # what registered adapters are read from again (the loader): the local roots, and the cache for URLs
@@ -165,6 +167,8 @@ class AdapterRegistry:
         """Read and validate a PEFT directory for ``name`` and hash its weights; AdapterError with the reason, also
         for a pin that would not fit now. Changes nothing but the adapter cache: a URL (``self.sources``) is read
         from its copy there, downloaded first if need be."""
+        if self.refusal:
+            raise AdapterError(f"adapter `{name}` cannot be registered: {self.refusal}")
         roots = self._local_roots
         if source_scheme(path) is not None:  # a URL: its copy in the adapter cache, downloaded now or reused
             path, roots = self.sources.fetch(str(path), self._in_use), self.allowed_roots

@@ -18,6 +18,7 @@ import torch
 from lora_server.adapters.page_layout import PageLayout
 from lora_server.adapters.sources import AdapterSources
 from lora_server.config import EngineConfig
+from lora_server.distributed.tensor_parallel import TensorParallel
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
 from lora_server.engine.detokenizer import IncrementalDetokenizer
@@ -43,6 +44,7 @@ from lora_server.errors import (
     InvalidRequestError,
     LoraServerError,
     RequestFailedError,
+    TensorParallelError,
 )
 from lora_server.kernels.lora_table import MODULES
 from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, PolicyParams, PoolConfig, UnifiedPool
@@ -71,6 +73,8 @@ log = logging.getLogger("lora_server")
 def is_device_fault(exc: BaseException) -> bool:
     """Whether an exception means the device (or the host's memory) can no longer be trusted: the engine stops
     instead of failing one request."""
+    if isinstance(exc, TensorParallelError):  # a rank died or the ranks fell out of step
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
@@ -107,13 +111,15 @@ class EngineCore:
         self.source = (checkpoint.format, checkpoint.path)  # how and where the weights were read
         self.tokenizer = _open_tokenizer(checkpoint.format, checkpoint.path, config.chat_template)
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
-        self.runner = ModelRunner(config, checkpoint, wanted_len)
+        # above 1: this process is rank 0 of the tensor-parallel ranks (it starts the others)
+        tp = TensorParallel(config, checkpoint, wanted_len) if config.tensor_parallel_size > 1 else None
+        self.runner = ModelRunner(config, checkpoint, wanted_len, tp)
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
         runner = self.runner
         self.copy_costs = runner.measure_copy_costs()
         self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers, self.copy_costs))
         sources = AdapterSources(config.adapter_sources or (), config.adapter_cache_path, config.adapter_cache_bytes)
-        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config, sources)
+        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config, sources, runner.adapter_refusal)
         self.loader = AdapterLoader(
             self.adapters, runner.geometry, runner.device, config.max_cpu_loras, runner.base_row_norms
         )

@@ -10,7 +10,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -35,6 +35,9 @@ from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 from lora_server.model.warmup import MemoryProfile, WarmupShapes, arena_bytes, measure_peak, warmup_sequences
 from lora_server.model.warmup import plan as warmup_plan
 from lora_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lora_server.distributed.tensor_parallel import TensorParallel
 
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
 DECODE_BLOCK_T, PREFILL_BLOCK_T = 16, 64  # token rows per LoRA tile: a decode step's few rows per adapter, a chunk's
@@ -72,7 +75,11 @@ class ModelRunner:
     compiled, on a small arena of its own, and the largest step's memory is measured); the arena, sized from the
     memory really left; the decode CUDA graphs, captured on it."""
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, tp: TensorParallel | None = None
+    ) -> None:
+        """``tp``: with --tensor-parallel-size above 1, this process's rank 0 (the runner builds rank 0's shard from
+        it and starts the workers once its arena is sized); None: the whole model here."""
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -82,10 +89,13 @@ class ModelRunner:
             raise ValueError(
                 "--kv-cache-dtype fp8 needs compute capability 8.9 or newer (Ada, Hopper): Triton's float8e4nv"
             )
-        self.arch = checkpoint.arch
         self.block_size = config.block_size
         self.startup_s: dict[str, float] = {}
         start = time.perf_counter()
+        self.tp = tp
+        if self.tp is not None:
+            checkpoint = self.tp.checkpoint
+        self.arch = checkpoint.arch  # with tensor parallelism, the rank's share of the heads and the MLP
         with torch.no_grad():
             self.model: LlamaModel = build_llama(
                 checkpoint,
@@ -96,6 +106,8 @@ class ModelRunner:
                 config.show_progress,
                 config.cpu_head_copy,
             )
+            if self.tp is not None:
+                self.tp.parallelize(self.model)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         arch = self.arch
         self.adapter_shapes = BaseShapes.llama(
@@ -138,6 +150,8 @@ class ModelRunner:
             self.startup_s["warm-up"] = time.perf_counter() - start
         self.num_blocks = config.num_kv_blocks or max(1, self._arena_bytes() // self.geometry.page_bytes)
         self._use_arena(Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device))
+        if self.tp is not None:
+            self.tp.start(self.num_blocks, self.num_host_blocks, self.block_tables.width, self.max_step_tokens)
         if self.graph_layout:
             start = time.perf_counter()
             self.graphs = self._capture_decode_graphs()
@@ -259,7 +273,20 @@ class ModelRunner:
         return graphs
 
     def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch, self._kv_caches())
+        if self.tp is None:
+            return self.model(batch, self._kv_caches())
+        with self.tp.in_step():
+            return self.model(batch, self._kv_caches())
+
+    @property
+    def adapter_refusal(self) -> str:
+        """Why this runner serves no adapter ("": it serves them)."""
+        return "" if self.tp is None else self.tp.adapter_refusal
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine's device state is otherwise freed with it)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _arena_bytes(self) -> int:
         """The arena's size: on CUDA with --gpu-memory-utilization, what model.warmup.arena_bytes leaves (a
@@ -332,6 +359,9 @@ class ModelRunner:
         forward pass waits for the KV copies on the device, not for adapter loads (the scheduler holds back the
         requests of an adapter until ``adapter_loaded`` says its copy ran); the host never blocks on a copy.
         Returns the seconds spent issuing adapter loads (host clock)."""
+        if self.tp is not None:  # the engine's idle loop comes here too: a dead rank stops it
+            self.tp.check_alive()
+            self.tp.mirror_kv_copies(ops)
         if not ops:
             return 0.0
         order = self.copy_order
@@ -440,6 +470,7 @@ class ModelRunner:
             self.block_tables.width if graph_layout else None,
         )
         segments, tiles, block_t = self._lora_mapping(items, bucket if graph_layout else None)
+        max_query_len = max((n for _, n in items), default=1)
         # Arrays whose length is fixed by the bucket come first, so that a padded decode step finds every array a
         # graph reads at the offsets it was captured with
         arrays: HostArrays = {
@@ -456,6 +487,8 @@ class ModelRunner:
             "scored_rows": (scored_rows, torch.int64),
             "scored_targets": (scored_targets, torch.int64),
         }
+        if self.tp is not None:
+            self.tp.send_step(arrays, max_query_len, padding, plan.width)
         dev = self.step_inputs.upload(arrays)
         block_tables = self.block_tables.apply(
             plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]
@@ -466,7 +499,7 @@ class ModelRunner:
             lora_batch = LoraBatch(segments, lora_tiles, block_t)
         batch = ForwardBatch(
             lora=lora_batch,
-            max_query_len=max((n for _, n in items), default=1),
+            max_query_len=max_query_len,
             input_ids=dev["input_ids"],
             positions=dev["positions"],
             slot_mapping=dev["slot_mapping"],

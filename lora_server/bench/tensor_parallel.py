@@ -1,0 +1,105 @@
+"""``lora-server bench-tp``: the engine's step time at --tensor-parallel-size 1 and at N on this machine, on the same
+prompts: the prefill step (every prompt in one step) and the mean decode step, their ratio, whether the greedy
+tokens are the same, and the collectives of one decode step at N (calls and bytes per kind, and per layer)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lora_server.config import EngineConfig
+from lora_server.engine import Engine
+from lora_server.sampling_params import SamplingParams
+
+
+@dataclass
+class TpPoint:
+    tensor_parallel_size: int
+    num_layers: int
+    prefill_step_ms: float  # the step that computes every prompt
+    decode_step_ms: float  # mean over the decode steps
+    decode_steps: int
+    # one decode step's collectives at this size (rank 0's): kind -> calls, kind -> bytes (none at size 1)
+    comm_calls: dict[str, int]
+    comm_bytes: dict[str, int]
+
+
+def _run(config: EngineConfig, prompts: list[list[int]], output_len: int) -> tuple[TpPoint, list[list[int]]]:
+    engine = Engine(config)
+    runner = engine.core.runner
+    try:
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
+        requests = [engine.core.make_request(f"tp-{i}", p, params) for i, p in enumerate(prompts)]
+        for request in requests:
+            engine.add(request)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        times: list[float] = []
+        calls: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
+        while engine.has_work():
+            if runner.tp is not None:
+                runner.tp.comm.counter.reset()
+            start = time.perf_counter()
+            outputs = engine.step()
+            times.append(time.perf_counter() - start)
+            for out in outputs:
+                tokens[out.request_id].extend(out.token_ids)
+            if runner.tp is not None and len(times) == 2:  # the first decode step
+                calls, nbytes = dict(runner.tp.comm.counter.calls), dict(runner.tp.comm.counter.bytes)
+    finally:
+        runner.close()
+    decode = times[1:]
+    point = TpPoint(
+        config.tensor_parallel_size,
+        engine.core.arch.num_layers,
+        times[0] * 1e3,
+        sum(decode) / max(1, len(decode)) * 1e3,
+        len(decode),
+        calls,
+        nbytes,
+    )
+    return point, [tokens[r.request_id] for r in requests]
+
+
+def bench_tp(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Run TP=1, then TP=args.tensor_parallel_size; print the table and write the JSON."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 10000, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
+    base, base_tokens = _run(dataclasses.replace(config, tensor_parallel_size=1), prompts, args.output_len)
+    tp, tp_tokens = _run(config, prompts, args.output_len)
+    print(f"{'TP':>3} {'prefill step ms':>16} {'decode step ms':>15}")
+    for p in (base, tp):
+        print(f"{p.tensor_parallel_size:>3} {p.prefill_step_ms:>16.2f} {p.decode_step_ms:>15.2f}")
+    ratio_prefill, ratio_decode = tp.prefill_step_ms / base.prefill_step_ms, tp.decode_step_ms / base.decode_step_ms
+    print(f"TP={tp.tensor_parallel_size} / TP=1: prefill step x{ratio_prefill:.2f}, decode step x{ratio_decode:.2f}")
+    print(f"greedy tokens identical: {base_tokens == tp_tokens}")
+    print(
+        f"one decode step's collectives at TP={tp.tensor_parallel_size} (rank 0): calls {tp.comm_calls}, "
+        f"bytes {tp.comm_bytes}"
+    )
+    reduces = tp.comm_calls.get("all_reduce", 0)
+    if reduces:
+        per_layer = (reduces - 1) / tp.num_layers  # the embedding's one, then each layer's
+        each = tp.comm_bytes["all_reduce"] // reduces
+        print(f"all-reduces: 1 (embedding) + {per_layer:g} per layer x {tp.num_layers} layers, {each} bytes each")
+    out = Path(args.json or Path(args.out) / "bench-tp.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figures = dict(
+        points=[asdict(base), asdict(tp)],
+        prefill_ratio=ratio_prefill,
+        decode_ratio=ratio_decode,
+        identical=base_tokens == tp_tokens,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        threads_per_rank=torch.get_num_threads(),
+    )
+    out.write_text(json.dumps(figures, indent=2))
+    print(f"wrote {out}")

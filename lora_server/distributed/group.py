@@ -1,0 +1,104 @@
+"""The process group of one tensor-parallel engine and the one wrapper every collective goes through (``Comm``),
+which counts calls and bytes per kind and turns a failed collective into a TensorParallelError naming the rank that
+died.
+
+The group is torch.distributed's default group, gloo over TCP on 127.0.0.1 (one engine's ranks share a machine).
+Its timeout is effectively none: an idle engine's workers wait in a broadcast for as long as the engine idles; a
+rank that dies is found by the liveness watchdogs (distributed.workers), not by a timeout."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lora_server.errors import TensorParallelError
+
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+KINDS = ("all_reduce", "gather", "broadcast")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def refuse_second_group() -> None:
+    """One tensor-parallel engine a process (torch.distributed's default group): a second is refused."""
+    if dist.is_initialized():
+        raise TensorParallelError(
+            "a tensor-parallel engine is already running in this process (one per process: torch.distributed's "
+            "default group); close it first (ModelRunner.close)"
+        )
+
+
+def init_group(rank: int, world: int, port: int) -> None:
+    """Join the default process group as ``rank`` of ``world`` (blocks until every rank has joined)."""
+    refuse_second_group()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(slots=True)
+class CommCounter:
+    """Collectives this rank took part in since the last reset: calls and bytes per kind (KINDS). Bytes are those
+    of the tensor this rank hands in (an all-reduce's, a gather's local part, a broadcast's message)."""
+
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.nbytes
+
+    def reset(self) -> None:
+        for kind in KINDS:
+            self.calls[kind] = self.bytes[kind] = 0
+
+
+class Comm:
+    """This rank's collectives on the default group. ``diagnose``: called when a collective raises, returns the
+    failure to report (rank 0's watchdog names the dead rank) or None (the collective's own error is reported)."""
+
+    def __init__(self, rank: int, world: int, diagnose: Callable[[], str | None] = lambda: None) -> None:
+        self.rank, self.world = rank, world
+        self.counter = CommCounter()
+        self.diagnose = diagnose
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: ``tensor`` becomes the sum over the ranks; returns it."""
+        self.counter.add("all_reduce", tensor)
+        self._run(lambda: dist.all_reduce(tensor))
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``tensor`` (equal shapes), in rank order, on rank 0; None on the others."""
+        self.counter.add("gather", tensor)
+        parts = [torch.empty_like(tensor) for _ in range(self.world)] if self.rank == 0 else None
+        self._run(lambda: dist.gather(tensor, parts, dst=0))
+        return parts
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: rank 0's ``tensor`` on every rank; returns it."""
+        self.counter.add("broadcast", tensor)
+        self._run(lambda: dist.broadcast(tensor, src=0))
+        return tensor
+
+    def _run(self, collective: Callable[[], object]) -> None:
+        try:
+            collective()
+        except RuntimeError as exc:  # a peer's socket closed (it died) or the group broke: the ranks are lost
+            reason = self.diagnose() or f"a collective failed on rank {self.rank}: {exc}"
+            raise TensorParallelError(reason) from exc

@@ -1,0 +1,245 @@
+"""The worker ranks 1..N-1: their processes (torch.multiprocessing, spawn), started and watched by rank 0
+(``WorkerRanks``), and their loop (``run_worker``).
+
+Start-up, in order: rank 0 spawns the workers; each reads its shard of the checkpoint (in parallel with rank 0's)
+and reports on the ``loaded`` queue (its error's text if loading failed); rank 0, once its own arena is sized,
+hands each a WorkerSetup on the ``setup`` queue (the arena's layout and the message's size: rank 0 decides, the
+workers follow); then every rank joins the process group. No collective runs before every rank has loaded, so a
+worker that fails to load is an error naming it, never a hang.
+
+Faults: rank 0's watchdog thread polls the workers' exit codes; the first worker that exits unasked is recorded as
+the failure, and the others are killed, so that rank 0's pending or next collective fails at once (their sockets
+close) and the engine stops with an error naming that rank. A worker exits when rank 0's process goes (its
+collective fails, or its parent-watch thread sees the parent gone)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from lora_server.config import EngineConfig
+from lora_server.distributed.group import Comm, destroy_group, init_group
+from lora_server.distributed.layers import parallelize
+from lora_server.distributed.shard import Shard, shard_checkpoint
+from lora_server.distributed.step_message import SWAP_OUT, StepChannel, StepMessage
+from lora_server.errors import TensorParallelError
+from lora_server.model.arena import Arena
+from lora_server.model.batch import ForwardBatch
+from lora_server.model.llama import LayerKV, LlamaModel, build_llama
+from lora_server.model.loader import open_checkpoint
+
+POLL_S = 0.1  # how often the watchdogs look
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    """What rank 0 decides and every worker follows: its arena's pages and its host tier's blocks (each rank's page
+    holds its share of the KV heads, so the page ids the pool hands out mean the same tokens on every rank), its
+    block tables' shape and the step message's capacity."""
+
+    num_blocks: int
+    num_host_blocks: int
+    max_seqs: int
+    table_width: int
+    message_capacity: int
+
+
+class WorkerRanks:
+    """Rank 0's handle on ranks 1..N-1 (spawned here, loading their shards at once)."""
+
+    def __init__(self, config: EngineConfig, port: int, max_model_len: int, threads: int) -> None:
+        """``threads``: each worker's torch threads (its share of the CPU's cores)."""
+        ctx = mp.get_context("spawn")
+        world = config.tensor_parallel_size
+        self._loaded, self._setup = ctx.Queue(), ctx.Queue()
+        self.processes = [
+            ctx.Process(
+                target=run_worker,
+                args=(config, rank, port, max_model_len, threads, self._loaded, self._setup),
+                name=f"tp-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, world)
+        ]
+        for p in self.processes:
+            p.start()
+        self.failure: str | None = None  # the first unasked exit, as the error to report
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The workers' process ids, rank 1 first."""
+        return [p.pid for p in self.processes]
+
+    def wait_loaded(self) -> None:
+        """Block until every worker has loaded its shard; a worker's load error or death is a TensorParallelError
+        naming it."""
+        pending = set(range(1, len(self.processes) + 1))
+        while pending:
+            if self.failure is not None:
+                raise TensorParallelError(self.failure)
+            try:
+                rank, error = self._loaded.get(timeout=POLL_S)
+            except queue.Empty:  # look at the processes again
+                continue
+            if error is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to load its shard:\n{error}")
+            pending.discard(rank)
+
+    def hand_setup(self, setup: WorkerSetup) -> None:
+        for _ in self.processes:
+            self._setup.put(setup)
+
+    def diagnose(self, wait_s: float = 2.0) -> str | None:
+        """The failure the watchdog found, waiting up to ``wait_s`` for it (a collective can fail on a dead peer's
+        socket a moment before the watchdog's next look)."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(POLL_S / 2)
+        return self.failure
+
+    def expect_exit(self) -> None:
+        """From now on a worker's exit is no failure (rank 0 is stopping them)."""
+        self._closing.set()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait for the workers to exit (after a STOP) and kill any that does not."""
+        self.expect_exit()
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def _watch(self) -> None:
+        while not self._closing.is_set():
+            for rank, p in enumerate(self.processes, start=1):
+                code = p.exitcode
+                if code is None or self._closing.is_set():
+                    continue
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) {how}: the engine cannot go on"
+                for other in self.processes:
+                    if other.is_alive():
+                        other.kill()
+                return
+            time.sleep(POLL_S)
+
+
+class WorkerBlockTables:
+    """A worker's copy of rank 0's block tables (model.step_inputs.BlockTables' store), kept equal by applying the
+    same updates each step."""
+
+    def __init__(self, max_seqs: int, width: int, device: torch.device) -> None:
+        self.store = torch.zeros(max_seqs + 1, width, dtype=torch.int32, device=device)  # [rows + padding row, W]
+
+    def apply(self, step: StepMessage) -> torch.Tensor:  # -> [B, step.table_width] int32
+        a = step.arrays
+        if a["table_update_index"].numel():
+            self.store.view(-1).index_copy_(0, a["table_update_index"], a["table_update_value"])
+        return self.store[:, : step.table_width].index_select(0, a["table_rows"])
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    port: int,
+    max_model_len: int,
+    threads: int,
+    loaded: mp.Queue,
+    setup_queue: mp.Queue,
+) -> None:
+    """A worker rank's life: load its shard, report, take rank 0's setup, join the group, then run every step rank
+    0 broadcasts until it says stop."""
+    _exit_with_parent()
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(threads)
+    world = config.tensor_parallel_size
+    try:
+        checkpoint = open_checkpoint(config)
+        shard = Shard(checkpoint.arch, rank, world)
+        model = build_llama(
+            shard_checkpoint(checkpoint, shard),
+            config.quantization,
+            config.torch_dtype,
+            config.torch_device,
+            max_model_len,
+            show_progress=False,
+            cpu_head_copy=config.cpu_head_copy,
+        )
+        del checkpoint
+    except Exception:  # noqa: BLE001 (reported to rank 0, which raises it)
+        loaded.put((rank, traceback.format_exc()))
+        return
+    comm = Comm(rank, world)
+    parallelize(model, shard, comm)
+    loaded.put((rank, None))
+    setup: WorkerSetup = setup_queue.get()
+    local = shard.local_arch
+    device = config.torch_device
+    arena = Arena(setup.num_blocks, local, config.block_size, config.torch_kv_cache_dtype, config.torch_dtype, device)
+    host_kv = torch.zeros(setup.num_host_blocks, arena.page_bytes, dtype=torch.uint8)  # [host blocks, page bytes]
+    kv_caches = [LayerKV(*arena.layer_kv(i)) for i in range(local.num_layers)]
+    tables = WorkerBlockTables(setup.max_seqs, setup.table_width, arena.pages.device)
+    init_group(rank, world, port)
+    channel = StepChannel(comm, setup.message_capacity)
+    with torch.inference_mode():
+        while (step := channel.receive()) is not None:
+            _copy_kv(step.arrays["kv_copies"].view(-1, 3).tolist(), arena.pages, host_kv)
+            _run_step(model, step, tables.apply(step), kv_caches)
+    destroy_group()
+
+
+def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, kv_caches: list[LayerKV]) -> None:
+    """Rank 0's forward pass and head on this rank's shard (runner.execute: the forward pass, the prompt rows
+    scored, the logits): the same collectives in the same order."""
+    a = step.arrays
+    batch = ForwardBatch(
+        input_ids=a["input_ids"],
+        positions=a["positions"],
+        slot_mapping=a["slot_mapping"],
+        block_tables=block_tables,
+        seq_lens=a["seq_lens"],
+        query_start_loc=a["query_start_loc"],
+        logits_indices=a["logits_indices"],
+        max_query_len=step.max_query_len,
+        num_padding=step.num_padding,
+    )
+    hidden = model(batch, kv_caches)
+    scored = hidden[a["scored_rows"]]  # prompt logprobs: rank 0's head over these rows, a slice at a time
+    for start in range(0, scored.shape[0], step.scoring_slice):
+        model.compute_logits(scored[start : start + step.scoring_slice])
+    if batch.logits_indices.numel():  # rank 0 samples: its head gathers every rank's logits
+        model.compute_logits(hidden[batch.logits_indices])
+
+
+def _copy_kv(copies: list[list[int]], pages: torch.Tensor, host: torch.Tensor) -> None:
+    """Rank 0's KV swaps since its last step, in its order: (SWAP_OUT or SWAP_IN, source, destination) each."""
+    for direction, src, dst in copies:
+        if direction == SWAP_OUT:
+            host[dst].copy_(pages[src])
+        else:
+            pages[dst].copy_(host[src])
+
+
+def _exit_with_parent() -> None:
+    """A thread that ends this process once its parent (rank 0's process) is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_S * 5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
