@@ -150,6 +150,7 @@ def _run(engine: Engine, prompts, adapters, check=None) -> list:
     return _drive(engine, check)
 
 
+@pytest.mark.slow
 def test_a_request_waits_for_its_adapter_while_the_batch_steps(fillers):
     engine = _engine(24)
     engine.add_adapter("late", fillers[0])
@@ -168,6 +169,7 @@ def test_a_request_waits_for_its_adapter_while_the_batch_steps(fillers):
     assert done[waiting.request_id].finish_reason == "length" and done[running.request_id].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_changed_files_fail_their_requests_alone(fillers, tmp_path):
     engine = _engine(24)
     path = write_adapter(tmp_path / "moving", seed=5, r=8)
@@ -198,6 +200,7 @@ def test_staged_copies_are_bounded_and_pins_are_kept(fillers):
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_the_prefix_cache_follows_the_weights(fillers, tmp_path):
     """Two names on the same files share one content id and one prefix cache; registering the same weights again
     keeps the cache; other weights under the same name never share it."""
@@ -217,6 +220,7 @@ def test_the_prefix_cache_follows_the_weights(fillers, tmp_path):
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_pins_are_refused_beyond_half_the_arena(fillers):
     engine = _engine(20)  # pins may take 10 pages: three rank-8 adapters (9), not four
     for i in range(3):

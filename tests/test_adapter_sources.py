@@ -349,6 +349,7 @@ def test_root_rules_still_hold_for_local_paths(engine, tiny, tmp_path):
         engine.add_adapter("sneaky", copy)
 
 
+@pytest.mark.slow
 def test_the_admin_api_registers_an_s3_adapter(s3, tmp_path):
     """Through a real server: POST /admin/adapters with an s3:// path registers it, requests use it, the registry
     records the URL (and its sync leaves it alone); vLLM's /v1/load_lora_adapter refuses a scheme not enabled."""

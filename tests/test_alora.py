@@ -93,6 +93,7 @@ def _peft_generate(peft, adapter: str | None, prompt: list[int]) -> tuple[list[i
     return ids[len(prompt) :], torch.log_softmax(logits.float(), dim=-1)
 
 
+@pytest.mark.slow
 def test_alora_alone_and_mixed_matches_peft(alora, engine_alora):
     """One batch: each aLoRA with its invocation, the same weights as plain LoRAs, an aLoRA whose prompt lacks its
     invocation, the base model. Every row's greedy tokens equal HF + PEFT's with only its adapter, logprobs
@@ -134,6 +135,7 @@ def engine_alora(alora):
     return engine
 
 
+@pytest.mark.slow
 def test_alora_prefix_is_the_base_models_kv(alora, engine_alora):
     """After a base request on a conversation, an aLoRA request on the conversation plus its invocation reuses the
     base's blocks (the same block ids: held once), and its own blocks from the invocation on are not cached; its
@@ -172,6 +174,7 @@ def test_alora_prefix_is_the_base_models_kv(alora, engine_alora):
     core.check_integrity()
 
 
+@pytest.mark.slow
 def test_alora_multi_turn_trace_prefills_the_conversation_once(alora, engine_alora):
     """A three-turn conversation; after each base answer both aLoRAs check it. Every check's prompt is the
     conversation so far, the answer and its invocation: served as aLoRAs, a check prefills only what follows the

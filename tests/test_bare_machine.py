@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # what a bare CUDA machine lacks of what this project installs (the engine may use them only for the feature that
 # needs them: a GGUF model, the HTTP server, structured output, Redis, bench serve)
@@ -70,6 +72,7 @@ print("ok")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_gpu_tier_collects_without_the_server_packages(tmp_path):
     """``pytest -m gpu --collect-only`` collects every GPU test with the packages hidden: the same tests as with
     everything installed and every test module imported (``-m "not not gpu"`` selects the same tests but is not

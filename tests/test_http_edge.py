@@ -110,6 +110,7 @@ def test_health_answers_while_silent_and_trickling_connections_are_held(server):
             sock.close()
 
 
+@pytest.mark.slow
 def test_an_idle_kept_alive_connection_is_closed(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -153,6 +153,7 @@ def test_overflowing_adapter_fails_its_request_alone(tmp_path, engine, prompts, 
     _assert_clean(engine)
 
 
+@pytest.mark.slow
 def test_device_fault_stops_the_engine_and_every_stream_learns_it(monkeypatch, prompts):
     engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, show_progress=False))
     _inject(

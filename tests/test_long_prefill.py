@@ -23,6 +23,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(10, 40_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.slow
 def test_a_short_request_starts_beside_long_prompts(smollm2_path):
     """Budget 512, cap 128, one long prompt at a time. A 7,000-token prompt alone takes 512 tokens; then a
     2,000-token prompt and a 32-token one arrive: the long one computes 128, the second long one waits (over the

@@ -52,6 +52,7 @@ def _near_tie(row: torch.Tensor) -> bool:
     return bool((top[:-1] - top[1:]).min() < LOGPROB_TOL)
 
 
+@pytest.mark.slow
 def test_smollm2_matches_hf_on_chat_prompts(engine_fp32, hf_smollm2):
     prompts = [engine_fp32.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     assert len(prompts) >= 8

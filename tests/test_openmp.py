@@ -43,6 +43,7 @@ def test_release_gives_the_workers_back():
     assert result == {"grown": torch.get_num_threads() - 1, "released": True, "after": 0}
 
 
+@pytest.mark.slow
 def test_the_loader_thread_ends_when_idle(tmp_path):
     from tests.servers import write_adapter
 
