@@ -589,6 +589,8 @@ class ServerConfig:
             raise ValueError(f"max_lora_metric_labels must be >= 0, got {self.max_lora_metric_labels}")
         if self.ray_replicas < 0:
             raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
+        if self.ray_replicas and self.engine.tensor_parallel_size > 1:  # placement groups of N devices: not built
+            raise ValueError("--ray-replicas with --tensor-parallel-size above 1 is not served yet")
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
         if not self.allowed_origins and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
             raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lora_server.adapters.peft_format import AdapterError
-from lora_server.config import EngineConfig
+from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
 from lora_server.errors import ConfigError, TensorParallelError
 from lora_server.model import sampler
@@ -84,6 +84,12 @@ def test_tp1_runs_without_a_process_group(tiny):
     before = dist.is_initialized()
     assert tiny_engine(tiny[0], 1).core.runner.tp is None
     assert dist.is_initialized() == before
+
+
+def test_ray_replicas_are_refused_with_tensor_parallelism():
+    """Each replica a TP group on a placement group is not built: the combination is refused, not half-served."""
+    with pytest.raises(ValueError, match="--ray-replicas with --tensor-parallel-size above 1 is not served yet"):
+        ServerConfig(engine=EngineConfig(tensor_parallel_size=2, quantization="none"), ray_replicas=2)
 
 
 def test_tp3_is_refused_where_the_heads_do_not_divide(tiny):
