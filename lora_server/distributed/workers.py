@@ -205,17 +205,7 @@ def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, 
     """Rank 0's forward pass and head on this rank's shard (runner.execute: the forward pass, the prompt rows
     scored, the logits): the same collectives in the same order."""
     a = step.arrays
-    batch = ForwardBatch(
-        input_ids=a["input_ids"],
-        positions=a["positions"],
-        slot_mapping=a["slot_mapping"],
-        block_tables=block_tables,
-        seq_lens=a["seq_lens"],
-        query_start_loc=a["query_start_loc"],
-        logits_indices=a["logits_indices"],
-        max_query_len=step.max_query_len,
-        num_padding=step.num_padding,
-    )
+    batch = ForwardBatch.of_arrays(a, block_tables, max_query_len=step.max_query_len, num_padding=step.num_padding)
     hidden = model(batch, kv_caches)
     scored = hidden[a["scored_rows"]]  # prompt logprobs: rank 0's head over these rows, a slice at a time
     for start in range(0, scored.shape[0], step.scoring_slice):

@@ -3,8 +3,9 @@ model."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -118,6 +119,22 @@ class ForwardBatch:
     prompt_scoring: PromptScoring | None = None  # prompt tokens whose logprobs this step computes, if any
     # (first, end, table page) of the logits rows (of logits_indices) whose request has an adapter, host integers
     logits_segments: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @classmethod
+    def of_arrays(cls, arrays: Mapping[str, torch.Tensor], block_tables: torch.Tensor, **rest: Any) -> ForwardBatch:
+        """The batch whose token and sequence tensors are ``arrays``' of the same names (a step's arrays as the
+        runner uploads them and the tensor-parallel step message carries them), the rest given by name."""
+        a = arrays
+        return cls(
+            input_ids=a["input_ids"],
+            positions=a["positions"],
+            slot_mapping=a["slot_mapping"],
+            block_tables=block_tables,
+            seq_lens=a["seq_lens"],
+            query_start_loc=a["query_start_loc"],
+            logits_indices=a["logits_indices"],
+            **rest,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -497,16 +497,11 @@ class ModelRunner:
         if segments or graph_layout:
             lora_tiles = dev["lora_tiles"].view(-1, 3) if tiles is not None else None
             lora_batch = LoraBatch(segments, lora_tiles, block_t)
-        batch = ForwardBatch(
+        batch = ForwardBatch.of_arrays(
+            dev,
+            block_tables,
             lora=lora_batch,
             max_query_len=max_query_len,
-            input_ids=dev["input_ids"],
-            positions=dev["positions"],
-            slot_mapping=dev["slot_mapping"],
-            block_tables=block_tables,
-            seq_lens=dev["seq_lens"],
-            query_start_loc=dev["query_start_loc"],
-            logits_indices=dev["logits_indices"],
             num_padding=padding,
             prompt_scoring=(
                 PromptScoring(dev["scored_rows"], dev["scored_targets"], owners, scored_segments) if owners else None
