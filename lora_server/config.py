@@ -314,8 +314,8 @@ class EngineConfig:
         metadata=flag(
             "split the base model across this many ranks (torch.distributed, gloo on the CPU): this process is rank "
             "0 and starts the others; each holds its share of the heads, the MLP, the vocabulary and the KV cache "
-            "(per rank: --kv-cache-gb); it must divide the heads and KV heads; dense weights only, no adapters yet "
-            "(1: no tensor parallelism)"
+            "(per rank: --kv-cache-gb) and its share of every adapter; it must divide the heads and KV heads; dense "
+            "weights only (1: no tensor parallelism)"
         ),
     )
     show_progress: bool = True  # a progress bar while loading weights

@@ -173,13 +173,12 @@ def assert_mixed_batch_matches_peft(engine: Engine, model) -> None:
         ), adapter
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ADAPTER_TARGETS))
-def test_family_mixed_adapters_match_peft(tmp_path, name):
+def family_with_adapters(tmp_path, name: str):
+    """The family's tiny model in tmp_path/base and two PEFT adapters of ranks 8 and 4 on ADAPTER_TARGETS' modules
+    in tmp_path/a0, a1; returns HF + PEFT's model holding both."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     hf = _build(tmp_path / "base", name)
-    names = []
     for i, targets in enumerate(ADAPTER_TARGETS[name]):
         torch.manual_seed(100 + i)
         rank = (8, 4)[i]
@@ -192,17 +191,21 @@ def test_family_mixed_adapters_match_peft(tmp_path, name):
                     p.mul_(0.5)
         peft.save_pretrained(tmp_path / f"a{i}")
         hf = peft.unload()  # the base back, without the LoRA layers
-        names.append(f"a{i}")
     model = PeftModel.from_pretrained(hf, tmp_path / "a0", adapter_name="a0")
     model.load_adapter(tmp_path / "a1", adapter_name="a1")
-    model.eval()
+    return model.eval()
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ADAPTER_TARGETS))
+def test_family_mixed_adapters_match_peft(tmp_path, name):
+    model = family_with_adapters(tmp_path, name)
     engine = Engine(
         EngineConfig(
             model=str(tmp_path / "base"), block_size=16, num_kv_blocks=128, max_lora_rank=8, show_progress=False
         )
     )
-    for adapter in names:
+    for adapter in ("a0", "a1"):
         engine.add_adapter(adapter, tmp_path / adapter)
     assert_mixed_batch_matches_peft(engine, model)
 

@@ -4,6 +4,7 @@ engine with an error that names it, within seconds."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -20,13 +21,16 @@ from lora_server.errors import ConfigError, TensorParallelError
 from lora_server.model import sampler
 from lora_server.sampling_params import SamplingParams
 from tests import test_adapter_keys, test_architectures
+from tests.conftest import ADAPTERS
 from tests.test_adapter_keys import TINY
+from tests.test_lora_vs_peft import _peft_greedy
 from tests.test_model_vs_hf import _compare, _hf_logprobs
 from tests.test_prompt_logprobs import _check
 
 tiny = test_adapter_keys.tiny  # a random tiny Llama in HF's format and the model (fp32): 2 layers, 4 heads, 2 KV
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+NUM_PAGES_TP3 = 40
 
 
 def tiny_engine(path, tp: int, **kw) -> Engine:
@@ -104,10 +108,94 @@ def test_quantized_weights_and_other_unsharded_features_are_refused():
         EngineConfig(tensor_parallel_size=2, quantization="none", host_kv_bytes=0, kv_cache_dtype="fp8")
 
 
+# adapters of different ranks and targets on the tiny Llama: column-parallel only, row-parallel only, both
+TINY_ADAPTERS = {
+    "qv-r2": dict(r=2, target_modules=["q_proj", "v_proj"]),
+    "all-r4": dict(r=4, target_modules="all-linear"),
+    "o-down-r8": dict(r=8, target_modules=["o_proj", "down_proj"]),
+    "mlp-r16": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_peft(tiny, tmp_path_factory):
+    """TINY_ADAPTERS saved by PEFT on the tiny Llama (random weights), and HF + PEFT's model holding them all."""
+    from peft import LoraConfig, PeftModel
+
+    path, model = tiny
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    for i, (name, cfg) in enumerate(TINY_ADAPTERS.items()):
+        torch.manual_seed(10 + i)
+        test_adapter_keys.save_peft(model, LoraConfig(init_lora_weights=False, **cfg), root / name, scale=0.3)
+    names = list(TINY_ADAPTERS)
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), root / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        peft.load_adapter(root / name, adapter_name=name)
+    return root, peft.eval()
+
+
+def _drive(engine: Engine, plan: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[list[int]]:
+    """Serve ``plan``'s (adapter, prompt) requests in one continuous batch, checking every rank's integrity after
+    each step (each rank's arena holds the adapters the pool placed, in the same pages, and the same block tables);
+    returns each request's tokens."""
+    for i, (adapter, prompt) in enumerate(plan):
+        engine.add(engine.core.make_request(f"q{i}", prompt, params, adapter))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        engine.check_integrity()
+    return [tokens[f"q{i}"] for i in range(len(plan))]
+
+
 @pytest.mark.slow
-def test_adapters_are_refused(tp2, tmp_path):
-    with pytest.raises(AdapterError, match="not served with --tensor-parallel-size 2"):
-        tp2.add_adapter("a", tmp_path)
+def test_tp2_mixed_adapters_under_churn_match_tp1_and_peft(tiny, tiny_peft):
+    """Four adapters of ranks 2 to 16 (on column-parallel modules, row-parallel ones, both) and the base model in
+    mixed batches, through an arena too small to hold them all with their KV: adapters leave the device and come
+    back, KV goes to the host tier and back; the integrity check holds on every rank after every step, and every
+    request gets TP=1's and HF + PEFT's greedy tokens."""
+    path, _ = tiny
+    root, peft = tiny_peft
+    names = [*TINY_ADAPTERS, None]
+    batch = prompts([70, 9, 100, 66, 30])  # blocks of 64 tokens: the long ones leave whole blocks in the cache
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plans = [[(names[(i + round_) % 5], p) for i, p in enumerate(batch)] for round_ in range(3)]
+    plans.append(plans[0])  # its prefixes cached under the same adapters, if kept: swapped back in
+    expected = [[_peft_greedy(peft, adapter, p, params.max_tokens) for adapter, p in plan] for plan in plans]
+    config = dict(block_size=64, num_kv_blocks=12, host_kv_bytes=2 << 20, max_loras=2, max_lora_rank=16)
+    for tp in (1, 2):
+        engine = tiny_engine(path, tp, **config)
+        try:
+            handles = [engine.add_adapter(name, root / name) for name in TINY_ADAPTERS]
+            for plan, want in zip(plans, expected, strict=True):
+                assert _drive(engine, plan, params) == want
+            counters = engine.core.pool.tree.counters
+            print(tp, dict(counters), [h.device_nbytes for h in handles])
+            assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
+            assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
+            assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)
+        finally:
+            engine.core.runner.close()
+
+
+def test_dora_and_vocabulary_adapters_are_refused(tiny, tmp_path):
+    """Under TP the forms whose sharding is not built are refused at registration, naming the form."""
+    from peft import LoraConfig
+
+    path, model = tiny
+    save_peft = test_adapter_keys.save_peft
+    save_peft(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), tmp_path / "dora")
+    save_peft(model, LoraConfig(r=4, target_modules=["embed_tokens"]), tmp_path / "embed")
+    engine = tiny_engine(path, 2, block_size=64)
+    try:
+        with pytest.raises(AdapterError, match="DoRA adapters are not served with --tensor-parallel-size 2"):
+            engine.add_adapter("dora", tmp_path / "dora")
+        with pytest.raises(AdapterError, match="embedding or the output head .* --tensor-parallel-size 2"):
+            engine.add_adapter("embed", tmp_path / "embed")
+        assert engine.core.adapters.names() == []
+    finally:
+        engine.core.runner.close()
 
 
 @pytest.mark.slow
@@ -124,6 +212,12 @@ def test_tp2_prompt_logprobs_match_hf(tiny, tp2, monkeypatch):
     assert outs[1].token_ids == hf_greedy(model, batch[1], GREEDY.max_tokens)
 
 
+# the step message: 19 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
+# 64) = 64), 3 per-sequence arrays of max_num_seqs + 1 (65) and the adapter runs (3 values per sequence), 2 values per
+# new block (64 // 16 + 64), int64
+MESSAGE_BYTES = (19 + 4 * 64 + 3 * 65 + 3 * 64 + 2 * (4 + 64)) * 8
+
+
 @pytest.mark.slow
 def test_the_collectives_of_each_step(tp2):
     """Two prompts of 5 and 7 tokens (under the long-prefill cap, 32 // 4), 3 tokens each: one prefill step (12
@@ -134,15 +228,56 @@ def test_the_collectives_of_each_step(tp2):
     tp2.generate(prompts([5, 7]), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     hidden, layers, vocab_half = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"] // 2
     tokens = 12 + 2 + 2
-    assert counter.calls == {"all_reduce": 3 * (2 * layers + 1), "gather": 3, "broadcast": 3}
-    # the message: 17 header values, 4 per-token arrays of the runner's most tokens a step (max(32, max_num_seqs
-    # 64) = 64), 3 per-sequence arrays of max_num_seqs + 1 (65), 2 values per new block (64 // 16 + 64), int64
-    message = (17 + 4 * 64 + 3 * 65 + 2 * (4 + 64)) * 8
+    assert counter.calls == {"all_reduce": 3 * (2 * layers + 1), "gather": 3, "broadcast": 3, "scatter": 0}
     assert counter.bytes == {
         "all_reduce": (2 * layers + 1) * tokens * hidden * 4,
         "gather": 3 * 2 * vocab_half * 4,
-        "broadcast": 3 * message,
+        "broadcast": 3 * MESSAGE_BYTES,
+        "scatter": 0,
     }
+
+
+@pytest.mark.slow
+def test_lora_adds_no_collective_and_an_adapter_load_one_scatter(tiny, tiny_peft):
+    """The same two requests on an adapter of every module: the LoRA terms add nothing to the collectives (the
+    row-parallel ones join the base's all-reduce), and loading the adapter scatters each worker its share of the
+    pages once, in the step that uses it; tokens are HF + PEFT's."""
+    root, peft = tiny_peft
+    engine = tiny_engine(tiny[0], 2, block_size=64, max_num_batched_tokens=32)
+    try:
+        handle = engine.add_adapter("all-r4", root / "all-r4")
+        counter = engine.core.runner.tp.comm.counter
+        counter.reset()
+        batch = prompts([5, 7])
+        outs = engine.generate(batch, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), adapters="all-r4")
+        assert [o.token_ids for o in outs] == [_peft_greedy(peft, "all-r4", p, 3) for p in batch]
+        hidden, layers, vocab_half = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"] // 2
+        assert counter.calls == {"all_reduce": 3 * (2 * layers + 1), "gather": 3, "broadcast": 3, "scatter": 1}
+        assert counter.bytes["all_reduce"] == (2 * layers + 1) * (12 + 2 + 2) * hidden * 4
+        assert counter.bytes["gather"] == 3 * 2 * vocab_half * 4
+        # rank 0 counts the part it gets of the scatter: the size of a worker's share, as many pages as its own
+        assert counter.bytes["scatter"] == handle.device_nbytes
+    finally:
+        engine.core.runner.close()
+
+
+@pytest.mark.slow
+def test_the_integrity_check_finds_a_rank_out_of_step(tiny, tiny_peft):
+    """The check compares every rank's arena and block tables with rank 0's: it passes while they follow, and
+    names the rank once rank 0's arena changes behind the workers' backs (an unload they were never sent)."""
+    root, _ = tiny_peft
+    engine = tiny_engine(tiny[0], 2, block_size=64)
+    try:
+        engine.add_adapter("qv-r2", root / "qv-r2")
+        engine.generate(prompts([5]), GREEDY, adapters="qv-r2")
+        runner = engine.core.runner
+        runner.check_ranks()
+        (table_page,) = runner.adapters.table_pages()
+        runner.adapters.unload(table_page)  # rank 0 alone
+        with pytest.raises(AssertionError, match="rank 1's arena or block tables differ from rank 0's"):
+            runner.check_ranks()
+    finally:
+        engine.core.runner.close()
 
 
 @pytest.mark.slow
@@ -163,6 +298,23 @@ def test_tp2_families_match_hf(tmp_path, name):
     )
     try:
         _compare(engine, hf, test_architectures._prompts())
+    finally:
+        engine.core.runner.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(test_architectures.ADAPTER_TARGETS) - {"gemma3"}))
+def test_tp2_family_adapters_match_peft(tmp_path, name):
+    """test_architectures' mixed batch of two adapters and the base at TP=2: Phi-3's fused qkv_proj and
+    gate_up_proj adapters split into their parts, then each part's share; Gemma 2's and Qwen 3's on every module."""
+    model = test_architectures.family_with_adapters(tmp_path, name)
+    config = dict(block_size=32, num_kv_blocks=128, max_lora_rank=8, host_kv_bytes=0, show_progress=False)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), tensor_parallel_size=2, **config))
+    try:
+        for adapter in ("a0", "a1"):
+            engine.add_adapter(adapter, tmp_path / adapter)
+        test_architectures.assert_mixed_batch_matches_peft(engine, model)
+        engine.check_integrity()
     finally:
         engine.core.runner.close()
 
@@ -188,7 +340,8 @@ def test_a_step_whose_arrays_spill_past_the_message(tiny):
         assert [o.token_ids for o in engine.generate(prompt, GREEDY)] == expected
         # served from the cache: 8 steps, each sampling (the prompt's last block, then 7 decodes); the first sent
         # its arrays in two broadcasts
-        assert counter.calls == {"all_reduce": 8 * (2 * TINY["num_hidden_layers"] + 1), "gather": 8, "broadcast": 9}
+        calls = {"all_reduce": 8 * (2 * TINY["num_hidden_layers"] + 1), "gather": 8, "broadcast": 9, "scatter": 0}
+        assert counter.calls == calls
     finally:
         engine.core.runner.close()
 
@@ -242,19 +395,34 @@ def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
 
 
 @pytest.mark.slow
-def test_embedded_model_tp3_greedy_equals_tp1(engine_fp32):
-    """SmolLM2-135M: 9 heads, 3 KV heads; TP=2 is refused, and so are its Q4_1 / Q8_0 blocks as they are (auto);
-    TP=3 at fp32 gives TP=1's greedy tokens."""
-    config = dict(quantization="none", kv_cache_bytes=64 << 20, host_kv_bytes=0, show_progress=False)
+def test_embedded_model_tp3_mixed_adapters_under_churn(engine_fp32, peft_dirs, peft_model):
+    """SmolLM2-135M: 9 heads, 3 KV heads; TP=2 is refused, and so are its Q4_1 / Q8_0 blocks as they are (auto).
+    At TP=3 and fp32, the base model gives TP=1's greedy tokens, and the five HF + PEFT adapters of ranks 2 to 16
+    (conftest.ADAPTERS) and the base in mixed batches, through an arena that holds few of them with their KV, give
+    HF + PEFT's; the integrity check holds on every rank after every step."""
+    config = dict(quantization="none", host_kv_bytes=0, show_progress=False)
     with pytest.raises(ConfigError, match=r"num_heads \(9\) and num_kv_heads \(3\)"):
-        Engine(EngineConfig(tensor_parallel_size=2, **config))
+        Engine(EngineConfig(tensor_parallel_size=2, kv_cache_bytes=64 << 20, **config))
     with pytest.raises(ConfigError, match=r"--quantization auto holds \w+ as int[48]"):  # the GGUF's own blocks
-        Engine(EngineConfig(tensor_parallel_size=3, **{**config, "quantization": "auto"}))
-    batch = [engine_fp32.core.encode(text) for text in ("The capital of France is", "1, 2, 3, 4,")]
-    expected = [o.token_ids for o in engine_fp32.generate(batch, GREEDY)]
-    engine = Engine(EngineConfig(tensor_parallel_size=3, **config))
+        Engine(EngineConfig(tensor_parallel_size=3, kv_cache_bytes=64 << 20, **{**config, "quantization": "auto"}))
+    texts = ("The capital of France is", "1, 2, 3, 4,", "Write a haiku about the sea.")
+    batch = [engine_fp32.core.encode(text) for text in texts]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in engine_fp32.generate(batch[:2], params)]
+    engine = Engine(
+        EngineConfig(tensor_parallel_size=3, num_kv_blocks=NUM_PAGES_TP3, max_lora_rank=16, max_loras=3, **config)
+    )
     try:
-        assert [o.token_ids for o in engine.generate(batch, GREEDY)] == expected
+        assert [o.token_ids for o in engine.generate(batch[:2], params)] == base
+        handles = [engine.add_adapter(name, peft_dirs / name) for name in ADAPTERS]
+        names = [*ADAPTERS, None]
+        for round_ in range(2):
+            plan = [(names[(i + round_) % len(names)], batch[i % 3]) for i in range(len(names))]
+            expected = [_peft_greedy(peft_model, adapter, p, params.max_tokens) for adapter, p in plan]
+            assert _drive(engine, plan, params) == expected, round_
+        counters = engine.core.pool.tree.counters
+        assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
+        assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
     finally:
         engine.core.runner.close()
 

@@ -201,6 +201,8 @@ def _bench_tp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="requests in the batch (default: 4)")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--adapters", type=int, default=0, help="random adapters, request i on i %% K (default: 0)")
+    p.add_argument("--adapter-rank", type=int, default=16, help="their rank, on every module (default: 16)")
     _json_flags(p, "bench-tp")
 
 

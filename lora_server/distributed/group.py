@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lora_server.errors import TensorParallelError
 
 COLLECTIVE_TIMEOUT = timedelta(days=365)
-KINDS = ("all_reduce", "gather", "broadcast")
+KINDS = ("all_reduce", "gather", "broadcast", "scatter")
 
 
 def free_port() -> int:
@@ -54,7 +54,8 @@ def destroy_group() -> None:
 @dataclass(slots=True)
 class CommCounter:
     """Collectives this rank took part in since the last reset: calls and bytes per kind (KINDS). Bytes are those
-    of the tensor this rank hands in (an all-reduce's, a gather's local part, a broadcast's message)."""
+    of the tensor this rank hands in or gets (an all-reduce's, a gather's local part, a broadcast's message, the
+    part a scatter gives it)."""
 
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -95,6 +96,13 @@ class Comm:
         self.counter.add("broadcast", tensor)
         self._run(lambda: dist.broadcast(tensor, src=0))
         return tensor
+
+    def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``parts`` (one per rank, in rank order, equal shapes; None on the others): rank r's into its
+        ``out``; returns it."""
+        self.counter.add("scatter", out)
+        self._run(lambda: dist.scatter(out, parts, src=0))
+        return out
 
     def _run(self, collective: Callable[[], object]) -> None:
         try:

@@ -1,13 +1,14 @@
 """The modules a rank's shard needs beyond build_llama's, swapped in after it (``parallelize``), so that the model
 code (model.llama) runs unchanged on every rank:
 
-- RowParallelLinear (o, down): the rank's partial product, then one all-reduce
+- RowParallelLoraLinear (o, down): the rank's partial product and its adapters' partial LoRA, then one all-reduce
 - VocabParallelEmbedding: the rank's vocabulary rows looked up (zero rows for ids it does not hold), then one
   all-reduce: each token's row comes from exactly one rank, so the sum is that row exactly
 - VocabParallelHead: the rank's logits columns, padded to ceil(V/N), gathered to rank 0, which gets [S, V]; the
   other ranks get their own columns back (they are not read)
 
-The column-parallel linears (q|k|v, gate|up) need no module: their shards are plain linears with fewer rows."""
+The column-parallel linears (q|k|v, gate|up) need no module: their shards are plain linears with fewer rows, and
+their LoRA wrappers add each adapter's share into them as they do on one device (distributed.shard)."""
 
 from __future__ import annotations
 
@@ -17,28 +18,23 @@ from torch import nn
 from lora_server.distributed.group import Comm
 from lora_server.distributed.shard import Shard
 from lora_server.errors import TensorParallelError
-from lora_server.model.llama import LlamaModel
+from lora_server.model.llama import DecoderLayer, LlamaModel
+from lora_server.model.lora import LoraBatch, LoraLinear
 from lora_server.model.quant import DenseLinear
 
 
-class RowParallelLinear(nn.Module):
-    """A dense linear whose input features are split across the ranks: y = all_reduce(x_local @ W_local.T)."""
+class RowParallelLoraLinear(LoraLinear):
+    """A LoRA wrapper whose base linear and adapters' A take the rank's share of the input features:
+    y = all_reduce(x_local @ W_local.T + each token's x_local @ A_local.T @ B.T), B whole on every rank."""
 
-    def __init__(self, inner: DenseLinear, comm: Comm) -> None:
-        super().__init__()
-        assert inner.bias is None, "a row-parallel bias would be added once per rank"
-        self.inner, self.comm = inner, comm
+    def __init__(self, wrapper: LoraLinear, comm: Comm) -> None:
+        widths = [end - start for start, end in zip(wrapper.slice_starts, wrapper.slice_starts[1:], strict=False)]
+        super().__init__(wrapper.base, wrapper.layer, wrapper.group, widths)
+        assert getattr(self.base, "bias", None) is None, "a row-parallel bias would be added once per rank"
+        self.comm = comm
 
-    @property
-    def out_features(self) -> int:
-        return self.inner.out_features
-
-    @property
-    def bias(self) -> None:
-        return None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
-        return self.comm.all_reduce(self.inner(x))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in / N] -> [T, out]
+        return self.comm.all_reduce(super().forward(x, lora))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -81,17 +77,19 @@ class VocabParallelHead(nn.Module):
 
 
 def parallelize(model: LlamaModel, shard: Shard, comm: Comm) -> None:
-    """Swap in this rank's parallel modules (in place): o and down row-parallel, the embedding and the head
-    vocabulary-parallel (build_llama built them from the rank's slices: shard.shard_checkpoint)."""
+    """Swap in this rank's parallel modules (in place), before the LoRA wrappers are attached to an arena: o and
+    down row-parallel, the embedding and the head vocabulary-parallel (build_llama built them from the rank's
+    slices: shard.shard_checkpoint)."""
     assert isinstance(model.embed, DenseLinear), "tensor parallelism shards dense weights (check_tensor_parallel)"
     first, end = shard.vocab_range
     embed = VocabParallelEmbedding(model.embed.weight.data, first, end, comm)
     head_weight = embed.weight if model.lm_head is None else _dense(model.lm_head).weight  # None: tied
     model.embed = embed  # type: ignore[assignment]
     model.lm_head = VocabParallelHead(head_weight, shard, comm)  # type: ignore[assignment]
-    for wrappers in model.lora_wrappers():
-        for group in ("o", "down"):
-            wrappers[group].base = RowParallelLinear(_dense(wrappers[group].base), comm)
+    layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+    for layer in layers:
+        layer.attn.o_proj = RowParallelLoraLinear(layer.attn.o_proj, comm)
+        layer.mlp.down_proj = RowParallelLoraLinear(layer.mlp.down_proj, comm)
 
 
 def _dense(module: nn.Module | None) -> DenseLinear:

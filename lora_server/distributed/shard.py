@@ -8,7 +8,14 @@ Rank r of N holds (H q heads, KVH kv heads, I intermediate, V vocabulary rows):
 - gate, up: rows [r I/N, (r+1) I/N); o, down: the matching columns (row-parallel: each rank's product is a partial
   sum, all-reduced by distributed.layers.RowParallelLinear)
 - embed, lm_head: the vocabulary rows of ``vocab_range`` (ceil(V/N) a rank, the last fewer)
-- the norms, rope_freqs: whole on every rank."""
+- the norms, rope_freqs: whole on every rank.
+
+An adapter's LoRA follows its module's split (vLLM's layout, not its fully sharded one: no collective of its own):
+- column-parallel q, k, v, gate, up: A [r, in] whole (the input is whole on every rank), B's rows of the rank's
+  output shard; the rank's LoRA lands in its own output columns
+- row-parallel o, down: A's columns of the rank's input shard, B [out, r] whole; the rank's LoRA, x_local @
+  A_local.T @ B.T, is a partial sum like its base product, and joins it before the one all-reduce
+  (distributed.layers.RowParallelLoraLinear): sum over ranks of x_r A_r^T B^T = x A^T B^T."""
 
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_server.adapters.peft_format import LoraAdapter
 from lora_server.config import EngineConfig
 from lora_server.errors import ConfigError
 from lora_server.model.arch import ModelArch
@@ -25,6 +33,7 @@ from lora_server.model.checkpoint import Checkpoint, WeightSource
 from lora_server.model.quant import tensor_mode
 
 _LINEARS = re.compile(r"embed|lm_head|layers\.\d+\.(q|k|v|o|gate|up|down)")
+_COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # split by output rows; o and down by input columns
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +85,22 @@ class Shard:
         if name.startswith("layers.") and kind in cols:
             return 1, self.rank * cols[kind], (self.rank + 1) * cols[kind]
         return None
+
+    def adapter(self, adapter: LoraAdapter) -> LoraAdapter:
+        """This rank's share of a validated adapter (see the module): B's rows of a column-parallel module's output
+        shard, A's columns of a row-parallel module's input shard, the rest whole. Plain LoRA only: DoRA and the
+        vocabulary's changes are refused before (TensorParallel.adapter_refusal)."""
+        assert not adapter.magnitudes and adapter.vocab is None, "refused under tensor parallelism"
+        weights = {}
+        for (layer, module), (a, b) in adapter.weights.items():
+            if module in _COLUMN_PARALLEL:
+                out = b.shape[0] // self.world
+                b = b[self.rank * out : (self.rank + 1) * out]
+            else:
+                width = a.shape[1] // self.world
+                a = a[:, self.rank * width : (self.rank + 1) * width]
+            weights[(layer, module)] = (a.contiguous(), b.contiguous())
+        return dataclasses.replace(adapter, weights=weights)
 
 
 def check_tensor_parallel(arch: ModelArch, config: EngineConfig, checkpoint: Checkpoint) -> None:

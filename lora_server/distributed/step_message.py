@@ -1,15 +1,25 @@
 """One step's inputs, from rank 0 to the workers, as one int64 tensor broadcast (a second one only when a step's
-arrays exceed the message's capacity: a block-table rewrite of many rows).
+arrays exceed the message's capacity: a block-table rewrite of many rows), then, in a step that loads adapters,
+one scatter of each worker's share of their pages.
 
 Layout of the message [capacity] int64:
-  [0] kind (STEP or STOP), [1] max_query_len, [2] num_padding, [3] the gathered block table's width,
+  [0] kind (STEP, CHECK or STOP), [1] max_query_len, [2] num_padding, [3] the gathered block table's width,
   [4] scoring_slice: the prompt rows the head scores at once (rank 0's sampler.scoring_rows),
   [5] spill: values past the capacity, sent in a second broadcast of exactly that many,
-  [6 : 6 + len(STEP_ARRAYS)] each array's length, then the arrays back to back in STEP_ARRAYS' order.
+  [6] image_bytes: the bytes of adapter pages each worker gets in the scatter that follows (0: no scatter),
+  [7 : 7 + len(STEP_ARRAYS)] each array's length, then the arrays back to back in STEP_ARRAYS' order.
 The arrays are the runner's host arrays of the same names (model.runner._build): the worker builds its
-ForwardBatch from them as rank 0 does, its block tables updated by the same entries; and ``kv_copies``, the KV
-swaps rank 0 made since its last step (runner.apply_copy_ops), which the worker makes on its own arena and host
-tier before the step."""
+ForwardBatch from them as rank 0 does, its block tables updated by the same entries, its tokens' adapters the same
+runs of table pages; and ``copy_ops``, the pool's copy operations rank 0 made since its last step
+(runner.apply_copy_ops), which the worker makes on its own arena and host tier before the step, in the same order:
+
+  SWAP_OUT, device page, host block | SWAP_IN, host block, device page   (KV, one block each)
+  LOAD, n, n pages (table page first), m, m x (layer, module index, rank)  (an adapter: its layout's ranks; its pages'
+                                                                             bytes come next in the scatter)
+  UNLOAD, table page
+
+A CHECK message carries copy ops only: the workers make them and answer with their fingerprint (the integrity
+check on every rank)."""
 
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ import torch
 from lora_server.distributed.group import Comm
 from lora_server.model.step_inputs import HostArrays
 
-STEP, STOP = 1, 2
+STEP, CHECK, STOP = 1, 2, 3
 # name -> dtype on the worker (the ForwardBatch's, and the block-table updates')
 STEP_ARRAYS: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -34,28 +44,37 @@ STEP_ARRAYS: dict[str, torch.dtype] = {
     "table_rows": torch.int64,
     "table_update_index": torch.int64,
     "table_update_value": torch.int32,
-    "kv_copies": torch.int64,  # (SWAP_OUT or SWAP_IN, source block, destination block) triples, in order
+    "lora_segments": torch.int64,  # (start, end, table page) of each run of tokens that share an adapter
+    "copy_ops": torch.int64,  # the pool's copy operations since the last step (see the module)
 }
-SWAP_OUT, SWAP_IN = 0, 1  # device page -> host block, host block -> device page
-HEADER = 6 + len(STEP_ARRAYS)
+SWAP_OUT, SWAP_IN, LOAD, UNLOAD = 0, 1, 2, 3
+HEADER = 7 + len(STEP_ARRAYS)
 
 
 def message_capacity(max_tokens: int, max_seqs: int, block_size: int) -> int:
     """int64 values of a message that holds any step of up to ``max_tokens`` tokens and ``max_seqs`` sequences
-    whose block tables grow by appends and that scores no prompt (four per-token arrays, three per-sequence, two
-    entries per new block);
-    larger steps spill."""
+    whose block tables grow by appends, that scores no prompt and makes no copy (four per-token arrays, three
+    per-sequence and one adapter run per sequence, two entries per new block); larger steps spill."""
     new_blocks = max_tokens // block_size + max_seqs
-    return HEADER + 4 * max_tokens + 3 * (max_seqs + 1) + 2 * new_blocks
+    return HEADER + 4 * max_tokens + 3 * (max_seqs + 1) + 3 * max_seqs + 2 * new_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A step's scalars beside its arrays (a CHECK's and a STOP's are the defaults)."""
+
+    max_query_len: int = 1
+    num_padding: int = 0
+    table_width: int = 0  # the gathered block table's width
+    scoring_slice: int = 0  # the prompt rows the head scores at once
 
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    max_query_len: int
-    num_padding: int
-    table_width: int
-    scoring_slice: int
+    kind: int  # STEP, CHECK or STOP
+    shape: StepShape
     arrays: dict[str, torch.Tensor]  # STEP_ARRAYS' names -> 1-D tensors of their dtypes
+    images: torch.Tensor | None  # uint8 [image_bytes]: this rank's pages of the adapters the copy ops load
 
 
 class StepChannel:
@@ -68,31 +87,44 @@ class StepChannel:
         self.buffer = torch.zeros(capacity, dtype=torch.int64)  # [capacity]
 
     def send(
-        self, arrays: HostArrays, max_query_len: int, num_padding: int, table_width: int, scoring_slice: int
+        self, arrays: HostArrays, shape: StepShape, images: list[torch.Tensor] | None = None, kind: int = STEP
     ) -> None:
-        parts = [np.asarray(arrays[name][0], dtype=np.int64) for name in STEP_ARRAYS]
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        """``arrays``: STEP_ARRAYS' names (a missing one is empty); ``images``: each worker's uint8 pages of the
+        adapters that the copy ops load, rank 1 first, of equal sizes (None: no load)."""
+        parts = [np.asarray(arrays[name][0] if name in arrays else (), dtype=np.int64) for name in STEP_ARRAYS]
+        flat = np.concatenate(parts)
         room = self.buffer.numel() - HEADER
         spill = max(0, flat.size - room)
-        header = [STEP, max_query_len, num_padding, table_width, scoring_slice, spill, *(p.size for p in parts)]
+        image_bytes = 0 if not images else images[0].numel()
+        header = [
+            kind,
+            shape.max_query_len,
+            shape.num_padding,
+            shape.table_width,
+            shape.scoring_slice,
+            spill,
+            image_bytes,
+        ]
         values = self.buffer.numpy()
-        values[:HEADER] = header
+        values[:HEADER] = header + [p.size for p in parts]
         values[HEADER : HEADER + flat.size - spill] = flat[: flat.size - spill]
         self.comm.broadcast(self.buffer)
         if spill:
             self.comm.broadcast(torch.from_numpy(np.ascontiguousarray(flat[room:])))
+        if images:
+            self.comm.scatter_from_first([images[0], *images], torch.empty_like(images[0]))
 
     def send_stop(self) -> None:
         self.buffer[0] = STOP
         self.comm.broadcast(self.buffer)
 
-    def receive(self) -> StepMessage | None:
-        """The next step's inputs; None when rank 0 stops the workers."""
+    def receive(self) -> StepMessage:
+        """The next message (kind STOP: rank 0 stops the workers)."""
         buffer = self.comm.broadcast(self.buffer)
-        kind, max_query_len, num_padding, width, scoring_slice, spill = buffer[:6].tolist()
+        kind, max_query_len, num_padding, width, scoring_slice, spill, image_bytes = buffer[:7].tolist()
         if kind == STOP:
-            return None
-        lengths = buffer[6:HEADER].tolist()
+            return StepMessage(kind, StepShape(), {}, None)
+        lengths = buffer[7:HEADER].tolist()
         flat = buffer[HEADER : HEADER + sum(lengths) - spill]
         if spill:
             flat = torch.cat([flat, self.comm.broadcast(torch.empty(spill, dtype=torch.int64))])
@@ -100,4 +132,7 @@ class StepChannel:
         for (name, dtype), n in zip(STEP_ARRAYS.items(), lengths, strict=True):
             arrays[name] = flat[start : start + n].to(dtype)
             start += n
-        return StepMessage(max_query_len, num_padding, width, scoring_slice, arrays)
+        images = None
+        if image_bytes:
+            images = self.comm.scatter_from_first(None, torch.empty(image_bytes, dtype=torch.uint8))
+        return StepMessage(kind, StepShape(max_query_len, num_padding, width, scoring_slice), arrays, images)

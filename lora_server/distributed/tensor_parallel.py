@@ -1,29 +1,55 @@
 """Rank 0's side of tensor parallelism: what the model runner holds when --tensor-parallel-size is above 1 (at 1
-it holds nothing and nothing here runs). It refuses what this build would serve wrongly, shards the checkpoint,
-starts the workers, swaps the parallel modules into rank 0's model, and sends each step's inputs."""
+it holds nothing and nothing here runs). It refuses what this build would serve wrongly, shards the checkpoint and
+each adapter, starts the workers, swaps the parallel modules into rank 0's model, and sends each step's inputs with
+the pool's copy operations since the last step (the workers make the same ones: the pool decides for every rank)."""
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
+from lora_server.adapters.page_layout import PageLayout
+from lora_server.adapters.peft_format import LoraAdapter
 from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, check_tensor_parallel, shard_checkpoint
-from lora_server.distributed.step_message import SWAP_IN, SWAP_OUT, StepChannel, message_capacity
-from lora_server.distributed.workers import WorkerRanks, WorkerSetup
+from lora_server.distributed.step_message import (
+    CHECK,
+    LOAD,
+    STEP,
+    SWAP_IN,
+    SWAP_OUT,
+    UNLOAD,
+    StepChannel,
+    StepShape,
+    message_capacity,
+)
+from lora_server.distributed.workers import WorkerRanks, WorkerSetup, fingerprint
 from lora_server.errors import ConfigError, TensorParallelError
-from lora_server.kv_pool.tree import CopyOp, OpKind
+from lora_server.kernels.lora_table import MODULE_INDEX
+from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
+from lora_server.model.arena import ResidentAdapters
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.llama import LlamaModel
 from lora_server.model.sampler import scoring_rows
 from lora_server.model.step_inputs import HostArrays
 
 _SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
+
+
+class StagedShares(Protocol):
+    """An adapter staged for every rank (engine.adapter_loader.StagedAdapter)."""
+
+    @property
+    def layout(self) -> PageLayout: ...
+
+    @property
+    def worker_images(self) -> tuple[torch.Tensor, ...]: ...  # ranks 1..N-1's uint8 [pages, page bytes]
 
 
 class TensorParallel:
@@ -52,11 +78,26 @@ class TensorParallel:
         self._stop_workers = weakref.finalize(self, self.workers.close, 0.0)  # a runner that fails to start
         self.comm = Comm(0, n, self.workers.diagnose)
         self.channel: StepChannel | None = None
-        self._kv_copies: list[int] = []  # the KV swaps made since the last step, for the workers (step_message)
+        # the pool's copy operations made since the last step, for the workers (step_message), and each worker's
+        # pages of the adapters they load, in order
+        self._copy_ops: list[int] = []
+        self._images: list[tuple[torch.Tensor, ...]] = []
 
-    @property
-    def adapter_refusal(self) -> str:
-        return f"LoRA adapters are not served with --tensor-parallel-size {self.shard.world} yet (the base model only)"
+    def adapter_refusal(self, adapter: LoraAdapter) -> str:
+        """Why an adapter is not served under tensor parallelism ("": it is): plain LoRA is, on any module."""
+        n = self.shard.world
+        if adapter.magnitudes:  # its scale divides by the whole row's norm, after the row-parallel all-reduce
+            return f"DoRA adapters are not served with --tensor-parallel-size {n} yet"
+        if adapter.vocab is not None:
+            return (
+                f"LoRA on the embedding or the output head and trainable tokens are not served with "
+                f"--tensor-parallel-size {n} yet"
+            )
+        return ""
+
+    def adapter_shards(self, adapter: LoraAdapter) -> list[LoraAdapter]:
+        """Each rank's share of a validated adapter (distributed.shard), rank 0's first."""
+        return [Shard(self.shard.arch, rank, self.shard.world).adapter(adapter) for rank in range(self.shard.world)]
 
     def parallelize(self, model: LlamaModel) -> None:
         parallelize(model, self.shard, self.comm)
@@ -72,23 +113,63 @@ class TensorParallel:
         init_group(0, self.shard.world, self.port)
         self.channel = StepChannel(self.comm, setup.message_capacity)
 
-    def send_step(self, arrays: HostArrays, max_query_len: int, num_padding: int, table_width: int) -> None:
-        """Broadcast one step's inputs (before rank 0's forward pass: the workers run theirs alongside)."""
+    def send_step(
+        self,
+        arrays: HostArrays,
+        max_query_len: int,
+        num_padding: int,
+        table_width: int,
+        lora_segments: Sequence[tuple[int, int, int]],
+    ) -> None:
+        """Broadcast one step's inputs (before rank 0's forward pass: the workers run theirs alongside), with the
+        copy operations made since the last step; ``lora_segments``: the step's runs of tokens that share an adapter
+        (start, end, table page)."""
+        segments = [value for segment in lora_segments for value in segment]
+        shape = StepShape(max_query_len, num_padding, table_width, scoring_rows(self.shard.arch.vocab_size))
+        self._send({**arrays, "lora_segments": (segments, torch.int64)}, shape)
+
+    def mirror_copy_ops(self, ops: Sequence[CopyOp], staged: Mapping[AdapterKey, StagedShares] | None) -> None:
+        """Queue ``ops`` (rank 0 makes them now) for the workers, who make them before the next step, in the same
+        order, on their own arenas and host tiers: KV swaps block by block, adapter loads with their layout's ranks
+        and each worker's pages of them (``staged``: each loaded adapter's), unloads."""
+        stream = self._copy_ops
+        for op in ops:
+            if op.kind in _SWAPS:
+                for src, dst in zip(op.src, op.dst, strict=True):
+                    stream += (_SWAPS[op.kind], src, dst)
+            elif op.kind is OpKind.ADAPTER_LOAD:
+                assert staged is not None and op.adapter is not None
+                shares = staged[op.adapter]
+                ranks = [(layer, MODULE_INDEX[module], r) for (layer, module), r in shares.layout.ranks.items()]
+                stream += (LOAD, len(op.dst), *op.dst, len(ranks), *(v for entry in ranks for v in entry))
+                self._images.append(shares.worker_images)
+            else:
+                stream += (UNLOAD, op.src[0])
+
+    def check_integrity(self, adapters: ResidentAdapters, block_tables: torch.Tensor) -> None:
+        """Every worker's arena holds the adapters rank 0's holds, in the same pages, and its block tables are rank
+        0's (AssertionError naming the first rank that differs), once the copy operations queued are made."""
+        self._send({}, StepShape(), CHECK)
+        mine = fingerprint(adapters, block_tables)
+        parts = self.comm.gather_to_first(mine)
+        assert parts is not None
+        for rank, theirs in enumerate(parts[1:], start=1):
+            assert torch.equal(theirs, mine), (
+                f"tensor-parallel rank {rank}'s arena or block tables differ from rank 0's (fingerprint "
+                f"{theirs.tolist()} against {mine.tolist()}: adapters, their pages, block tables)"
+            )
+
+    def _send(self, arrays: HostArrays, shape: StepShape, kind: int = STEP) -> None:
+        """One message with the copy operations queued, and the scatter of their adapters' pages."""
         self.check_alive()
         assert self.channel is not None, "start() first"
-        copies, self._kv_copies = self._kv_copies, []
-        arrays = {**arrays, "kv_copies": (copies, torch.int64)}
-        scoring_slice = scoring_rows(self.shard.arch.vocab_size)
-        self.channel.send(arrays, max_query_len, num_padding, table_width, scoring_slice)
-
-    def mirror_kv_copies(self, ops: Sequence[CopyOp]) -> None:
-        """Queue the KV swaps among ``ops`` (rank 0 makes them now) for the workers, who make them before the next
-        step, as rank 0 made them before it (adapter ops: none while adapters are refused)."""
-        for op in ops:
-            direction = _SWAPS.get(op.kind)
-            if direction is not None:
-                for src, dst in zip(op.src, op.dst, strict=True):
-                    self._kv_copies += (direction, src, dst)
+        stream, self._copy_ops = self._copy_ops, []
+        images, self._images = self._images, []
+        per_worker = None
+        if images:  # worker w's pages of every adapter loaded, in load order: one flat uint8 tensor each
+            per_worker = [torch.cat([shares[w].view(-1) for shares in images]) for w in range(self.shard.world - 1)]
+        arrays = {**arrays, "copy_ops": (stream, torch.int64)}
+        self.channel.send(arrays, shape, per_worker, kind)
 
     @contextlib.contextmanager
     def in_step(self) -> Iterator[None]:
@@ -108,6 +189,7 @@ class TensorParallel:
 
     def close(self) -> None:
         """Stop the workers (a STOP message where they are still in step) and leave the group."""
+        self._copy_ops, self._images = [], []
         self.workers.expect_exit()
         if self.channel is not None and self.workers.failure is None:
             with contextlib.suppress(TensorParallelError):  # a worker died meanwhile: workers.close kills the rest

@@ -14,6 +14,7 @@ collective fails, or its parent-watch thread sees the parent gone)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import threading
@@ -24,16 +25,19 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from lora_server.adapters.page_layout import PageLayout
 from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, init_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, shard_checkpoint
-from lora_server.distributed.step_message import SWAP_OUT, StepChannel, StepMessage
+from lora_server.distributed.step_message import CHECK, LOAD, STOP, SWAP_IN, SWAP_OUT, StepChannel, StepMessage
 from lora_server.errors import TensorParallelError
-from lora_server.model.arena import Arena
+from lora_server.kernels.lora_table import MODULES
+from lora_server.model.arena import Arena, ResidentAdapters, attach_arena, page_geometry
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import open_checkpoint
+from lora_server.model.lora import LoraBatch
 
 POLL_S = 0.1  # how often the watchdogs look
 
@@ -144,11 +148,11 @@ class WorkerBlockTables:
     def __init__(self, max_seqs: int, width: int, device: torch.device) -> None:
         self.store = torch.zeros(max_seqs + 1, width, dtype=torch.int32, device=device)  # [rows + padding row, W]
 
-    def apply(self, step: StepMessage) -> torch.Tensor:  # -> [B, step.table_width] int32
+    def apply(self, step: StepMessage) -> torch.Tensor:  # -> [B, step.shape.table_width] int32
         a = step.arrays
         if a["table_update_index"].numel():
             self.store.view(-1).index_copy_(0, a["table_update_index"], a["table_update_value"])
-        return self.store[:, : step.table_width].index_select(0, a["table_rows"])
+        return self.store[:, : step.shape.table_width].index_select(0, a["table_rows"])
 
 
 def run_worker(
@@ -186,41 +190,88 @@ def run_worker(
     parallelize(model, shard, comm)
     loaded.put((rank, None))
     setup: WorkerSetup = setup_queue.get()
-    local = shard.local_arch
-    device = config.torch_device
+    local, device = shard.local_arch, config.torch_device
     arena = Arena(setup.num_blocks, local, config.block_size, config.torch_kv_cache_dtype, config.torch_dtype, device)
+    geometry = page_geometry(
+        local, config.block_size, config.torch_kv_cache_dtype, config.torch_dtype, config.max_lora_rank
+    )
+    adapters = attach_arena(model, arena, geometry, None)
     host_kv = torch.zeros(setup.num_host_blocks, arena.page_bytes, dtype=torch.uint8)  # [host blocks, page bytes]
     kv_caches = [LayerKV(*arena.layer_kv(i)) for i in range(local.num_layers)]
     tables = WorkerBlockTables(setup.max_seqs, setup.table_width, arena.pages.device)
     init_group(rank, world, port)
     channel = StepChannel(comm, setup.message_capacity)
     with torch.inference_mode():
-        while (step := channel.receive()) is not None:
-            _copy_kv(step.arrays["kv_copies"].view(-1, 3).tolist(), arena.pages, host_kv)
-            _run_step(model, step, tables.apply(step), kv_caches)
+        while (step := channel.receive()).kind != STOP:
+            _copy(step, adapters, host_kv)
+            if step.kind == CHECK:
+                comm.gather_to_first(fingerprint(adapters, tables.store))
+            else:
+                _run_step(model, step, tables.apply(step), kv_caches)
     destroy_group()
+
+
+def fingerprint(adapters: ResidentAdapters, block_tables: torch.Tensor) -> torch.Tensor:
+    """[3] int64: how many adapters an arena holds, a hash of their table pages and pages, a hash of the block
+    tables' store: equal on every rank whose arena and tables follow rank 0's (TensorParallel.check_integrity)."""
+
+    def digest(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+    held = sorted((page, *adapters.pages_of(page)) for page in adapters.table_pages())
+    values = [len(held), digest(repr(held).encode()), digest(block_tables.cpu().numpy().tobytes())]
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, kv_caches: list[LayerKV]) -> None:
     """Rank 0's forward pass and head on this rank's shard (runner.execute: the forward pass, the prompt rows
     scored, the logits): the same collectives in the same order."""
     a = step.arrays
-    batch = ForwardBatch.of_arrays(a, block_tables, max_query_len=step.max_query_len, num_padding=step.num_padding)
+    segments = [tuple(s) for s in a["lora_segments"].view(-1, 3).tolist()]
+    lora = LoraBatch(segments, None, 0) if segments else None  # the CPU's path reads the host runs alone
+    shape = step.shape
+    batch = ForwardBatch.of_arrays(
+        a, block_tables, lora=lora, max_query_len=shape.max_query_len, num_padding=shape.num_padding
+    )
     hidden = model(batch, kv_caches)
     scored = hidden[a["scored_rows"]]  # prompt logprobs: rank 0's head over these rows, a slice at a time
-    for start in range(0, scored.shape[0], step.scoring_slice):
-        model.compute_logits(scored[start : start + step.scoring_slice])
+    for start in range(0, scored.shape[0], shape.scoring_slice):
+        model.compute_logits(scored[start : start + shape.scoring_slice])
     if batch.logits_indices.numel():  # rank 0 samples: its head gathers every rank's logits
         model.compute_logits(hidden[batch.logits_indices])
 
 
-def _copy_kv(copies: list[list[int]], pages: torch.Tensor, host: torch.Tensor) -> None:
-    """Rank 0's KV swaps since its last step, in its order: (SWAP_OUT or SWAP_IN, source, destination) each."""
-    for direction, src, dst in copies:
-        if direction == SWAP_OUT:
-            host[dst].copy_(pages[src])
+def _copy(step: StepMessage, adapters: ResidentAdapters, host: torch.Tensor) -> None:
+    """Rank 0's copy operations since its last step, in its order (step_message's stream): KV swaps, adapter loads
+    (their layout rebuilt from its ranks, their pages from the step's scatter) and unloads."""
+    ops, images = step.arrays["copy_ops"].tolist(), step.images
+    pages, geometry = adapters.arena.pages, adapters.geometry
+    i, image_at = 0, 0
+    while i < len(ops):
+        kind = ops[i]
+        if kind in (SWAP_OUT, SWAP_IN):
+            src, dst = ops[i + 1], ops[i + 2]
+            if kind == SWAP_OUT:
+                host[dst].copy_(pages[src])
+            else:
+                pages[dst].copy_(host[src])
+            i += 3
+        elif kind == LOAD:
+            n = ops[i + 1]
+            targets = ops[i + 2 : i + 2 + n]
+            m = ops[i + 2 + n]
+            entries = ops[i + 3 + n : i + 3 + n + 3 * m]
+            i += 3 + n + 3 * m
+            ranks = {(entries[j], MODULES[entries[j + 1]]): entries[j + 2] for j in range(0, 3 * m, 3)}
+            layout = PageLayout(geometry, ranks)
+            assert images is not None, "an adapter load without its pages"
+            size = layout.num_pages * geometry.page_bytes
+            image = images[image_at : image_at + size].view(layout.num_pages, geometry.page_bytes)
+            adapters.load(targets, layout, image)
+            image_at += size
         else:
-            pages[dst].copy_(host[src])
+            adapters.unload(ops[i + 1])
+            i += 2
 
 
 def _exit_with_parent() -> None:

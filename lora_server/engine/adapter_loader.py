@@ -29,7 +29,7 @@ import torch
 
 from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
 from lora_server.adapters.load import load_adapter
-from lora_server.adapters.page_layout import PageGeometry, PageLayout, vocab_shapes
+from lora_server.adapters.page_layout import PageLayout, vocab_shapes
 from lora_server.adapters.peft_format import AdapterError, VocabLora
 from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
 from lora_server.engine.load_times import LatencyHistogram
@@ -45,6 +45,8 @@ class StagedAdapter:
     layout: PageLayout
     image: torch.Tensor  # uint8 [num_pages, page_bytes], pinned on CUDA
     vocab: VocabLora | None = None  # its embedding / head changes (their rows are in the image; the ids are read here)
+    # with tensor parallelism, ranks 1..N-1's images of their shares (the same layout), in rank order; () otherwise
+    worker_images: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(slots=True)
@@ -64,14 +66,14 @@ class AdapterLoader:
     def __init__(
         self,
         registry: AdapterRegistry,
-        geometry: PageGeometry,
         device: torch.device,
         capacity: int,
         row_norms: BaseRowNorms | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"the loader must be able to stage at least one adapter, got capacity {capacity}")
-        self.registry, self.geometry, self.device, self.capacity = registry, geometry, device, capacity
+        self.registry, self.device, self.capacity = registry, device, capacity
+        self.form, self.geometry = registry.form, registry.form.geometry
         self.row_norms = row_norms
         self._staged: OrderedDict[int, StagedAdapter] = OrderedDict()  # least recently used first
         self._in_flight: set[int] = set()
@@ -200,7 +202,7 @@ class AdapterLoader:
         if content is None:
             raise AdapterError(f"adapter content {adapter_id} is no longer registered")
         g = self.geometry
-        adapter = load_adapter(content.name, content.path, g.shapes, g.max_rank, self.registry.allowed_roots)
+        adapter = load_adapter(content.name, content.path, self.form.shapes, g.max_rank, self.registry.allowed_roots)
         # the same bytes are the same weights; other bytes may still hold them (a copy, a re-save)
         if adapter.file_digest != content.file_digest and content_hash(adapter) != content.digest:
             raise AdapterError(
@@ -217,4 +219,6 @@ class AdapterLoader:
         image = None  # pinned on CUDA, to its size (lora_server.model.pinned)
         if self.device.type == "cuda":
             image = pinned_empty((layout.num_pages, g.page_bytes), torch.uint8, self.device)
-        return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora), adapter.vocab)
+        first, *others = self.form.shards(adapter)  # rank 0's share first (the adapter itself on one device)
+        workers = tuple(layout.image(shard) for shard in others)
+        return StagedAdapter(adapter_id, layout, layout.image(first, image, dora), adapter.vocab, workers)

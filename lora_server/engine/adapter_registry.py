@@ -18,12 +18,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lora_server.adapters.load import load_adapter
-from lora_server.adapters.page_layout import PageGeometry, PageLayout, adapter_ranks, vocab_shapes
+from lora_server.adapters.page_layout import PageLayout, adapter_ranks, vocab_shapes
 from lora_server.adapters.peft_format import AdapterError, LoraAdapter
 from lora_server.adapters.sources import AdapterSources, source_scheme
 from lora_server.errors import UnknownAdapterError
 from lora_server.kv_pool import POLICIES, PoolConfig
 from lora_server.kv_pool.tree import AdapterKey
+from lora_server.model.arena import AdapterForm
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,16 +112,15 @@ class AdapterRegistry:
 
     def __init__(
         self,
-        geometry: PageGeometry,
+        form: AdapterForm,
         allowed_roots: list[Path] | None,
         pool: PoolConfig,
         sources: AdapterSources | None = None,
-        refusal: str = "",
     ) -> None:
-        """``allowed_roots``: where a local adapter path must lie (None: anywhere). ``sources``: the URL schemes
-        adapters may come from and the cache they are downloaded into (None: none). ``refusal``: why this engine
-        serves no adapter at all ("": it serves them), every registration's error."""
-        self.geometry, self.pool, self.refusal = geometry, pool, refusal
+        """``form``: what adapters are validated against, which the engine refuses and how they are laid out.
+        ``allowed_roots``: where a local adapter path must lie (None: anywhere). ``sources``: the URL schemes
+        adapters may come from and the cache they are downloaded into (None: none)."""
+        self.form, self.geometry, self.pool = form, form.geometry, pool
         self.sources = AdapterSources() if sources is None else sources
         self._local_roots = allowed_roots
         # what registered adapters are read from again (the loader): the local roots, and the cache for URLs
@@ -167,12 +167,13 @@ class AdapterRegistry:
         """Read and validate a PEFT directory for ``name`` and hash its weights; AdapterError with the reason, also
         for a pin that would not fit now. Changes nothing but the adapter cache: a URL (``self.sources``) is read
         from its copy there, downloaded first if need be."""
-        if self.refusal:
-            raise AdapterError(f"adapter `{name}` cannot be registered: {self.refusal}")
         roots = self._local_roots
         if source_scheme(path) is not None:  # a URL: its copy in the adapter cache, downloaded now or reused
             path, roots = self.sources.fetch(str(path), self._in_use), self.allowed_roots
-        adapter = load_adapter(name, path, self.geometry.shapes, self.geometry.max_rank, roots)
+        adapter = load_adapter(name, path, self.form.shapes, self.geometry.max_rank, roots)
+        refusal = self.form.refusal(adapter)
+        if refusal:
+            raise AdapterError(f"adapter `{name}` cannot be served: {refusal}")
         ranks = adapter_ranks(adapter)
         checked = CheckedAdapter(
             name,

@@ -119,10 +119,8 @@ class EngineCore:
         self.copy_costs = runner.measure_copy_costs()
         self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers, self.copy_costs))
         sources = AdapterSources(config.adapter_sources or (), config.adapter_cache_path, config.adapter_cache_bytes)
-        self.adapters = AdapterRegistry(runner.geometry, roots, self.pool.config, sources, runner.adapter_refusal)
-        self.loader = AdapterLoader(
-            self.adapters, runner.geometry, runner.device, config.max_cpu_loras, runner.base_row_norms
-        )
+        self.adapters = AdapterRegistry(runner.adapter_form, roots, self.pool.config, sources)
+        self.loader = AdapterLoader(self.adapters, runner.device, config.max_cpu_loras, runner.base_row_norms)
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         self.residency = Residency(
             self.adapters,
@@ -512,11 +510,12 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         """The scheduler's and the pool's invariants, and the arena holds exactly the adapters the pool placed
-        there (after this step's copies)."""
+        there (after this step's copies); with tensor parallelism, every rank's arena and block tables too."""
         self.scheduler.check_integrity()
         loads, unloads = self.pool.pending_adapter_pages(), self.pool.pending_adapter_pages(unloads=True)
         placed = (set(self.pool.resident_adapters().values()) - loads) | unloads
         assert self.runner.adapters.table_pages() == placed, "the arena's adapters differ from the pool's"
+        self.runner.check_ranks()
 
     def pool_report(self) -> PoolReport:
         """The pool's figures, its adapters' placement and the TTFT split (engine thread)."""

@@ -11,16 +11,19 @@ changes (views into the arena: no second copy)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lora_server.adapters.page_layout import VOCAB_LAYER, PageGeometry, PageLayout
-from lora_server.adapters.peft_format import VocabLora
+from lora_server.adapters.peft_format import BaseShapes, LoraAdapter, VocabLora
+from lora_server.kernels import ops
 from lora_server.kernels.lora_table import GROUPS
 from lora_server.kernels.segment_lora import LoraTerm
 from lora_server.model.arch import ModelArch
-from lora_server.model.lora import RowRuns, VocabTerms
+from lora_server.model.llama import LlamaModel
+from lora_server.model.lora import LoraWorkspace, RowRuns, VocabTerms
 
 
 class Arena:
@@ -62,6 +65,62 @@ def page_bytes(arch: ModelArch, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one page: K and V of block_size tokens in every layer, in the cache's dtype (fp8: one byte a value;
     the per-head scales are held apart)."""
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * kv_dtype.itemsize
+
+
+def adapter_shapes(arch: ModelArch) -> BaseShapes:
+    """What an adapter of a model shaped ``arch`` must fit: its modules' features, its vocabulary (LoRA on the
+    embedding and head is served on every device: model.lora.VocabTerms). With tensor parallelism, ``arch`` is
+    the whole model's for validating adapters and a rank's (its share of the heads and the MLP) for their pages."""
+    return BaseShapes.llama(
+        arch.num_layers,
+        arch.hidden_size,
+        arch.intermediate_size,
+        arch.q_size,
+        arch.kv_size,
+        fused=arch.fused_projections,
+        architecture=arch.architecture,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        tied_embeddings=arch.tie_word_embeddings,
+        vocab_refusal="",
+    )
+
+
+def page_geometry(
+    arch: ModelArch, block_size: int, kv_dtype: torch.dtype, dtype: torch.dtype, max_rank: int
+) -> PageGeometry:
+    """How adapters are laid out in the pages of an arena for a model shaped ``arch`` (a rank's, with tensor
+    parallelism: every rank lays out its share of an adapter alike, in pages of its own size)."""
+    return PageGeometry(page_bytes(arch, block_size, kv_dtype), dtype, max_rank, adapter_shapes(arch))
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterForm:
+    """How an engine takes adapters: what they are validated against (the whole model's ``shapes``), why one is
+    not served (``refusal``: "" when it is), how each rank's share is laid out in its pages (``geometry``: the same
+    layout on every rank) and each rank's share of a validated adapter (``shards``: rank 0's first; on one device
+    the adapter itself)."""
+
+    shapes: BaseShapes
+    geometry: PageGeometry
+    refusal: Callable[[LoraAdapter], str] = lambda adapter: ""
+    shards: Callable[[LoraAdapter], list[LoraAdapter]] = lambda adapter: [adapter]
+
+
+def attach_arena(
+    model: LlamaModel, arena: Arena, geometry: PageGeometry, lora_y: torch.Tensor | None
+) -> ResidentAdapters:
+    """Serve ``model``'s adapters from ``arena``: its resident adapters (none yet), which every LoRA wrapper and
+    the embedding's and head's changes read from then on. ``lora_y``: the LoRA kernels' workspace, where they run."""
+    wrappers = model.lora_wrappers()
+    adapters = ResidentAdapters(arena, geometry, {g: w.slice_starts for g, w in wrappers[0].items()})
+    model.vocab_terms = adapters.vocab
+    lora_arena = ops.LoraArena(arena.weights, arena.table, arena.table_stride, geometry.max_rank)
+    workspace = LoraWorkspace(lora_arena, adapters.terms, lora_y)
+    for layer in wrappers:
+        for wrapper in layer.values():
+            wrapper.attach(workspace)
+    return adapters
 
 
 @dataclass(slots=True)

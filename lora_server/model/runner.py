@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from lora_server.adapters.page_layout import PageGeometry, PageLayout
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, VocabLora
+from lora_server.adapters.page_layout import PageLayout
+from lora_server.adapters.peft_format import AdapterError, VocabLora
 from lora_server.config import EngineConfig
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import MODULES, max_tiles, tile_map
 from lora_server.kernels.reference import FP8_KV_DTYPE
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
-from lora_server.model.arena import Arena, ResidentAdapters, page_bytes
+from lora_server.model.arena import AdapterForm, Arena, adapter_shapes, attach_arena, page_geometry
 from lora_server.model.batch import DraftPosition, ForwardBatch, PromptScoring, ScheduledSequence
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.copy_order import CopyOrder, CudaStreams
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
-from lora_server.model.lora import BaseRowNorms, LoraBatch, LoraWorkspace, workspace_shape
+from lora_server.model.lora import BaseRowNorms, LoraBatch, workspace_shape
 from lora_server.model.pinned import pinned_zeros
 from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens, scoring_rows
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
@@ -54,6 +54,9 @@ class StagedImage(Protocol):
 
     @property
     def vocab(self) -> VocabLora | None: ...  # what it changes of the embedding and head
+
+    @property
+    def worker_images(self) -> tuple[torch.Tensor, ...]: ...  # tensor parallelism: the other ranks' shares
 
 
 COPY_PROBE_BYTES = 64 << 20  # measure_copy_costs copies at least this much (beyond the CPU's caches)
@@ -110,22 +113,9 @@ class ModelRunner:
                 self.tp.parallelize(self.model)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         arch = self.arch
-        self.adapter_shapes = BaseShapes.llama(
-            arch.num_layers,
-            arch.hidden_size,
-            arch.intermediate_size,
-            arch.q_size,
-            arch.kv_size,
-            fused=arch.fused_projections,
-            architecture=arch.architecture,
-            head_dim=arch.head_dim,
-            vocab_size=arch.vocab_size,
-            tied_embeddings=arch.tie_word_embeddings,
-            vocab_refusal="",  # served on every device (model.lora.VocabTerms)
-        )
-        self.geometry = PageGeometry(
-            page_bytes(arch, self.block_size, self.kv_dtype), self.dtype, config.max_lora_rank, self.adapter_shapes
-        )
+        # what adapters are validated against (the whole model's modules); their pages hold this rank's share
+        self.adapter_shapes = adapter_shapes(arch if self.tp is None else self.tp.shard.arch)
+        self.geometry = page_geometry(arch, self.block_size, self.kv_dtype, self.dtype, config.max_lora_rank)
         # what staging a DoRA adapter reads of the base weights (on the adapter loader's thread)
         self.base_row_norms = BaseRowNorms(self.model.lora_wrappers(), self.dtype, self.device)
         # an fp8 cache's scales, fixed for the engine's life: [layers, 2 (k, v), kv_heads] float32; None otherwise
@@ -189,17 +179,7 @@ class ModelRunner:
     def _use_arena(self, arena: Arena) -> None:
         """Serve from ``arena``: the adapters in it (none yet), and every LoRA wrapper pointed at it."""
         self.arena = arena
-        wrappers = self.model.lora_wrappers()
-        self.adapters = ResidentAdapters(arena, self.geometry, {g: w.slice_starts for g, w in wrappers[0].items()})
-        self.model.vocab_terms = self.adapters.vocab
-        workspace = LoraWorkspace(
-            ops.LoraArena(arena.weights, arena.table, arena.table_stride, self.config.max_lora_rank),
-            self.adapters.terms,
-            self.lora_y,
-        )
-        for layer in wrappers:
-            for wrapper in layer.values():
-                wrapper.attach(workspace)
+        self.adapters = attach_arena(self.model, arena, self.geometry, self.lora_y)
 
     @torch.inference_mode()
     def _warm_up(self, max_model_len: int) -> MemoryProfile:
@@ -279,9 +259,18 @@ class ModelRunner:
             return self.model(batch, self._kv_caches())
 
     @property
-    def adapter_refusal(self) -> str:
-        """Why this runner serves no adapter ("": it serves them)."""
-        return "" if self.tp is None else self.tp.adapter_refusal
+    def adapter_form(self) -> AdapterForm:
+        """How this runner takes adapters: validated against the whole model, laid out in its pages; with tensor
+        parallelism, each rank's share, and the forms it does not serve refused."""
+        if self.tp is None:
+            return AdapterForm(self.adapter_shapes, self.geometry)
+        return AdapterForm(self.adapter_shapes, self.geometry, self.tp.adapter_refusal, self.tp.adapter_shards)
+
+    def check_ranks(self) -> None:
+        """With tensor parallelism, every rank's arena holds the adapters this one holds, in the same pages, and its
+        block tables are this one's (AssertionError naming the rank that differs); nothing to check otherwise."""
+        if self.tp is not None:
+            self.tp.check_integrity(self.adapters, self.block_tables.store)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine's device state is otherwise freed with it)."""
@@ -361,7 +350,7 @@ class ModelRunner:
         Returns the seconds spent issuing adapter loads (host clock)."""
         if self.tp is not None:  # the engine's idle loop comes here too: a dead rank stops it
             self.tp.check_alive()
-            self.tp.mirror_kv_copies(ops)
+            self.tp.mirror_copy_ops(ops, images)
         if not ops:
             return 0.0
         order = self.copy_order
@@ -488,7 +477,7 @@ class ModelRunner:
             "scored_targets": (scored_targets, torch.int64),
         }
         if self.tp is not None:
-            self.tp.send_step(arrays, max_query_len, padding, plan.width)
+            self.tp.send_step(arrays, max_query_len, padding, plan.width, segments)
         dev = self.step_inputs.upload(arrays)
         block_tables = self.block_tables.apply(
             plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]

@@ -105,9 +105,8 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
         )
     demos = demo_adapters()
     preloaded = []
-    # the demo adapters are the embedded model's: another --model starts with none unless --adapter names some, and
-    # so does tensor parallelism, which serves no adapter yet
-    default = list(demos) if config.engine.model is None and config.engine.tensor_parallel_size == 1 else []
+    # the demo adapters are the embedded model's: another --model starts with none unless --adapter names some
+    default = list(demos) if config.engine.model is None else []
     for spec in config.adapters if config.adapters is not None else default:
         name, _, path = spec.partition("=")
         if not path and name not in demos:
