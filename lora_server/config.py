@@ -314,8 +314,8 @@ class EngineConfig:
         metadata=flag(
             "split the base model across this many ranks (torch.distributed, gloo on the CPU): this process is rank "
             "0 and starts the others; each holds its share of the heads, the MLP, the vocabulary and the KV cache "
-            "(per rank: --kv-cache-gb) and its share of every adapter; it must divide the heads and KV heads; dense "
-            "weights only (1: no tensor parallelism)"
+            "(per rank: --kv-cache-gb) and its share of every adapter; it must divide the heads and KV heads (1: no "
+            "tensor parallelism)"
         ),
     )
     show_progress: bool = True  # a progress bar while loading weights
@@ -388,13 +388,9 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not do yet, refused by name (the model's own refusals, heads that do not
-        divide and weights held quantized, come at load: distributed.shard)."""
+        divide and quantized weights that cannot be cut where a rank's share begins, come at load:
+        distributed.shard)."""
         n = self.tensor_parallel_size
-        if self.quantization in ("int8", "int4", "fp8"):
-            raise ValueError(
-                f"tensor_parallel_size {n} serves dense weights only: quantization {self.quantization} is not sharded "
-                "yet; use quantization none"
-            )
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"tensor_parallel_size {n} does not shard an fp8 KV cache (its calibration) yet")
 

@@ -20,7 +20,7 @@ from lora_server.distributed.shard import Shard
 from lora_server.errors import TensorParallelError
 from lora_server.model.llama import DecoderLayer, LlamaModel
 from lora_server.model.lora import LoraBatch, LoraLinear
-from lora_server.model.quant import DenseLinear
+from lora_server.model.quant import QuantLinear
 
 
 class RowParallelLoraLinear(LoraLinear):
@@ -38,33 +38,33 @@ class RowParallelLoraLinear(LoraLinear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The embedding's vocabulary rows [first, end) (weight [end - first, hidden])."""
+    """The embedding's vocabulary rows [first, end): ``inner`` a linear of them as held (dense or quantized, read by
+    rows)."""
 
-    def __init__(self, weight: torch.Tensor, first: int, end: int, comm: Comm) -> None:
+    def __init__(self, inner: QuantLinear, first: int, end: int, comm: Comm) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.first, self.end, self.comm = first, end, comm
+        self.inner, self.first, self.end, self.comm = inner, first, end, comm
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T] -> [T, hidden]
         held = (ids >= self.first) & (ids < self.end)
         local = torch.where(held, ids - self.first, 0)
-        x = self.weight[local].to(dtype)
+        x = self.inner.rows(local, dtype)
         x.masked_fill_(~held.unsqueeze(-1), 0)
         return self.comm.all_reduce(x)
 
 
 class VocabParallelHead(nn.Module):
-    """The output head's vocabulary rows [first, end) of ``vocab_size`` (weight [end - first, hidden]; a tied head
-    shares the embedding's), each rank's part padded to ``per_rank`` columns for the gather."""
+    """The output head's vocabulary rows [first, end) of ``vocab_size`` (``inner``: a linear of them as held; a tied
+    head's is the embedding's, or its CPU copy), each rank's part padded to ``per_rank`` columns for the gather."""
 
-    def __init__(self, weight: torch.Tensor, shard: Shard, comm: Comm) -> None:
+    def __init__(self, inner: QuantLinear, shard: Shard, comm: Comm) -> None:
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.inner = inner
         self.per_rank, self.vocab_size, self.comm = shard.vocab_per_rank, shard.arch.vocab_size, comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] on rank 0
         try:
-            local = nn.functional.linear(hidden, self.weight)  # [S, end - first]
+            local = self.inner(hidden).float()  # [S, end - first]
             pad = self.per_rank - local.shape[1]
             if pad:
                 local = nn.functional.pad(local, (0, pad))
@@ -80,18 +80,11 @@ def parallelize(model: LlamaModel, shard: Shard, comm: Comm) -> None:
     """Swap in this rank's parallel modules (in place), before the LoRA wrappers are attached to an arena: o and
     down row-parallel, the embedding and the head vocabulary-parallel (build_llama built them from the rank's
     slices: shard.shard_checkpoint)."""
-    assert isinstance(model.embed, DenseLinear), "tensor parallelism shards dense weights (check_tensor_parallel)"
     first, end = shard.vocab_range
-    embed = VocabParallelEmbedding(model.embed.weight.data, first, end, comm)
-    head_weight = embed.weight if model.lm_head is None else _dense(model.lm_head).weight  # None: tied
-    model.embed = embed  # type: ignore[assignment]
-    model.lm_head = VocabParallelHead(head_weight, shard, comm)  # type: ignore[assignment]
+    head = model.embed if model.lm_head is None else model.lm_head  # None: tied, and used as it is
+    model.embed = VocabParallelEmbedding(model.embed, first, end, comm)  # type: ignore[assignment]
+    model.lm_head = VocabParallelHead(head, shard, comm)  # type: ignore[assignment]
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
     for layer in layers:
         layer.attn.o_proj = RowParallelLoraLinear(layer.attn.o_proj, comm)
         layer.mlp.down_proj = RowParallelLoraLinear(layer.mlp.down_proj, comm)
-
-
-def _dense(module: nn.Module | None) -> DenseLinear:
-    assert isinstance(module, DenseLinear), f"tensor parallelism shards dense weights, not {type(module).__name__}"
-    return module

@@ -10,6 +10,13 @@ Rank r of N holds (H q heads, KVH kv heads, I intermediate, V vocabulary rows):
 - embed, lm_head: the vocabulary rows of ``vocab_range`` (ceil(V/N) a rank, the last fewer)
 - the norms, rope_freqs: whole on every rank.
 
+A quantized weight is quantized whole, as at TP=1, then its packed codes are cut along the same axis with their
+scales (``shard_linear``): every rank computes with TP=1's very codes. A row-parallel cut must fall on a
+quantization group's edge (int4's groups, a grouped int8's, a GGUF block); a per-channel scale (int8, fp8) stays
+whole. fp8 and W8A8-int8 quantize their input per token at every call: on the row-parallel o and down each rank
+scales its share of a token by that share's own maximum (as vLLM does), so their results differ from TP=1's by
+that rounding; every other mode computes TP=1's products, summed in another order.
+
 An adapter's LoRA follows its module's split (vLLM's layout, not its fully sharded one: no collective of its own):
 - column-parallel q, k, v, gate, up: A [r, in] whole (the input is whole on every rank), B's rows of the rank's
   output shard; the rank's LoRA lands in its own output columns
@@ -20,7 +27,6 @@ An adapter's LoRA follows its module's split (vLLM's layout, not its fully shard
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +34,20 @@ import torch
 from lora_server.adapters.peft_format import LoraAdapter
 from lora_server.config import EngineConfig
 from lora_server.errors import ConfigError
+from lora_server.kernels.gguf_reference import GGUF_BLOCKS
 from lora_server.model.arch import ModelArch
 from lora_server.model.checkpoint import Checkpoint, WeightSource
-from lora_server.model.quant import tensor_mode
+from lora_server.model.gguf_linear import GGUFBlockLinear
+from lora_server.model.quant import (
+    DenseLinear,
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    Int8TokenInput,
+    PermutedInput,
+    QuantLinear,
+)
 
-_LINEARS = re.compile(r"embed|lm_head|layers\.\d+\.(q|k|v|o|gate|up|down)")
 _COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # split by output rows; o and down by input columns
 
 
@@ -103,9 +118,9 @@ class Shard:
         return dataclasses.replace(adapter, weights=weights)
 
 
-def check_tensor_parallel(arch: ModelArch, config: EngineConfig, checkpoint: Checkpoint) -> None:
-    """Refuse (ConfigError) what this tensor-parallel build would serve wrongly: a world that does not divide the
-    heads, the kv heads or the MLP; a linear held quantized (this slice shards dense weights only)."""
+def check_tensor_parallel(arch: ModelArch, config: EngineConfig) -> None:
+    """Refuse (ConfigError) a world that does not divide the heads, the kv heads or the MLP (a quantized weight
+    that cannot be cut where its rank's share begins is refused as it is read: shard_linear)."""
     n = config.tensor_parallel_size
     uneven = [
         f"{what} ({count})"
@@ -122,27 +137,82 @@ def check_tensor_parallel(arch: ModelArch, config: EngineConfig, checkpoint: Che
             f"({arch.num_kv_heads}) and its intermediate_size ({arch.intermediate_size}); it does not divide "
             + ", ".join(uneven)
         )
-    for name, source in checkpoint.weights.items():
-        if not _LINEARS.fullmatch(name):
-            continue
-        mode = tensor_mode(config.quantization, name)
-        held = source.native if mode == "auto" else mode
-        if held != "none":
+
+
+def shard_linear(module: QuantLinear, dim: int, start: int, end: int, name: str) -> QuantLinear:
+    """Rows (``dim`` 0) or input columns (1) [start, end) of a linear as it is held (see the module): its packed
+    weight cut along that axis with its scales, copies, so that the whole tensor is let go. ConfigError naming the
+    tensor where a column cut falls inside a quantization group or through act-order's gathered columns."""
+
+    def cut(t: torch.Tensor, axis: int, a: int, b: int) -> torch.Tensor:
+        return t.narrow(axis, a, b - a).clone(memory_format=torch.contiguous_format)
+
+    def columns(t: torch.Tensor, width: int, per: int) -> torch.Tensor:
+        """``t``'s columns for input columns [start, end), where each ``width`` input columns (a group) are ``per``
+        of t's."""
+        if start % width or end % width:
             raise ConfigError(
-                f"--tensor-parallel-size {n} serves dense weights only: --quantization {config.quantization} holds "
-                f"{name} as {held}; pass --quantization none (the weights are dequantized to --dtype)"
+                f"{name} cannot be split across the ranks at input column {start if start % width else end}: it is "
+                f"held in groups of {width} columns; use another --tensor-parallel-size, or --quantization none or "
+                "int8 (which re-quantize it per channel)"
             )
+        return cut(t, 1, start * per // width, end * per // width)
+
+    if dim == 1 and module.bias is not None:
+        raise ConfigError(f"{name} has a bias: a row-parallel bias would be added once per rank")
+    bias = None if module.bias is None else cut(module.bias.data, 0, start, end)
+    if isinstance(module, DenseLinear):
+        return DenseLinear(cut(module.weight.data, dim, start, end), bias)
+    if isinstance(module, Fp8Linear):  # per-channel scales: rows cut, whole for a column cut
+        scales = cut(module.scales, 0, start, end) if dim == 0 else module.scales
+        return Fp8Linear(cut(module.qweight, dim, start, end), scales, bias)
+    if isinstance(module, Int8Linear):
+        groups = module.scales.shape[1]
+        if dim == 0:
+            return Int8Linear(cut(module.qweight, 0, start, end), cut(module.scales, 0, start, end), bias)
+        width = module.qweight.shape[1] // groups
+        scales = module.scales if groups == 1 else columns(module.scales, width, 1)
+        per = 1 if groups == 1 else width  # a per-channel weight's columns cut anywhere
+        return Int8Linear(columns(module.qweight, per, per), scales, bias)
+    if isinstance(module, Int4Linear):
+        if dim == 0:
+            packed, scales, mins = (cut(t, 0, start, end) for t in (module.packed, module.scales, module.mins))
+            return Int4Linear(packed, scales, mins, bias, module.pack)
+        group, pairs = module.group_size, module.pack or module.group_size  # nibbles pair within `pairs` columns
+        packed = columns(module.packed, max(group, pairs), max(group, pairs) // 2)
+        scales, mins = columns(module.scales, group, 1), columns(module.mins, group, 1)
+        return Int4Linear(packed, scales, mins, pack=module.pack)
+    if isinstance(module, GGUFBlockLinear):
+        values, nbytes = GGUF_BLOCKS[module.kind]
+        blocks = cut(module.blocks, 0, start, end) if dim == 0 else columns(module.blocks, values, nbytes)
+        return GGUFBlockLinear(module.kind, blocks, bias)
+    if isinstance(module, Int8TokenInput):
+        return Int8TokenInput(shard_linear(module.inner, dim, start, end, name))
+    if isinstance(module, PermutedInput):
+        if dim == 1:
+            raise ConfigError(
+                f"{name} gathers its input columns (act-order GPTQ): a rank's share of them is not contiguous, so it "
+                "cannot be split across the ranks; use --quantization none or int8 (which re-quantize it in order)"
+            )
+        return PermutedInput(shard_linear(module.inner, 0, start, end, name), module.perm)
+    raise ConfigError(f"{name}: a {type(module).__name__} is not split across the ranks")
 
 
 class ShardedWeight(WeightSource):
-    """One rank's slice of a checkpoint tensor, cut when read (the whole tensor is let go at once)."""
+    """One rank's slice of the checkpoint tensor ``name``, cut when read (the whole tensor is let go at once); as a
+    linear, the whole one built as at TP=1 (quantized as it would be) and then cut (shard_linear)."""
 
-    def __init__(self, source: WeightSource, dim: int, start: int, end: int) -> None:
-        self.source, self.dim, self.start, self.end = source, dim, start, end
+    def __init__(self, name: str, source: WeightSource, dim: int, start: int, end: int) -> None:
+        self.name, self.source, self.dim, self.start, self.end = name, source, dim, start, end
+        self.native = source.native
 
     def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         whole = self.source.dense(dtype, device)
         return whole.narrow(self.dim, self.start, self.end - self.start).clone(memory_format=torch.contiguous_format)
+
+    def linear(self, mode: str, dtype: torch.dtype, device: torch.device) -> QuantLinear:
+        whole = self.source.linear(mode, dtype, device)
+        return shard_linear(whole, self.dim, self.start, self.end, self.name)
 
 
 def shard_checkpoint(checkpoint: Checkpoint, shard: Shard) -> Checkpoint:
@@ -150,5 +220,5 @@ def shard_checkpoint(checkpoint: Checkpoint, shard: Shard) -> Checkpoint:
     weights: dict[str, WeightSource] = {}
     for name, source in checkpoint.weights.items():
         split = shard.split(name)
-        weights[name] = source if split is None else ShardedWeight(source, *split)
+        weights[name] = source if split is None else ShardedWeight(name, source, *split)
     return Checkpoint(shard.local_arch, weights, checkpoint.format, checkpoint.path)

@@ -65,7 +65,7 @@ class TensorParallel:
                 f"--tensor-parallel-size {n} runs on the CPU (gloo) only so far: on {config.torch_device.type} the "
                 "warm-up, the decode graphs and NCCL are not built for it yet; pass --device cpu"
             )
-        check_tensor_parallel(checkpoint.arch, config, checkpoint)
+        check_tensor_parallel(checkpoint.arch, config)
         refuse_second_group()
         self.shard = Shard(checkpoint.arch, 0, n)
         self.checkpoint = shard_checkpoint(checkpoint, self.shard)
