@@ -7,6 +7,8 @@ CPU's int4 kernel's bfloat16 roundings."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import pytest
 import torch
@@ -151,3 +153,26 @@ def test_embedded_model_in_its_own_blocks_with_an_adapter_at_tp3():
         assert abs(one.mean() - three.mean()) < 0.01
     assert (scores[1][0] - scores[1][1]).abs().mean() > 0.1  # the adapter moves the scores: the check means something
     assert np.isfinite(scores[3][1].numpy()).all()
+
+
+def test_awq_checkpoint_at_tp2_matches_hf_and_act_order_gptq_is_refused(tmp_path):
+    """A pre-quantized checkpoint at TP=2: AWQ's 4-bit codes (groups of 64; o and down cut at 64 and 128 input
+    columns) kept resident and split, HF's log-probabilities on the dequantized weights within the CPU int4
+    kernel's bfloat16 precision (test_prequant_models' tolerance); act-order GPTQ's o cannot be split: refused at
+    start-up, naming it."""
+    from tests.test_prequant_models import _close_to_hf, _hf_llama, _write_quantized
+
+    hf = _hf_llama()
+    _write_quantized(hf, tmp_path / "awq", "awq", 64)
+    config = dict(block_size=16, num_kv_blocks=64, host_kv_bytes=0, show_progress=False, tensor_parallel_size=2)
+    engine = Engine(EngineConfig(model=str(tmp_path / "awq"), **config))
+    try:
+        assert "Int4" in repr(engine.core.runner.model.layers[0].mlp.down_proj.base)  # its codes, not re-quantized
+        _close_to_hf(engine, hf, 0.3)
+    finally:
+        engine.core.runner.close()
+    _write_quantized(_hf_llama(), tmp_path / "gptq", "gptq", 32)
+    children = set(multiprocessing.active_children())
+    with pytest.raises(ConfigError, match=r"layers\.0\.o gathers its input columns \(act-order GPTQ\)"):
+        Engine(EngineConfig(model=str(tmp_path / "gptq"), **config))
+    assert not set(multiprocessing.active_children()) - children  # no worker outlives the failed start

@@ -187,6 +187,12 @@ class TensorParallel:
         if self.workers.failure is not None:
             raise TensorParallelError(self.workers.failure)
 
+    def abort(self) -> None:
+        """Stop the workers at once: rank 0 failed to start (its shard could not be built, or its arena)."""
+        self._stop_workers()  # workers.close(0.0), once
+        destroy_group()
+        torch.set_num_threads(self._threads_before)
+
     def close(self) -> None:
         """Stop the workers (a STOP message where they are still in step) and leave the group."""
         self._copy_ops, self._images = [], []

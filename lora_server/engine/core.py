@@ -113,7 +113,12 @@ class EngineCore:
         wanted_len = min(config.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings)
         # above 1: this process is rank 0 of the tensor-parallel ranks (it starts the others)
         tp = TensorParallel(config, checkpoint, wanted_len) if config.tensor_parallel_size > 1 else None
-        self.runner = ModelRunner(config, checkpoint, wanted_len, tp)
+        try:
+            self.runner = ModelRunner(config, checkpoint, wanted_len, tp)
+        except BaseException:
+            if tp is not None:
+                tp.abort()
+            raise
         roots = None if config.adapter_roots is None else [Path(r) for r in config.adapter_roots]
         runner = self.runner
         self.copy_costs = runner.measure_copy_costs()
