@@ -391,6 +391,11 @@ class EngineConfig:
         divide and quantized weights that cannot be cut where a rank's share begins, come at load:
         distributed.shard)."""
         n = self.tensor_parallel_size
+        if self.torch_device.type != "cpu":
+            raise ValueError(
+                f"tensor_parallel_size {n} runs on the CPU (gloo) only so far: on {self.torch_device.type} the "
+                "warm-up, the decode graphs and NCCL are not built for it yet; pass --device cpu"
+            )
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"tensor_parallel_size {n} does not shard an fp8 KV cache (its calibration) yet")
 
@@ -585,8 +590,6 @@ class ServerConfig:
             raise ValueError(f"max_lora_metric_labels must be >= 0, got {self.max_lora_metric_labels}")
         if self.ray_replicas < 0:
             raise ValueError(f"ray_replicas must be >= 0, got {self.ray_replicas}")
-        if self.ray_replicas and self.engine.tensor_parallel_size > 1:  # placement groups of N devices: not built
-            raise ValueError("--ray-replicas with --tensor-parallel-size above 1 is not served yet")
         _choice("ray_routing", self.ray_routing, RAY_ROUTINGS)
         if not self.allowed_origins and (self.allowed_methods or self.allowed_headers or self.allow_credentials):
             raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")

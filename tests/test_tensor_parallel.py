@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lora_server.adapters.peft_format import AdapterError
-from lora_server.config import EngineConfig, ServerConfig
+from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import ConfigError, TensorParallelError
 from lora_server.model import sampler
@@ -88,12 +88,6 @@ def test_tp1_runs_without_a_process_group(tiny):
     before = dist.is_initialized()
     assert tiny_engine(tiny[0], 1).core.runner.tp is None
     assert dist.is_initialized() == before
-
-
-def test_ray_replicas_are_refused_with_tensor_parallelism():
-    """Each replica a TP group on a placement group is not built: the combination is refused, not half-served."""
-    with pytest.raises(ValueError, match="--ray-replicas with --tensor-parallel-size above 1 is not served yet"):
-        ServerConfig(engine=EngineConfig(tensor_parallel_size=2, quantization="none"), ray_replicas=2)
 
 
 def test_tp3_is_refused_where_the_heads_do_not_divide(tiny):
@@ -421,6 +415,30 @@ def test_embedded_model_tp3_mixed_adapters_under_churn(engine_fp32, peft_dirs, p
         assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
     finally:
         engine.core.runner.close()
+
+
+@pytest.mark.slow
+def test_an_error_on_rank_0_after_the_step_went_out_stops_the_engine(tiny, tp2, monkeypatch):
+    """Rank 0 fails once the workers have the step (they would wait in its collectives for good): the engine stops
+    with an error that says so, and closing it does not wait for the workers. A failure before the step leaves
+    rank 0 is the step's own: its request fails alone and the engine serves on, HF's tokens."""
+    runner = tp2.core.runner
+    prompt = prompts([6])
+    real_plan = runner.block_tables.plan
+    monkeypatch.setattr(runner.block_tables, "plan", lambda *a: (_ for _ in ()).throw(ValueError("before")))
+    out = tp2.generate(prompt, GREEDY)[0]
+    assert out.finish_reason == "error" and "before" in str(out.error)
+    monkeypatch.setattr(runner.block_tables, "plan", real_plan)
+    assert tp2.generate(prompt, GREEDY)[0].token_ids == hf_greedy(tiny[1], prompt[0], GREEDY.max_tokens)
+    monkeypatch.setattr(runner.step_inputs, "upload", lambda arrays: (_ for _ in ()).throw(RuntimeError("after")))
+    tp2.add(tp2.core.make_request("late", prompt[0], GREEDY))
+    with pytest.raises(TensorParallelError, match=r"rank 0 raised RuntimeError\('after'\) after sending the step"):
+        while tp2.has_work():
+            tp2.step()
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 2.0
+    assert all(not p.is_alive() for p in runner.tp.workers.processes)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from lora_server.distributed.step_message import (
     message_capacity,
 )
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup, fingerprint
-from lora_server.errors import ConfigError, TensorParallelError
+from lora_server.errors import TensorParallelError
 from lora_server.kernels.lora_table import MODULE_INDEX
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model.arena import ResidentAdapters
@@ -60,11 +60,7 @@ class TensorParallel:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
         self.config = config
         n = config.tensor_parallel_size
-        if config.torch_device.type != "cpu":
-            raise ConfigError(
-                f"--tensor-parallel-size {n} runs on the CPU (gloo) only so far: on {config.torch_device.type} the "
-                "warm-up, the decode graphs and NCCL are not built for it yet; pass --device cpu"
-            )
+        assert config.torch_device.type == "cpu", "refused by EngineConfig"
         check_tensor_parallel(checkpoint.arch, config)
         refuse_second_group()
         self.shard = Shard(checkpoint.arch, 0, n)
@@ -82,6 +78,8 @@ class TensorParallel:
         # pages of the adapters they load, in order
         self._copy_ops: list[int] = []
         self._images: list[tuple[torch.Tensor, ...]] = []
+        self._sent = False  # in_step: this step's inputs went out
+        self._out_of_step = False  # a step failed on rank 0 after its inputs went out
 
     def adapter_refusal(self, adapter: LoraAdapter) -> str:
         """Why an adapter is not served under tensor parallelism ("": it is): plain LoRA is, on any module."""
@@ -127,6 +125,7 @@ class TensorParallel:
         segments = [value for segment in lora_segments for value in segment]
         shape = StepShape(max_query_len, num_padding, table_width, scoring_rows(self.shard.arch.vocab_size))
         self._send({**arrays, "lora_segments": (segments, torch.int64)}, shape)
+        self._sent = True
 
     def mirror_copy_ops(self, ops: Sequence[CopyOp], staged: Mapping[AdapterKey, StagedShares] | None) -> None:
         """Queue ``ops`` (rank 0 makes them now) for the workers, who make them before the next step, in the same
@@ -173,14 +172,21 @@ class TensorParallel:
 
     @contextlib.contextmanager
     def in_step(self) -> Iterator[None]:
-        """Rank 0's part of a step after its inputs went out: any error stops the engine (TensorParallelError), since
-        the workers wait in a collective that rank 0 will not reach."""
+        """Rank 0's part of a step, up to its last collective (the logits' gather): an error once the step's inputs
+        went out stops the engine (TensorParallelError), since the workers wait in a collective that rank 0 will not
+        reach; one before (the step never left rank 0) is the step's own."""
+        self._sent = False
         try:
             yield
-        except TensorParallelError:
-            raise
         except Exception as exc:
-            raise TensorParallelError(f"rank 0's forward pass raised {exc!r}: the ranks are out of step") from exc
+            if not self._sent:
+                raise
+            self._out_of_step = True  # close kills the workers: they wait in a collective, not for a message
+            if isinstance(exc, TensorParallelError):
+                raise
+            raise TensorParallelError(
+                f"rank 0 raised {exc!r} after sending the step's inputs: the ranks are out of step"
+            ) from exc
 
     def check_alive(self) -> None:
         """TensorParallelError naming the rank, once the watchdog has seen a worker die."""
@@ -197,11 +203,12 @@ class TensorParallel:
         """Stop the workers (a STOP message where they are still in step) and leave the group."""
         self._copy_ops, self._images = [], []
         self.workers.expect_exit()
-        if self.channel is not None and self.workers.failure is None:
+        channel, self.channel = self.channel, None
+        in_step = channel is not None and self.workers.failure is None and not self._out_of_step
+        if channel is not None and in_step:
             with contextlib.suppress(TensorParallelError):  # a worker died meanwhile: workers.close kills the rest
-                self.channel.send_stop()
-        self.channel = None
-        self.workers.close()
+                channel.send_stop()
+        self.workers.close(10.0 if in_step else 0.0)
         self._stop_workers.detach()
         destroy_group()
         torch.set_num_threads(self._threads_before)

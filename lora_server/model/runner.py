@@ -6,6 +6,7 @@ on CUDA) and samples."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -253,10 +254,7 @@ class ModelRunner:
         return graphs
 
     def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.tp is None:
-            return self.model(batch, self._kv_caches())
-        with self.tp.in_step():
-            return self.model(batch, self._kv_caches())
+        return self.model(batch, self._kv_caches())
 
     @property
     def adapter_form(self) -> AdapterForm:
@@ -534,16 +532,17 @@ class ModelRunner:
         work overlaps the device's) and forbids tokens in place. The sample result has one row per verified
         position: 1 + d consecutive rows for a request with d draft tokens (row j sampled as if drafts[:j] were
         accepted; see verify_drafts), one row for the others."""
-        batch, sampling = self.prepare(items)
-        hidden = None
-        if self.graphs is not None and not self._changes_embedding(batch):
-            hidden = self.graphs.replay(batch)
-        if hidden is None:
-            hidden = self._eager_forward(batch)
-        scores = self._score_prompts(hidden, batch.prompt_scoring)
-        if not sampling:
-            return sampling, None, scores
-        logits = self.model.compute_logits(hidden[batch.logits_indices], batch.logits_segments)
+        with self.tp.in_step() if self.tp is not None else contextlib.nullcontext():  # the ranks' part of the step
+            batch, sampling = self.prepare(items)
+            hidden = None
+            if self.graphs is not None and not self._changes_embedding(batch):
+                hidden = self.graphs.replay(batch)
+            if hidden is None:
+                hidden = self._eager_forward(batch)
+            scores = self._score_prompts(hidden, batch.prompt_scoring)
+            if not sampling:
+                return sampling, None, scores
+            logits = self.model.compute_logits(hidden[batch.logits_indices], batch.logits_segments)
         rows: list[ScheduledSequence] = []
         for request in sampling:
             drafts = request.draft_token_ids

@@ -27,15 +27,27 @@ OBJECT_STORE_BYTES = 256 * MIB  # requests and answers pass through it; the weig
 def application(config: ServerConfig, admin_key: str) -> Any:
     """The Serve application: the ingress (1 replica, no CPU of its own) over ``config.ray_replicas`` engine
     replicas (1 CPU each, and 1 GPU each where the engine runs on CUDA). Every replica gets ``config`` as it is:
-    they must share one registry store (the same --data-dir on one machine, or --redis-url)."""
+    they must share one registry store (the same --data-dir on one machine, or --redis-url).
+
+    With --tensor-parallel-size N each replica is a tensor-parallel group: Serve reserves a placement group of N
+    bundles on one node (STRICT_PACK) for it, the replica (rank 0) in the first, and the N - 1 worker ranks it
+    starts as processes of its own take the others' share of that node, so Ray places no other work on it."""
     on_cuda = config.engine.device == "cuda" or (config.engine.device == "auto" and torch.cuda.is_available())
+    bundle = {"CPU": 1, "GPU": 1} if on_cuda else {"CPU": 1}
+    group: dict[str, Any] = {}
+    if config.engine.tensor_parallel_size > 1:
+        group = dict(
+            placement_group_bundles=[bundle] * config.engine.tensor_parallel_size,
+            placement_group_strategy="STRICT_PACK",
+        )
     engines = serve.deployment(
         name="engine",
         num_replicas=config.ray_replicas,
         max_ongoing_requests=config.engine.max_num_seqs,
-        ray_actor_options={"num_cpus": 1, "num_gpus": 1 if on_cuda else 0},
+        ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
         health_check_period_s=2,
         graceful_shutdown_timeout_s=config.shutdown_timeout,
+        **group,
     )(replica_class(config.engine.max_loras))
     ingress = serve.deployment(
         name="ingress", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}
