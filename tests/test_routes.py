@@ -238,8 +238,9 @@ def test_a_stream_leaves_no_unawaited_coroutine(server):
     """A streamed request used to make a coroutine (the disconnect watch of non-streaming requests) that nothing
     awaited: Python warned "coroutine '_disconnected' was never awaited" in the server's log."""
     client = server.client()
-    for _ in range(3):
-        list(client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hi"}], stream=True))
+    for _ in range(3):  # a few tokens each: an answer left to its end (sampled, no max_tokens) took up to minutes
+        messages = [{"role": "user", "content": "Hi"}]
+        list(client.chat.completions.create(model=BASE, messages=messages, max_tokens=4, stream=True))
     list(client.completions.create(model=BASE, prompt="Hi", max_tokens=3, stream=True))
     time.sleep(0.5)
     assert "never awaited" not in server.log_text()

@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
+from lora_server.distributed.step_message import LOAD, SWAP_IN, SWAP_OUT, UNLOAD, decode_copy_ops, encode_copy_ops
 from lora_server.engine import Engine
 from lora_server.errors import ConfigError, TensorParallelError
+from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model import sampler
 from lora_server.sampling_params import SamplingParams
 from tests import test_adapter_keys, test_architectures
@@ -82,6 +84,25 @@ def test_tp2_speculative_decoding_keeps_the_greedy_tokens(tiny):
         assert engine.snapshot().spec_draft_tokens > 0
     finally:
         engine.core.runner.close()
+
+
+def test_the_copy_operations_stream_by_hand():
+    """The pool's copies as the step message carries them (step_message's layout), values written out by hand, and
+    read back in order."""
+    ops = [
+        CopyOp(OpKind.KV_SWAP_OUT, src=(4, 5), dst=(0, 1)),
+        CopyOp(OpKind.ADAPTER_LOAD, dst=(7, 9), adapter=AdapterKey(3)),
+        CopyOp(OpKind.ADAPTER_UNLOAD, src=(2, 3), adapter=AdapterKey(1)),
+        CopyOp(OpKind.KV_SWAP_IN, src=(1,), dst=(6,)),
+    ]
+    ranks = {(0, "q"): 8, (1, "down"): 4}  # q is module 0, down module 6
+    values = encode_copy_ops(ops, {AdapterKey(3): ranks})
+    assert values == [0, 4, 0, 0, 5, 1, 2, 2, 7, 9, 2, 0, 0, 8, 1, 6, 4, 3, 2, 1, 1, 6]
+    steps = list(decode_copy_ops(values))
+    assert [(s.kind, s.src, s.dst) for s in steps if s.kind in (SWAP_OUT, SWAP_IN)] == [(0, 4, 0), (0, 5, 1), (1, 1, 6)]
+    load, unload = (s for s in steps if s.kind in (LOAD, UNLOAD))
+    assert load.pages == (7, 9) and load.ranks == ranks and unload.pages == (2,)
+    assert [s.kind for s in steps] == [SWAP_OUT, SWAP_OUT, LOAD, UNLOAD, SWAP_IN]
 
 
 def test_tp1_runs_without_a_process_group(tiny):

@@ -23,12 +23,15 @@ check on every rank)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lora_server.distributed.group import Comm
+from lora_server.kernels.lora_table import MODULE_INDEX, MODULES
+from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model.step_inputs import HostArrays
 
 STEP, CHECK, STOP = 1, 2, 3
@@ -49,6 +52,56 @@ STEP_ARRAYS: dict[str, torch.dtype] = {
 }
 SWAP_OUT, SWAP_IN, LOAD, UNLOAD = 0, 1, 2, 3
 HEADER = 7 + len(STEP_ARRAYS)
+_SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStep:
+    """One operation of the stream, decoded: a KV block's swap (``src``, ``dst``), an adapter's load (``pages``,
+    table page first, and its layout's ``ranks``) or unload (``pages`` [table page])."""
+
+    kind: int  # SWAP_OUT, SWAP_IN, LOAD or UNLOAD
+    src: int = -1
+    dst: int = -1
+    pages: tuple[int, ...] = ()
+    ranks: Mapping[tuple[int, str], int] | None = None  # (layer, module) -> rank
+
+
+def encode_copy_ops(ops: Sequence[CopyOp], ranks: Mapping[AdapterKey, Mapping[tuple[int, str], int]]) -> list[int]:
+    """The pool's copy operations as the stream's values (see the module); ``ranks``: each loaded adapter's
+    layout's ranks."""
+    values: list[int] = []
+    for op in ops:
+        if op.kind in _SWAPS:
+            for src, dst in zip(op.src, op.dst, strict=True):
+                values += (_SWAPS[op.kind], src, dst)
+        elif op.kind is OpKind.ADAPTER_LOAD:
+            assert op.adapter is not None
+            entries = [(layer, MODULE_INDEX[module], r) for (layer, module), r in ranks[op.adapter].items()]
+            values += (LOAD, len(op.dst), *op.dst, len(entries), *(v for entry in entries for v in entry))
+        else:
+            values += (UNLOAD, op.src[0])
+    return values
+
+
+def decode_copy_ops(values: list[int]) -> Iterator[CopyStep]:
+    """The stream's operations, in order."""
+    i = 0
+    while i < len(values):
+        kind = values[i]
+        if kind in (SWAP_OUT, SWAP_IN):
+            yield CopyStep(kind, src=values[i + 1], dst=values[i + 2])
+            i += 3
+        elif kind == LOAD:
+            n = values[i + 1]
+            m = values[i + 2 + n]
+            entries = values[i + 3 + n : i + 3 + n + 3 * m]
+            ranks = {(entries[j], MODULES[entries[j + 1]]): entries[j + 2] for j in range(0, 3 * m, 3)}
+            yield CopyStep(kind, pages=tuple(values[i + 2 : i + 2 + n]), ranks=ranks)
+            i += 3 + n + 3 * m
+        else:
+            yield CopyStep(kind, pages=(values[i + 1],))
+            i += 2
 
 
 def message_capacity(max_tokens: int, max_seqs: int, block_size: int) -> int:

@@ -18,28 +18,15 @@ from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, check_tensor_parallel, shard_checkpoint
-from lora_server.distributed.step_message import (
-    CHECK,
-    LOAD,
-    STEP,
-    SWAP_IN,
-    SWAP_OUT,
-    UNLOAD,
-    StepChannel,
-    StepShape,
-    message_capacity,
-)
+from lora_server.distributed.step_message import CHECK, STEP, StepChannel, StepShape, encode_copy_ops, message_capacity
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup, fingerprint
 from lora_server.errors import TensorParallelError
-from lora_server.kernels.lora_table import MODULE_INDEX
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model.arena import ResidentAdapters
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.llama import LlamaModel
 from lora_server.model.sampler import scoring_rows
 from lora_server.model.step_inputs import HostArrays
-
-_SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
 
 
 class StagedShares(Protocol):
@@ -131,19 +118,10 @@ class TensorParallel:
         """Queue ``ops`` (rank 0 makes them now) for the workers, who make them before the next step, in the same
         order, on their own arenas and host tiers: KV swaps block by block, adapter loads with their layout's ranks
         and each worker's pages of them (``staged``: each loaded adapter's), unloads."""
-        stream = self._copy_ops
-        for op in ops:
-            if op.kind in _SWAPS:
-                for src, dst in zip(op.src, op.dst, strict=True):
-                    stream += (_SWAPS[op.kind], src, dst)
-            elif op.kind is OpKind.ADAPTER_LOAD:
-                assert staged is not None and op.adapter is not None
-                shares = staged[op.adapter]
-                ranks = [(layer, MODULE_INDEX[module], r) for (layer, module), r in shares.layout.ranks.items()]
-                stream += (LOAD, len(op.dst), *op.dst, len(ranks), *(v for entry in ranks for v in entry))
-                self._images.append(shares.worker_images)
-            else:
-                stream += (UNLOAD, op.src[0])
+        staged = staged or {}
+        loads = [op.adapter for op in ops if op.kind is OpKind.ADAPTER_LOAD and op.adapter is not None]
+        self._copy_ops += encode_copy_ops(ops, {key: staged[key].layout.ranks for key in loads})
+        self._images += [staged[key].worker_images for key in loads]
 
     def check_integrity(self, adapters: ResidentAdapters, block_tables: torch.Tensor) -> None:
         """Every worker's arena holds the adapters rank 0's holds, in the same pages, and its block tables are rank

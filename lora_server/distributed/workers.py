@@ -30,9 +30,17 @@ from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, init_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, shard_checkpoint
-from lora_server.distributed.step_message import CHECK, LOAD, STOP, SWAP_IN, SWAP_OUT, StepChannel, StepMessage
+from lora_server.distributed.step_message import (
+    CHECK,
+    LOAD,
+    STOP,
+    SWAP_IN,
+    SWAP_OUT,
+    StepChannel,
+    StepMessage,
+    decode_copy_ops,
+)
 from lora_server.errors import TensorParallelError
-from lora_server.kernels.lora_table import MODULES
 from lora_server.model.arena import Arena, ResidentAdapters, attach_arena, page_geometry
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
@@ -242,36 +250,23 @@ def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, 
 
 
 def _copy(step: StepMessage, adapters: ResidentAdapters, host: torch.Tensor) -> None:
-    """Rank 0's copy operations since its last step, in its order (step_message's stream): KV swaps, adapter loads
-    (their layout rebuilt from its ranks, their pages from the step's scatter) and unloads."""
-    ops, images = step.arrays["copy_ops"].tolist(), step.images
-    pages, geometry = adapters.arena.pages, adapters.geometry
-    i, image_at = 0, 0
-    while i < len(ops):
-        kind = ops[i]
-        if kind in (SWAP_OUT, SWAP_IN):
-            src, dst = ops[i + 1], ops[i + 2]
-            if kind == SWAP_OUT:
-                host[dst].copy_(pages[src])
-            else:
-                pages[dst].copy_(host[src])
-            i += 3
-        elif kind == LOAD:
-            n = ops[i + 1]
-            targets = ops[i + 2 : i + 2 + n]
-            m = ops[i + 2 + n]
-            entries = ops[i + 3 + n : i + 3 + n + 3 * m]
-            i += 3 + n + 3 * m
-            ranks = {(entries[j], MODULES[entries[j + 1]]): entries[j + 2] for j in range(0, 3 * m, 3)}
-            layout = PageLayout(geometry, ranks)
-            assert images is not None, "an adapter load without its pages"
+    """Rank 0's copy operations since its last step, in its order: KV swaps, adapter loads (their layout rebuilt
+    from its ranks, their pages from the step's scatter) and unloads."""
+    pages, geometry, image_at = adapters.arena.pages, adapters.geometry, 0
+    for op in decode_copy_ops(step.arrays["copy_ops"].tolist()):
+        if op.kind == SWAP_OUT:
+            host[op.dst].copy_(pages[op.src])
+        elif op.kind == SWAP_IN:
+            pages[op.dst].copy_(host[op.src])
+        elif op.kind == LOAD:
+            assert step.images is not None and op.ranks is not None, "an adapter load without its pages"
+            layout = PageLayout(geometry, dict(op.ranks))
             size = layout.num_pages * geometry.page_bytes
-            image = images[image_at : image_at + size].view(layout.num_pages, geometry.page_bytes)
-            adapters.load(targets, layout, image)
+            image = step.images[image_at : image_at + size].view(layout.num_pages, geometry.page_bytes)
+            adapters.load(list(op.pages), layout, image)
             image_at += size
         else:
-            adapters.unload(ops[i + 1])
-            i += 2
+            adapters.unload(op.pages[0])
 
 
 def _exit_with_parent() -> None:
