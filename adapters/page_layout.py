@@ -35,6 +35,7 @@ from lora_server.kernels.lora_table import (
 
 _ALIGN_BYTES = 128  # every unit starts on a 128-byte boundary (whole cache lines and vector loads)
 VOCAB_LAYER = -1  # Block.layer of the embedding's and head's pieces (vocab_pieces)
+VOCAB_PIECES = ("embed_a_t", "embed_b_t", "head_a", "head_b", "embed_rows", "head_rows")  # vocab_pieces' names
 
 
 def vocab_pieces(vocab: VocabLora | None) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -215,6 +216,14 @@ class BaseShapes:
         return self.features[parts[0]][0], sum(self.features[p][1] for p in parts)
 
 
+class TokenIds(NamedTuple):
+    """The token ids whose rows an adapter replaces (PEFT's trainable tokens), in the embedding and in the output
+    head: [n] int64 each, None where it replaces none."""
+
+    embed: torch.Tensor | None = None
+    head: torch.Tensor | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class VocabLora:
     """What an adapter changes of the embedding and the output head, as PEFT computes it, float32 on the host.
@@ -243,6 +252,13 @@ class VocabLora:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def token_ids(self) -> TokenIds:
+        return TokenIds(
+            None if self.embed_tokens is None else self.embed_tokens[0],
+            None if self.head_tokens is None else self.head_tokens[0],
+        )
 
 
 @dataclass(slots=True)

@@ -14,9 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lora_server.adapters.peft_format import AdapterError
+from lora_server.adapters.peft_format import AdapterError, TokenIds
 from lora_server.config import EngineConfig
-from lora_server.distributed.step_message import LOAD, SWAP_IN, SWAP_OUT, UNLOAD, decode_copy_ops, encode_copy_ops
+from lora_server.distributed.step_message import (
+    LOAD,
+    SWAP_IN,
+    SWAP_OUT,
+    UNLOAD,
+    LoadedAdapter,
+    decode_copy_ops,
+    encode_copy_ops,
+)
 from lora_server.engine import Engine
 from lora_server.errors import ConfigError, TensorParallelError
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
@@ -96,13 +104,22 @@ def test_the_copy_operations_stream_by_hand():
         CopyOp(OpKind.KV_SWAP_IN, src=(1,), dst=(6,)),
     ]
     ranks = {(0, "q"): 8, (1, "down"): 4}  # q is module 0, down module 6
-    values = encode_copy_ops(ops, {AdapterKey(3): ranks})
-    assert values == [0, 4, 0, 0, 5, 1, 2, 2, 7, 9, 2, 0, 0, 8, 1, 6, 4, 3, 2, 1, 1, 6]
+    vocab = {"head_a": (4, 64), "head_rows": (2, 64)}  # pieces 2 and 5
+    loaded = LoadedAdapter(ranks, vocab, TokenIds(None, torch.tensor([5, 38])))
+    values = encode_copy_ops(ops, {AdapterKey(3): loaded})
+    assert values == [
+        *(0, 4, 0, 0, 5, 1),
+        *(2, 2, 7, 9, 2, 0, 0, 8, 1, 6, 4, 2, 2, 4, 64, 5, 2, 64, -1, 2, 5, 38),
+        *(3, 2),
+        *(1, 1, 6),
+    ]
     steps = list(decode_copy_ops(values))
-    assert [(s.kind, s.src, s.dst) for s in steps if s.kind in (SWAP_OUT, SWAP_IN)] == [(0, 4, 0), (0, 5, 1), (1, 1, 6)]
-    load, unload = (s for s in steps if s.kind in (LOAD, UNLOAD))
-    assert load.pages == (7, 9) and load.ranks == ranks and unload.pages == (2,)
     assert [s.kind for s in steps] == [SWAP_OUT, SWAP_OUT, LOAD, UNLOAD, SWAP_IN]
+    assert [(s.src, s.dst) for s in steps if s.kind in (SWAP_OUT, SWAP_IN)] == [(4, 0), (5, 1), (1, 6)]
+    load, unload = steps[2].adapter, steps[3]
+    assert steps[2].pages == (7, 9) and unload.pages == (2,)
+    assert load.ranks == ranks and load.vocab == vocab and load.token_ids.embed is None
+    assert load.token_ids.head.tolist() == [5, 38]
 
 
 def test_tp1_runs_without_a_process_group(tiny):
@@ -192,20 +209,16 @@ def test_tp2_mixed_adapters_under_churn_match_tp1_and_peft(tiny, tiny_peft):
             engine.core.runner.close()
 
 
-def test_dora_and_vocabulary_adapters_are_refused(tiny, tmp_path):
-    """Under TP the forms whose sharding is not built are refused at registration, naming the form."""
+def test_dora_adapters_are_refused(tiny, tmp_path):
+    """Under TP DoRA, whose sharding is not built, is refused at registration, naming it."""
     from peft import LoraConfig
 
     path, model = tiny
-    save_peft = test_adapter_keys.save_peft
-    save_peft(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), tmp_path / "dora")
-    save_peft(model, LoraConfig(r=4, target_modules=["embed_tokens"]), tmp_path / "embed")
+    test_adapter_keys.save_peft(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), tmp_path / "dora")
     engine = tiny_engine(path, 2, block_size=64)
     try:
         with pytest.raises(AdapterError, match="DoRA adapters are not served with --tensor-parallel-size 2"):
             engine.add_adapter("dora", tmp_path / "dora")
-        with pytest.raises(AdapterError, match="embedding or the output head .* --tensor-parallel-size 2"):
-            engine.add_adapter("embed", tmp_path / "embed")
         assert engine.core.adapters.names() == []
     finally:
         engine.core.runner.close()

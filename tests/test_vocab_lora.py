@@ -139,9 +139,9 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _engine(path: Path, adapters: dict[str, Path]) -> Engine:
+def _engine(path: Path, adapters: dict[str, Path], **kw) -> Engine:
     config = dict(quantization="none", kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
-    engine = Engine(EngineConfig(model=str(path), **config))
+    engine = Engine(EngineConfig(model=str(path), **{**config, **kw}))
     for name, adapter in adapters.items():
         engine.add_adapter(name, adapter)
     return engine
@@ -197,6 +197,25 @@ def test_each_form_alone_matches_peft(request, setup, form):
 def test_mixed_batch_matches_peft(request, setup):
     _, model, adapters, engine = request.getfixturevalue(setup)
     _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["untied_setup", "tied_setup"])
+def test_tensor_parallel_mixed_batch_and_prompt_logprobs_match_peft(request, setup):
+    """At TP=2 (the vocabulary-parallel embedding and head): every rank applies the embedding's changes to the
+    all-reduced rows and rank 0 the head's to the gathered logits; the mixed batch and the scoring path's head as
+    PEFT computes them, with the integrity check on every rank."""
+    path, model, adapters, _ = request.getfixturevalue(setup)
+    engine = _engine(path, adapters, tensor_parallel_size=2, host_kv_bytes=0)
+    try:
+        _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
+        prompt = _prompts()[3]
+        for form in ("embed", "head", "tokens"):
+            scores = engine.core.full_prompt_logprobs(f"score-{form}", prompt, form)
+            assert (scores - _log_softmax(_reference(model, adapters[form]), prompt)[:-1]).abs().max() <= LOGPROB_TOL
+        engine.check_integrity()
+    finally:
+        engine.core.runner.close()
 
 
 @pytest.mark.parametrize("form", ["embed", "head", "tokens"])
@@ -304,7 +323,7 @@ def test_the_pieces_may_span_pages():
         "embed_rows": runs(lora.embed_tokens[1], [1]),
         "head_rows": runs(lora.head_tokens[1], [1]),
     }
-    terms = VocabTerms(lora, pieces, vocab, torch.device("cpu"))
+    terms = VocabTerms(pieces, lora.token_ids, vocab, torch.device("cpu"))
     ids = torch.tensor([0, 3, 11, 12, 17, 29, 30, 31, 39])
     x = rand(ids.numel(), hidden)
     embed = x + lora.embed_lora[0][ids] @ lora.embed_lora[1]

@@ -103,9 +103,10 @@ class Shard:
 
     def adapter(self, adapter: LoraAdapter) -> LoraAdapter:
         """This rank's share of a validated adapter (see the module): B's rows of a column-parallel module's output
-        shard, A's columns of a row-parallel module's input shard, the rest whole. Plain LoRA only: DoRA and the
-        vocabulary's changes are refused before (TensorParallel.adapter_refusal)."""
-        assert not adapter.magnitudes and adapter.vocab is None, "refused under tensor parallelism"
+        shard, A's columns of a row-parallel module's input shard, the rest whole (its changes to the embedding and
+        head: each rank applies them to whole rows, model.lora.VocabTerms). DoRA is refused before
+        (TensorParallel.adapter_refusal)."""
+        assert not adapter.magnitudes, "refused under tensor parallelism"
         weights = {}
         for (layer, module), (a, b) in adapter.weights.items():
             if module in _COLUMN_PARALLEL:

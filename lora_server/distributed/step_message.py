@@ -14,8 +14,11 @@ runs of table pages; and ``copy_ops``, the pool's copy operations rank 0 made si
 (runner.apply_copy_ops), which the worker makes on its own arena and host tier before the step, in the same order:
 
   SWAP_OUT, device page, host block | SWAP_IN, host block, device page   (KV, one block each)
-  LOAD, n, n pages (table page first), m, m x (layer, module index, rank)  (an adapter: its layout's ranks; its pages'
-                                                                             bytes come next in the scatter)
+  LOAD, n, n pages (table page first), m, m x (layer, module index, rank), v, v x (piece index, rows, width),
+        e, e embedding token ids, h, h head token ids                     (an adapter: its layout's ranks and
+                                                                           vocabulary pieces, its trainable tokens'
+                                                                           ids, e or h -1 for none; its pages'
+                                                                           bytes come next in the scatter)
   UNLOAD, table page
 
 A CHECK message carries copy ops only: the workers make them and answer with their fingerprint (the integrity
@@ -24,11 +27,13 @@ check on every rank)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from lora_server.adapters.page_layout import VOCAB_PIECES
+from lora_server.adapters.peft_format import TokenIds
 from lora_server.distributed.group import Comm
 from lora_server.kernels.lora_table import MODULE_INDEX, MODULES
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
@@ -56,20 +61,29 @@ _SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
 
 
 @dataclass(frozen=True, slots=True)
+class LoadedAdapter:
+    """What a worker needs of an adapter rank 0 loads, besides its pages: its layout's ranks and vocabulary pieces
+    (adapters.page_layout.PageLayout's), and its trainable tokens' ids."""
+
+    ranks: Mapping[tuple[int, str], int]  # (layer, module) -> rank
+    vocab: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # piece name -> (rows, width)
+    token_ids: TokenIds = TokenIds()
+
+
+@dataclass(frozen=True, slots=True)
 class CopyStep:
     """One operation of the stream, decoded: a KV block's swap (``src``, ``dst``), an adapter's load (``pages``,
-    table page first, and its layout's ``ranks``) or unload (``pages`` [table page])."""
+    table page first, and ``adapter``) or unload (``pages`` [table page])."""
 
     kind: int  # SWAP_OUT, SWAP_IN, LOAD or UNLOAD
     src: int = -1
     dst: int = -1
     pages: tuple[int, ...] = ()
-    ranks: Mapping[tuple[int, str], int] | None = None  # (layer, module) -> rank
+    adapter: LoadedAdapter | None = None
 
 
-def encode_copy_ops(ops: Sequence[CopyOp], ranks: Mapping[AdapterKey, Mapping[tuple[int, str], int]]) -> list[int]:
-    """The pool's copy operations as the stream's values (see the module); ``ranks``: each loaded adapter's
-    layout's ranks."""
+def encode_copy_ops(ops: Sequence[CopyOp], loaded: Mapping[AdapterKey, LoadedAdapter]) -> list[int]:
+    """The pool's copy operations as the stream's values (see the module); ``loaded``: each loaded adapter's."""
     values: list[int] = []
     for op in ops:
         if op.kind in _SWAPS:
@@ -77,8 +91,13 @@ def encode_copy_ops(ops: Sequence[CopyOp], ranks: Mapping[AdapterKey, Mapping[tu
                 values += (_SWAPS[op.kind], src, dst)
         elif op.kind is OpKind.ADAPTER_LOAD:
             assert op.adapter is not None
-            entries = [(layer, MODULE_INDEX[module], r) for (layer, module), r in ranks[op.adapter].items()]
-            values += (LOAD, len(op.dst), *op.dst, len(entries), *(v for entry in entries for v in entry))
+            adapter = loaded[op.adapter]
+            ranks = [(layer, MODULE_INDEX[module], r) for (layer, module), r in adapter.ranks.items()]
+            pieces = [(VOCAB_PIECES.index(name), rows, width) for name, (rows, width) in adapter.vocab.items()]
+            values += (LOAD, len(op.dst), *op.dst, len(ranks), *(v for entry in ranks for v in entry))
+            values += (len(pieces), *(v for entry in pieces for v in entry))
+            for ids in adapter.token_ids:
+                values += (-1,) if ids is None else (ids.numel(), *ids.tolist())
         else:
             values += (UNLOAD, op.src[0])
     return values
@@ -87,21 +106,30 @@ def encode_copy_ops(ops: Sequence[CopyOp], ranks: Mapping[AdapterKey, Mapping[tu
 def decode_copy_ops(values: list[int]) -> Iterator[CopyStep]:
     """The stream's operations, in order."""
     i = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal i
+        i += n
+        return values[i - n : i]
+
     while i < len(values):
-        kind = values[i]
+        (kind,) = take(1)
         if kind in (SWAP_OUT, SWAP_IN):
-            yield CopyStep(kind, src=values[i + 1], dst=values[i + 2])
-            i += 3
+            src, dst = take(2)
+            yield CopyStep(kind, src=src, dst=dst)
         elif kind == LOAD:
-            n = values[i + 1]
-            m = values[i + 2 + n]
-            entries = values[i + 3 + n : i + 3 + n + 3 * m]
-            ranks = {(entries[j], MODULES[entries[j + 1]]): entries[j + 2] for j in range(0, 3 * m, 3)}
-            yield CopyStep(kind, pages=tuple(values[i + 2 : i + 2 + n]), ranks=ranks)
-            i += 3 + n + 3 * m
+            pages = take(take(1)[0])
+            entries = take(3 * take(1)[0])
+            ranks = {(entries[j], MODULES[entries[j + 1]]): entries[j + 2] for j in range(0, len(entries), 3)}
+            pieces = take(3 * take(1)[0])
+            vocab = {VOCAB_PIECES[pieces[j]]: (pieces[j + 1], pieces[j + 2]) for j in range(0, len(pieces), 3)}
+            ids = []
+            for _ in TokenIds._fields:
+                (n,) = take(1)
+                ids.append(None if n < 0 else torch.tensor(take(n), dtype=torch.int64))
+            yield CopyStep(kind, pages=tuple(pages), adapter=LoadedAdapter(ranks, vocab, TokenIds(*ids)))
         else:
-            yield CopyStep(kind, pages=(values[i + 1],))
-            i += 2
+            yield CopyStep(kind, pages=tuple(take(1)))
 
 
 def message_capacity(max_tokens: int, max_seqs: int, block_size: int) -> int:

@@ -13,12 +13,20 @@ from typing import Protocol
 import torch
 
 from lora_server.adapters.page_layout import PageLayout
-from lora_server.adapters.peft_format import LoraAdapter
+from lora_server.adapters.peft_format import LoraAdapter, TokenIds, VocabLora
 from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, check_tensor_parallel, shard_checkpoint
-from lora_server.distributed.step_message import CHECK, STEP, StepChannel, StepShape, encode_copy_ops, message_capacity
+from lora_server.distributed.step_message import (
+    CHECK,
+    STEP,
+    LoadedAdapter,
+    StepChannel,
+    StepShape,
+    encode_copy_ops,
+    message_capacity,
+)
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup, fingerprint
 from lora_server.errors import TensorParallelError
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
@@ -34,6 +42,9 @@ class StagedShares(Protocol):
 
     @property
     def layout(self) -> PageLayout: ...
+
+    @property
+    def vocab(self) -> VocabLora | None: ...  # its embedding and head changes: whole on every rank
 
     @property
     def worker_images(self) -> tuple[torch.Tensor, ...]: ...  # ranks 1..N-1's uint8 [pages, page bytes]
@@ -69,15 +80,11 @@ class TensorParallel:
         self._out_of_step = False  # a step failed on rank 0 after its inputs went out
 
     def adapter_refusal(self, adapter: LoraAdapter) -> str:
-        """Why an adapter is not served under tensor parallelism ("": it is): plain LoRA is, on any module."""
+        """Why an adapter is not served under tensor parallelism ("": it is): LoRA on any module, the embedding and
+        head included, and trainable tokens are."""
         n = self.shard.world
         if adapter.magnitudes:  # its scale divides by the whole row's norm, after the row-parallel all-reduce
             return f"DoRA adapters are not served with --tensor-parallel-size {n} yet"
-        if adapter.vocab is not None:
-            return (
-                f"LoRA on the embedding or the output head and trainable tokens are not served with "
-                f"--tensor-parallel-size {n} yet"
-            )
         return ""
 
     def adapter_shards(self, adapter: LoraAdapter) -> list[LoraAdapter]:
@@ -120,7 +127,8 @@ class TensorParallel:
         and each worker's pages of them (``staged``: each loaded adapter's), unloads."""
         staged = staged or {}
         loads = [op.adapter for op in ops if op.kind is OpKind.ADAPTER_LOAD and op.adapter is not None]
-        self._copy_ops += encode_copy_ops(ops, {key: staged[key].layout.ranks for key in loads})
+        loaded = {key: _loaded(staged[key]) for key in loads}
+        self._copy_ops += encode_copy_ops(ops, loaded)
         self._images += [staged[key].worker_images for key in loads]
 
     def check_integrity(self, adapters: ResidentAdapters, block_tables: torch.Tensor) -> None:
@@ -190,3 +198,8 @@ class TensorParallel:
         self._stop_workers.detach()
         destroy_group()
         torch.set_num_threads(self._threads_before)
+
+
+def _loaded(shares: StagedShares) -> LoadedAdapter:
+    layout, vocab = shares.layout, shares.vocab
+    return LoadedAdapter(layout.ranks, layout.vocab, TokenIds() if vocab is None else vocab.token_ids)

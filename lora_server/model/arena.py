@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lora_server.adapters.page_layout import VOCAB_LAYER, PageGeometry, PageLayout
-from lora_server.adapters.peft_format import BaseShapes, LoraAdapter, VocabLora
+from lora_server.adapters.peft_format import BaseShapes, LoraAdapter, TokenIds
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import GROUPS
 from lora_server.kernels.segment_lora import LoraTerm
@@ -150,12 +150,14 @@ class ResidentAdapters:
     def __len__(self) -> int:
         return len(self._by_page)
 
-    def load(self, pages: list[int], layout: PageLayout, image: torch.Tensor, vocab: VocabLora | None = None) -> None:
+    def load(
+        self, pages: list[int], layout: PageLayout, image: torch.Tensor, token_ids: TokenIds | None = None
+    ) -> None:
         """Copy a staged image (uint8 [n, page_bytes], pinned on CUDA) into arena ``pages`` (at least n; the first
         is the table page) and write its table there. Asynchronous on CUDA (the caller's stream): ``image`` must
-        stay untouched until the copy has run (torch's pinned allocator keeps it alive). ``vocab``: the adapter's
-        changes to the embedding and head (exactly the layout's pieces), whose ids are kept on the device until it
-        is unloaded (its rows are in the image)."""
+        stay untouched until the copy has run (torch's pinned allocator keeps it alive). ``token_ids``: the
+        trainable tokens' ids of an adapter that changes the embedding or head (the layout's vocabulary pieces,
+        whose rows are in the image), kept on the device until it is unloaded."""
         assert len(pages) >= layout.num_pages == image.shape[0], (len(pages), layout.num_pages, image.shape)
         arena = self.arena
         pages = pages[: layout.num_pages]
@@ -172,10 +174,11 @@ class ResidentAdapters:
         table.numpy()[:] = values
         dst.copy_(table, non_blocking=True)
         resident = ResidentAdapter(layout, pages)
-        assert (vocab is not None) == bool(layout.vocab), "the vocabulary pieces are not the layout's"
-        if vocab is not None:
+        assert layout.vocab or all(ids is None for ids in token_ids or ()), "trainable tokens' ids without their rows"
+        if layout.vocab:
             pieces = self._vocab_pieces(layout, pages)
-            resident.vocab = VocabTerms(vocab, pieces, self.geometry.shapes.vocab_size, arena.pages.device)
+            ids = token_ids or TokenIds()
+            resident.vocab = VocabTerms(pieces, ids, self.geometry.shapes.vocab_size, arena.pages.device)
         if self._cpu:
             resident.terms = self._terms(layout, pages)
         self._by_page[pages[0]] = resident

@@ -18,7 +18,7 @@ from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, groups
 from lora_server.kernels.segment_lora import LoraTerm
 
 if TYPE_CHECKING:
-    from lora_server.adapters.peft_format import VocabLora
+    from lora_server.adapters.peft_format import TokenIds
     from lora_server.model.quant import QuantLinear
 
 
@@ -99,18 +99,21 @@ class VocabTerms:
     """One resident adapter's changes to the embedding and the output head (adapters.peft_format.VocabLora), as the
     model applies them to its tokens' rows, on any device: ``pieces`` are views of its matrices in the arena's pages
     (adapters.page_layout.vocab_pieces, each in runs of rows), and the trainable tokens' ids are kept on the device.
+    With tensor parallelism every rank holds them whole: each applies the embedding's to the all-reduced rows, and
+    rank 0 the head's to the gathered logits.
     Nothing here reads a device value on the host (no sync)."""
 
-    def __init__(self, vocab: VocabLora, pieces: dict[str, RowRuns], vocab_size: int, device: torch.device) -> None:
+    def __init__(self, pieces: dict[str, RowRuns], ids: TokenIds, vocab_size: int, device: torch.device) -> None:
+        """``ids``: the trainable tokens' ids, whose rows are embed_rows' and head_rows' in order."""
         self.pieces = pieces
         # token id -> its row in embed_rows, -1 for the ids the adapter does not replace: [vocab] int64
         self.embed_slot: torch.Tensor | None = None
-        if vocab.embed_tokens is not None:
-            ids = vocab.embed_tokens[0].to(device)
+        if ids.embed is not None:
+            embed_ids = ids.embed.to(device)
             self.embed_slot = torch.full((vocab_size,), -1, dtype=torch.int64, device=device)
-            self.embed_slot[ids] = torch.arange(ids.numel(), device=device)
+            self.embed_slot[embed_ids] = torch.arange(embed_ids.numel(), device=device)
         # the head rows' token ids [n] int64, in head_rows' order
-        self.head_ids = None if vocab.head_tokens is None else vocab.head_tokens[0].to(device)
+        self.head_ids = None if ids.head is None else ids.head.to(device)
 
     @property
     def changes_embedding(self) -> bool:

@@ -370,7 +370,8 @@ class ModelRunner:
                 assert images is not None and op.adapter in images, f"no staged image for {op.adapter}"
                 image = images[op.adapter]
                 with order.adapter_load(list(op.dst), image.image):
-                    self.adapters.load(list(op.dst), image.layout, image.image, image.vocab)
+                    ids = None if image.vocab is None else image.vocab.token_ids
+                    self.adapters.load(list(op.dst), image.layout, image.image, ids)
                 adapter_s += time.perf_counter() - start
             else:
                 self.adapters.unload(op.src[0])
