@@ -98,8 +98,25 @@ def test_alora_alone_and_mixed_matches_peft(alora, engine_alora):
     """One batch: each aLoRA with its invocation, the same weights as plain LoRAs, an aLoRA whose prompt lacks its
     invocation, the base model. Every row's greedy tokens equal HF + PEFT's with only its adapter, logprobs
     within 2e-3; the masking matters (an aLoRA is neither its plain LoRA nor the base model)."""
+    _assert_alone_and_mixed_match_peft(alora, engine_alora)
+
+
+@pytest.mark.slow
+def test_alora_at_tp3_matches_peft(alora):
+    """The same at --tensor-parallel-size 3: rank 0 decides where each request's adapter starts, and the workers
+    follow its runs of tokens."""
+    root, invocations, _ = alora
+    engine = _engine(block_size=BLOCK, kv_cache_bytes=64 << 20, host_kv_bytes=0, tensor_parallel_size=3)
+    try:
+        for name in [*invocations, "plain0", "plain1"]:
+            engine.add_adapter(name, root / name)
+        _assert_alone_and_mixed_match_peft(alora, engine)
+    finally:
+        engine.core.runner.close()
+
+
+def _assert_alone_and_mixed_match_peft(alora, engine: Engine) -> None:
     _, invocations, peft = alora
-    engine = engine_alora
     conversation = engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
     answer = engine.encode("The capital of France is Paris.<|im_end|>\n", add_special_tokens=False)
     asks = {name: conversation + answer + ids for name, ids in invocations.items()}
