@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -473,6 +474,35 @@ def test_an_error_on_rank_0_after_the_step_went_out_stops_the_engine(tiny, tp2, 
     runner.close()
     assert time.monotonic() - start < 2.0
     assert all(not p.is_alive() for p in runner.tp.workers.processes)
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, monkeypatch):
+    """A worker stopped (SIGSTOP: alive, its exit code None, so no watchdog sees it) mid-run: rank 0's next
+    collective times out (STEP_TIMEOUT, 2 s here) and the engine stops with an error that says so, never a hang;
+    an engine that idles longer than that does not time out (its workers wait for the next message)."""
+    from lora_server.distributed import group
+
+    monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=2))
+    engine = tiny_engine(tiny[0], 2)
+    runner = engine.core.runner
+    try:
+        assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)
+        time.sleep(3)  # idle past the timeout
+        assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)
+        pid = runner.tp.workers.pids[0]
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        engine.add(engine.core.make_request("long", prompts([5])[0], params))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"timed out after 2 s: a rank is alive but no longer takes part"):
+            while engine.has_work():
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        runner.close()  # kills the stopped worker
+    assert not any(p.is_alive() for p in runner.tp.workers.processes)
 
 
 @pytest.mark.slow

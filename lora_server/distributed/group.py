@@ -2,9 +2,12 @@
 which counts calls and bytes per kind and turns a failed collective into a TensorParallelError naming the rank that
 died.
 
-The group is torch.distributed's default group, gloo over TCP on 127.0.0.1 (one engine's ranks share a machine).
-Its timeout is effectively none: an idle engine's workers wait in a broadcast for as long as the engine idles; a
-rank that dies is found by the liveness watchdogs (distributed.workers), not by a timeout."""
+The group is torch.distributed's default group, gloo over TCP on 127.0.0.1 (one engine's ranks share a machine),
+and a second group of the same ranks for the step messages. The two have different timeouts: waiting for the next
+message has none in effect (an idle engine's workers wait in that broadcast for as long as the engine idles),
+while a step's own collectives (all-reduces, gathers) time out after STEP_TIMEOUT, so that a rank that is alive but
+no longer takes part (hung, stopped) stops the engine with an error instead of a hang. A rank that dies is found
+sooner, by the liveness watchdogs (distributed.workers)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import torch.distributed as dist
 
 from lora_server.errors import TensorParallelError
 
-COLLECTIVE_TIMEOUT = timedelta(days=365)
+MESSAGE_TIMEOUT = timedelta(days=365)  # waiting for the next step's message: in effect none
+STEP_TIMEOUT = timedelta(minutes=10)  # a step's collectives: far beyond any step's compute on a rank
 KINDS = ("all_reduce", "gather", "broadcast", "scatter")
 
 
@@ -38,12 +42,16 @@ def refuse_second_group() -> None:
         )
 
 
-def init_group(rank: int, world: int, port: int) -> None:
-    """Join the default process group as ``rank`` of ``world`` (blocks until every rank has joined)."""
+def init_group(rank: int, world: int, port: int) -> dist.ProcessGroup:
+    """Join the default process group as ``rank`` of ``world`` (blocks until every rank has joined), its
+    collectives timing out after STEP_TIMEOUT; returns the group of the same ranks for the step messages."""
     refuse_second_group()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=STEP_TIMEOUT
     )
+    messages = dist.new_group(backend="gloo", timeout=MESSAGE_TIMEOUT)
+    assert messages is not None
+    return messages
 
 
 def destroy_group() -> None:
@@ -70,13 +78,16 @@ class CommCounter:
 
 
 class Comm:
-    """This rank's collectives on the default group. ``diagnose``: called when a collective raises, returns the
-    failure to report (rank 0's watchdog names the dead rank) or None (the collective's own error is reported)."""
+    """This rank's collectives: a step's on the default group, the step messages (broadcasts, scatters) on
+    ``messages`` (init_group's, set once the ranks have joined). ``diagnose``: called when a collective raises,
+    returns the failure to report (rank 0's watchdog names the dead rank) or None (the collective's own error is
+    reported)."""
 
     def __init__(self, rank: int, world: int, diagnose: Callable[[], str | None] = lambda: None) -> None:
         self.rank, self.world = rank, world
         self.counter = CommCounter()
         self.diagnose = diagnose
+        self.messages: dist.ProcessGroup | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place: ``tensor`` becomes the sum over the ranks; returns it."""
@@ -94,19 +105,24 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place: rank 0's ``tensor`` on every rank; returns it."""
         self.counter.add("broadcast", tensor)
-        self._run(lambda: dist.broadcast(tensor, src=0))
+        self._run(lambda: dist.broadcast(tensor, src=0, group=self.messages))
         return tensor
 
     def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``parts`` (one per rank, in rank order, equal shapes; None on the others): rank r's into its
         ``out``; returns it."""
         self.counter.add("scatter", out)
-        self._run(lambda: dist.scatter(out, parts, src=0))
+        self._run(lambda: dist.scatter(out, parts, src=0, group=self.messages))
         return out
 
     def _run(self, collective: Callable[[], object]) -> None:
         try:
             collective()
-        except RuntimeError as exc:  # a peer's socket closed (it died) or the group broke: the ranks are lost
-            reason = self.diagnose() or f"a collective failed on rank {self.rank}: {exc}"
-            raise TensorParallelError(reason) from exc
+        except RuntimeError as exc:  # a peer's socket closed (it died), it timed out, or the group broke
+            reason = self.diagnose()
+            if reason is None and "timed out" in str(exc).lower():
+                reason = (
+                    f"a collective on rank {self.rank} timed out after {STEP_TIMEOUT.total_seconds():g} s: a rank is "
+                    f"alive but no longer takes part in the step (hung or stopped): {exc}"
+                )
+            raise TensorParallelError(reason or f"a collective failed on rank {self.rank}: {exc}") from exc

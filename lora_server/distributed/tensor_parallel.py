@@ -102,7 +102,7 @@ class TensorParallel:
         setup = WorkerSetup(num_blocks, num_host_blocks, config.max_num_seqs, table_width, capacity)
         self.workers.wait_loaded()
         self.workers.hand_setup(setup)
-        init_group(0, self.shard.world, self.port)
+        self.comm.messages = init_group(0, self.shard.world, self.port)
         self.channel = StepChannel(self.comm, setup.message_capacity)
 
     def send_step(

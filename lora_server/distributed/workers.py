@@ -207,7 +207,7 @@ def run_worker(
     host_kv = torch.zeros(setup.num_host_blocks, arena.page_bytes, dtype=torch.uint8)  # [host blocks, page bytes]
     kv_caches = [LayerKV(*arena.layer_kv(i)) for i in range(local.num_layers)]
     tables = WorkerBlockTables(setup.max_seqs, setup.table_width, arena.pages.device)
-    init_group(rank, world, port)
+    comm.messages = init_group(rank, world, port)
     channel = StepChannel(comm, setup.message_capacity)
     with torch.inference_mode():
         while (step := channel.receive()).kind != STOP:
