@@ -15,12 +15,11 @@ Anything else that would change what the adapter computes is refused by name: Lo
 weights (mergekit-extract-lora's, which llama.cpp skips), unknown adapter.* keys, tensor types the gguf package
 cannot dequantize, another architecture than the base's. Other metadata (general.*, the architecture's keys) is
 ignored, as llama.cpp ignores it in an adapter. The file is read once into memory, never memory-mapped
-(peft_format._read_whole), and its header parsed here with llama.cpp's own checks (gguf.cpp): the gguf package's
+(peft_files.read_file), and its header parsed here with llama.cpp's own checks (gguf.cpp): the gguf package's
 reader maps the file."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import struct
@@ -31,14 +30,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from lora_server.adapters.peft_format import (
-    AdapterError,
-    BaseShapes,
-    LoraAdapter,
-    _read_whole,
-    _resolve,
-    _within,
-)
+from lora_server.adapters.errors import AdapterError
+from lora_server.adapters.lora_types import BaseShapes, LoraAdapter
+from lora_server.adapters.peft_files import read_file
+from lora_server.adapters.peft_format import _resolve, _within
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # llama.cpp refuses GGUFv1 and versions after 3 (gguf.cpp)
@@ -121,7 +116,7 @@ def load_gguf_adapter(
         raise AdapterError(f"adapter path {path} is {outside}", "the adapter's file is outside the adapter roots")
     if not file.is_file():
         raise AdapterError(f"adapter path {path} is not a file", "the adapter's GGUF path is not a file")
-    data = _read_whole(file)
+    data, _ = read_file(file)
     gguf = _parse(data)
     arch = _check_metadata(gguf.metadata, base)
     scale_alpha = _alpha(gguf.metadata)
@@ -155,24 +150,23 @@ def load_gguf_adapter(
     if not weights:
         raise AdapterError("the GGUF adapter holds no LoRA tensors (blk.N.<tensor>.weight.lora_a / .lora_b)")
     invocation = _invocation_tokens(gguf.metadata)
-    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
     # the path as named (absolute), not the link's target: what it is read from again, whose .gguf says the format
     named = Path(os.path.abspath(Path(path).expanduser()))
-    return LoraAdapter(name, named, max(ranks), weights, digest, invocation)
+    return LoraAdapter(name, named, max(ranks), weights, invocation)
 
 
 # ---- the file: llama.cpp's gguf.cpp reading rules, over bytes in memory ------------------------------------------
 
 
 class _Cursor:
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes | bytearray) -> None:
         self.data, self.pos = data, 0
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
             raise AdapterError("the GGUF file ends inside its header (cut short, or not a GGUF file)")
         self.pos += n
-        return self.data[self.pos - n : self.pos]
+        return bytes(self.data[self.pos - n : self.pos])
 
     def scalar(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
@@ -185,7 +179,7 @@ class _Cursor:
             raise AdapterError(f"GGUF {what} is not UTF-8: {exc}") from exc
 
 
-def _parse(data: bytes) -> _GGUF:
+def _parse(data: bytes | bytearray) -> _GGUF:
     """The metadata and tensor directory of a GGUF file's bytes, refused where llama.cpp's gguf_init refuses it."""
     cur = _Cursor(data)
     if data[:4] != _MAGIC:
@@ -271,7 +265,7 @@ def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationTy
     return name, tuple(reversed(ne)), kind, cur.scalar("<Q")
 
 
-def _tensor(data: bytes, info: _TensorInfo) -> torch.Tensor:
+def _tensor(data: bytes | bytearray, info: _TensorInfo) -> torch.Tensor:
     """A tensor's values as float32, row-major: exact for F32, F16 and BF16, the gguf package's dequantization
     for quantized types (those it cannot dequantize are refused, by name)."""
     from gguf.quants import dequantize

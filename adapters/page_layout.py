@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter, VocabLora
+from lora_server.adapters.errors import AdapterError
+from lora_server.adapters.lora_types import BaseShapes, LoraAdapter, VocabLora
+from lora_server.adapters.peft_adapter import PeftAdapter
 from lora_server.kernels.lora_table import (
     GROUPS,
     MODULE_INDEX,
@@ -208,13 +210,17 @@ class PageLayout:
 
     def image(
         self,
-        adapter: LoraAdapter,
+        adapter: LoraAdapter | PeftAdapter,
         out: torch.Tensor | None = None,
         dora: Mapping[tuple[int, str], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The adapter's pages as the device will hold them: uint8 [num_pages, page_bytes], the table left zero,
-        unused bytes zero; written into ``out`` when given (the caller's pinned memory, of that shape). ``dora``:
-        the [2, out] epilogue of each DoRA module (adapters.dora.dora_epilogues), exactly the layout's."""
+        unused bytes zero; written into ``out`` when given (the caller's memory, of that shape). ``dora``: the
+        [2, out] epilogue of each DoRA module (adapters.dora.dora_epilogues), exactly the layout's.
+
+        Each block is one copy from the adapter's tensors; a PeftAdapter's B is scaled in that copy, rounded once
+        into the pages' dtype from its float32 product, so that its pages equal those of its LoraAdapter (whose B
+        was scaled in float32) byte for byte."""
         assert set(dora or {}) == self.dora, "the DoRA epilogues are not the layout's DoRA modules"
         pieces = vocab_pieces(adapter.vocab)
         assert vocab_shapes(adapter.vocab) == self.vocab, "the adapter's vocabulary pieces are not the layout's"
@@ -226,15 +232,20 @@ class PageLayout:
             assert out.shape == shape and out.dtype == torch.uint8, (tuple(out.shape), out.dtype, shape)
             pages = out.zero_()
         values = pages.view(-1).view(g.dtype).view(self.num_pages, g.page_elems)
+        parts = adapter.scaled_parts()
         for block in self.blocks:
+            dst = values[block.page, block.offset : block.offset + (block.row1 - block.row0) * block.width]
+            dst = dst.view(block.row1 - block.row0, block.width)
             if block.layer == VOCAB_LAYER:
-                matrix = pieces[block.module]
+                dst.copy_(pieces[block.module][block.row0 : block.row1])
+            elif dora and block.dora:
+                dst.copy_(dora[(block.layer, block.module)][block.row0 : block.row1])
             else:
-                a, b = adapter.weights[(block.layer, block.module)]
-                matrix = dora[(block.layer, block.module)] if dora and block.dora else b.t() if block.is_b else a
-            rows = matrix[block.row0 : block.row1]
-            n = rows.numel()
-            values[block.page, block.offset : block.offset + n].copy_(rows.reshape(-1))
+                a, b, scaling = parts[(block.layer, block.module)]
+                if block.is_b:
+                    _scaled_copy(dst, b[:, block.row0 : block.row1].t(), scaling)
+                else:
+                    _scaled_copy(dst, a[block.row0 : block.row1], 1.0)
         return pages
 
     def table(self, pages: list[int]) -> np.ndarray:
@@ -262,6 +273,22 @@ class PageLayout:
         return table.reshape(-1)
 
 
-def adapter_ranks(adapter: LoraAdapter) -> dict[tuple[int, str], int]:
+def adapter_ranks(adapter: LoraAdapter | PeftAdapter) -> dict[tuple[int, str], int]:
     """(layer, module) -> rank of every module the adapter targets."""
-    return {key: a.shape[0] for key, (a, _) in adapter.weights.items()}
+    return adapter.ranks
+
+
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scaling: float) -> None:
+    """dst = src * scaling, as float32 computes it from src's values (float64 first rounded to float32, as a
+    LoraAdapter's are), rounded once into dst's dtype."""
+    if src.dtype == torch.float64:
+        src = src.float()
+    if scaling == 1.0:
+        dst.copy_(src)
+    elif src.dtype == dst.dtype or src.dtype == torch.float32:  # opmath: float32 product, one rounding into dst
+        torch.mul(src, scaling, out=dst)
+    elif dst.dtype == torch.float32:  # a wider dst holds src exactly
+        dst.copy_(src)
+        dst.mul_(scaling)
+    else:
+        dst.copy_(src.float().mul_(scaling))

@@ -1,40 +1,48 @@
-"""Reading and validating PEFT LoRA adapter directories (adapter_config.json + adapter_model.safetensors), and
-converting them into per-module A/B matrices with the scaling folded into B.
+"""Reading and validating PEFT LoRA adapter directories (adapter_config.json + adapter_model.safetensors): the
+config's meaning (which modules, ranks and scalings; what is refused), every tensor's key and shape checked against
+it and the base (read_peft_adapter: a PeftAdapter, its weights as stored), and their conversion into per-module
+float32 A/B matrices with the scaling folded into B (load_peft_adapter: a LoraAdapter).
 
 Every refusal raises AdapterError with the reason; nothing is loaded or changed when validation fails."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
 import re
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-# A decoder layer's linear modules as PEFT names them (their path in the layer) -> the canonical modules each
-# covers. A fused module's adapter (Phi-3's qkv_proj, gate_up_proj) applies to its fused output: lora_B's rows
-# split by the canonical modules' widths, each part with the same lora_A.
-LLAMA_MODULES: dict[str, tuple[str, ...]] = {
-    "self_attn.q_proj": ("q",),
-    "self_attn.k_proj": ("k",),
-    "self_attn.v_proj": ("v",),
-    "self_attn.o_proj": ("o",),
-    "mlp.gate_proj": ("gate",),
-    "mlp.up_proj": ("up",),
-    "mlp.down_proj": ("down",),
-}
-FUSED_MODULES: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj": ("q", "k", "v"),
-    "self_attn.o_proj": ("o",),
-    "mlp.gate_up_proj": ("gate", "up"),
-    "mlp.down_proj": ("down",),
-}
+from lora_server.adapters.errors import AdapterError
+from lora_server.adapters.lora_types import (
+    FUSED_MODULES,
+    LLAMA_MODULES,
+    BaseShapes,
+    LoraAdapter,
+    TokenIds,
+    VocabLora,
+    content_hash,
+)
+from lora_server.adapters.peft_adapter import PeftAdapter
+from lora_server.adapters.peft_files import FLOAT_DTYPES, FilesIdentity, SafetensorsFile, read_file
+
+__all__ = [  # the adapter types, importable from here as before they had a module of their own
+    "FUSED_MODULES",
+    "LLAMA_MODULES",
+    "AdapterError",
+    "BaseShapes",
+    "LoraAdapter",
+    "PeftAdapter",
+    "TokenIds",
+    "VocabLora",
+    "content_hash",
+    "load_peft_adapter",
+    "read_peft_adapter",
+]
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _F32_MAX = torch.finfo(torch.float32).max
 _JSON_TYPES = {
@@ -146,156 +154,24 @@ _LAYERS_PATTERNS: tuple[object, ...] = (None, "layers", ["layers"], [])
 _NOT_WITH_DORA = ("alora_invocation_tokens", "velora_config", "megatron_config")
 
 
-class AdapterError(ValueError):
-    """An adapter that cannot be served, and why. ``str()`` is the whole reason, filesystem paths included (for the
-    operator: logs, the admin API); ``public`` is the same reason without any path (for callers without the admin
-    key: on-demand loads, requests whose adapter cannot be staged)."""
-
-    def __init__(self, message: str, public: str | None = None) -> None:
-        super().__init__(message)
-        self.public = message if public is None else public
-
-
-@dataclass(frozen=True, slots=True)
-class BaseShapes:
-    """What an adapter must fit: the base model's layer count, each canonical module's (in, out) features, and the
-    modules PEFT names in a layer (LLAMA_MODULES, or FUSED_MODULES for Phi-3's fused projections); for llama.cpp's
-    GGUF adapters (adapters.gguf_lora), the base's HF architecture and head width where known ("" and 0: not known)."""
-
-    num_layers: int
-    features: dict[str, tuple[int, int]]  # canonical module -> (in_features, out_features)
-    modules: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_MODULES)
-    architecture: str = ""  # ModelArch.architecture: which GGUF general.architecture an adapter must name
-    head_dim: int = 0  # the heads' width: llama.cpp permutes a llama adapter's Q/K rows per head
-    vocab_size: int = 0  # the embedding's rows (0: not known, and no adapter may touch the vocabulary)
-    tied_embeddings: bool = False  # the output head is the embedding (tie_word_embeddings)
-    # where the engine refuses LoRA on the embedding or head and trainable tokens (VocabLora), why; "" serves them
-    vocab_refusal: str = "this engine does not serve them"
-
-    @classmethod
-    def llama(
-        cls,
-        num_layers: int,
-        hidden: int,
-        intermediate: int,
-        q_size: int,
-        kv_size: int,
-        fused: bool = False,
-        architecture: str = "",
-        head_dim: int = 0,
-        vocab_size: int = 0,
-        tied_embeddings: bool = False,
-        vocab_refusal: str = "this engine does not serve them",
-    ) -> BaseShapes:
-        return cls(
-            num_layers,
-            {
-                "q": (hidden, q_size),
-                "k": (hidden, kv_size),
-                "v": (hidden, kv_size),
-                "o": (q_size, hidden),
-                "gate": (hidden, intermediate),
-                "up": (hidden, intermediate),
-                "down": (intermediate, hidden),
-            },
-            FUSED_MODULES if fused else LLAMA_MODULES,
-            architecture,
-            head_dim,
-            vocab_size,
-            tied_embeddings,
-            vocab_refusal,
-        )
-
-    @property
-    def hidden(self) -> int:
-        return self.features["q"][0]
-
-    def module_features(self, module: str) -> tuple[int, int]:
-        """(in, out) of a PEFT module (a path of ``modules``): a fused one's out is its parts' together."""
-        parts = self.modules[module]
-        return self.features[parts[0]][0], sum(self.features[p][1] for p in parts)
-
-
-class TokenIds(NamedTuple):
-    """The token ids whose rows an adapter replaces (PEFT's trainable tokens), in the embedding and in the output
-    head: [n] int64 each, None where it replaces none."""
-
-    embed: torch.Tensor | None = None
-    head: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class VocabLora:
-    """What an adapter changes of the embedding and the output head, as PEFT computes it, float32 on the host.
-
-    Per token t of a request on this adapter, its embedding (before any embedding scale):
-        rows[t]                                   where t is one of embed_tokens' ids (trainable tokens), else
-        E[t] + embed_a_t[t] @ embed_b_t           with LoRA on embed_tokens, else E[t]
-    Per logits row of hidden state h (before any final soft-cap):
-        logits + (h @ head_a.T) @ head_b_t        with LoRA on lm_head, and then
-        logits[:, ids] = h @ rows.T               for head_tokens' (ids, rows)."""
-
-    embed_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # lora_embedding_A.T [vocab, r], scaled B.T [r, hidden]
-    head_lora: tuple[torch.Tensor, torch.Tensor] | None = None  # lora_A [r, hidden], scaled lora_B.T [r, vocab]
-    embed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [n] int64, their new rows [n, hidden]
-    head_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [n] int64, the head's new rows [n, hidden]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor by a stable name (hashing, sizes, moving to the device)."""
-        named = {}
-        for field_name in ("embed_lora", "head_lora", "embed_tokens", "head_tokens"):
-            pair = getattr(self, field_name)
-            if pair is not None:
-                named[f"{field_name}.0"], named[f"{field_name}.1"] = pair
-        return named
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    @property
-    def token_ids(self) -> TokenIds:
-        return TokenIds(
-            None if self.embed_tokens is None else self.embed_tokens[0],
-            None if self.head_tokens is None else self.head_tokens[0],
-        )
-
-
-@dataclass(slots=True)
-class LoraAdapter:
-    """A validated adapter: for each (layer, module) it targets, A [r, in] and B [out, r] (B already scaled)."""
-
-    name: str
-    path: Path
-    rank: int  # the largest rank over its modules
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    file_digest: str = ""  # a hash of the bytes read from its two files (which files these weights came from)
-    # Activated LoRA (PEFT's alora_invocation_tokens): the adapter applies from the last occurrence of these token
-    # ids in the prompt on; empty for an adapter that applies to every token
-    invocation_tokens: tuple[int, ...] = ()
-    # DoRA (PEFT's use_dora): the learned magnitude m [out] (float32) of every (layer, module) it targets, empty for
-    # a plain LoRA; such a module serves m / ||W + B A||_row times (base + LoRA), see adapters.dora
-    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    # LoRA on the embedding or the output head, trainable tokens (None: the adapter leaves the vocabulary alone)
-    vocab: VocabLora | None = None
-
-    @property
-    def modules(self) -> set[str]:
-        return {m for _, m in self.weights}
-
-    @property
-    def nbytes(self) -> int:
-        layers = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
-        return layers + (0 if self.vocab is None else self.vocab.nbytes)
-
-
 def load_peft_adapter(
     name: str, path: str | Path, base: BaseShapes, max_rank: int, allowed_roots: list[Path] | None = None
 ) -> LoraAdapter:
-    """Validate and read one PEFT LoRA directory; every refusal is an AdapterError (its ``public`` reason names no
-    path). ``allowed_roots`` None means any path is allowed; otherwise the directory and each file read from it must
-    resolve (symlinks followed) inside one. Each file is read once into memory (``_read_whole``), so that files
-    rewritten while the server reads them are a refusal, never a crash."""
+    """Validate and read one PEFT LoRA directory into a LoraAdapter (read_peft_adapter, its weights checked and
+    converted to float32)."""
+    adapter = read_peft_adapter(name, path, base, max_rank, allowed_roots)
+    adapter.check_weights()
+    return adapter.lora()
+
+
+def read_peft_adapter(
+    name: str, path: str | Path, base: BaseShapes, max_rank: int, allowed_roots: list[Path] | None = None
+) -> PeftAdapter:
+    """Read one PEFT LoRA directory and validate everything but its weights' values (PeftAdapter.check_weights);
+    every refusal is an AdapterError (its ``public`` reason names no path). ``allowed_roots`` None means any path is
+    allowed; otherwise the directory and each file read from it must resolve (symlinks followed) inside one. Each
+    file is read once into memory (peft_files.read_file), so that files rewritten while the server reads them are a
+    refusal, never a crash; the weights stay in those bytes."""
     roots = None if allowed_roots is None else [r.expanduser().resolve() for r in allowed_roots]
     outside = f"outside the allowed adapter roots ({', '.join(map(str, roots or [])) or 'none configured'})"
     root = _resolve(Path(path), f"adapter path {path}", "the adapter's directory")
@@ -315,7 +191,8 @@ def load_peft_adapter(
         raise AdapterError(f"{path} has no adapter_model.safetensors", "the adapter has no adapter_model.safetensors")
     if not files["adapter_config.json"].is_file():
         raise AdapterError(f"{path} has no adapter_config.json", "the adapter has no adapter_config.json")
-    config_bytes = _read_whole(files["adapter_config.json"])
+    read_ns = time.time_ns()
+    config_bytes, config_stamp = read_file(files["adapter_config.json"])
     try:
         config = json.loads(config_bytes.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -324,8 +201,9 @@ def load_peft_adapter(
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise AdapterError(f"adapter_config.json must hold a JSON object, not {_JSON_TYPES[type(config)]}")
-    weights_bytes = _read_whole(files["adapter_model.safetensors"])
-    tensors = _parse_safetensors(weights_bytes)
+    weights_bytes, weights_stamp = read_file(files["adapter_model.safetensors"])
+    weights_file = SafetensorsFile(weights_bytes)
+    tensors = weights_file.views()
     layers = _layers_path(name, tensors)  # before the config: target_modules regexes match the names under it
     try:
         plan, vocab_plan = _plan(config, base, max_rank, layers)
@@ -334,11 +212,9 @@ def load_peft_adapter(
         raise
     except _MALFORMED as exc:  # a config shape the named checks in _plan miss; only _plan runs in this block
         raise AdapterError(f"adapter_config.json is malformed: {exc}") from exc
-    digest = hashlib.blake2b(config_bytes, digest_size=16)
-    digest.update(weights_bytes)
     magnitudes = _magnitudes(tensors, plan, base, _flag(config, "use_dora"))
     vocab = _vocab(tensors, vocab_plan, token_indices, base)
-    weights = _convert(tensors, plan, base)
+    modules = _modules(tensors, plan, base)
     invocation = _invocation_tokens(config)
     if invocation and vocab is not None:
         raise AdapterError(
@@ -346,7 +222,18 @@ def load_peft_adapter(
             "applies to the decoder's linear modules only"
         )
     rank = max((r for r, _ in [*plan.values(), *vocab_plan.values()]), default=0)
-    return LoraAdapter(name, root, rank, weights, digest.hexdigest(), invocation, magnitudes=magnitudes, vocab=vocab)
+    return PeftAdapter(
+        name,
+        root,
+        rank,
+        base,
+        modules,
+        weights_file,
+        FilesIdentity((config_stamp, weights_stamp), read_ns),
+        invocation,
+        magnitudes=magnitudes,
+        vocab=vocab,
+    )
 
 
 def _resolve(path: Path, what: str, public: str) -> Path:
@@ -354,27 +241,6 @@ def _resolve(path: Path, what: str, public: str) -> Path:
         return path.expanduser().resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, an unknown ~user, a NUL byte
         raise AdapterError(f"{what} cannot be resolved: {exc}", f"{public} cannot be resolved") from exc
-
-
-def _read_whole(path: Path) -> bytes:
-    """The file's bytes, read once with ordinary reads. Never memory-mapped: a mapped file truncated by another
-    process while it is read kills the reader with SIGBUS. AdapterError (naming the file, not its directory) if it
-    cannot be read, or if it changed while it was read: its size or modification time moved between the reads'
-    start and end, or the bytes read are not its size."""
-    try:
-        with path.open("rb") as file:
-            before = os.fstat(file.fileno())
-            data = file.read()
-            after = os.fstat(file.fileno())
-    except OSError as exc:
-        raise AdapterError(f"{path} cannot be read: {exc}", f"{path.name} cannot be read: {exc.strerror}") from exc
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(data) != after.st_size:
-        raise AdapterError(
-            f"{path.name} changed while it was read ({path}): write adapter files elsewhere and move them into "
-            "place, then register again",
-            f"{path.name} changed while it was read; retry once it is written",
-        )
-    return data
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
@@ -641,17 +507,6 @@ def _layers(config: dict, num_layers: int) -> list[int]:
     return chosen
 
 
-def _parse_safetensors(data: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file's bytes (copied out of them: nothing maps the file)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except (SafetensorError, ValueError, KeyError, RuntimeError) as exc:  # a bad header; a dtype torch lacks
-        raise AdapterError(f"adapter_model.safetensors cannot be read: {exc}") from exc
-
-
 def _magnitudes(
     tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple[int, float]], base: BaseShapes, dora: bool
 ) -> dict[tuple[int, str], torch.Tensor]:
@@ -768,9 +623,12 @@ def _vocab_key(key: str) -> bool:
     return any(f".{m}." in f".{key}" for m in VOCAB_MODULES)
 
 
-def _convert(
+def _modules(
     tensors: dict[str, torch.Tensor], plan: dict[tuple[int, str], tuple[int, float]], base: BaseShapes
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """(layer, PEFT module path) -> (lora_A, lora_B, scaling) of every module the plan targets, as stored: every key
+    of ``tensors`` must be one of theirs (nothing else may be left by _magnitudes and _vocab), each A and B a
+    floating-point tensor of the plan's rank and the base's features."""
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
@@ -786,30 +644,24 @@ def _convert(
         if (layer, module) not in plan:
             raise AdapterError(f"tensor {key} targets a module the config does not (or the base lacks)")
         found.setdefault((layer, module), {})[m.group(5)] = tensor
-    weights = {}
+    modules = {}
     for target, (rank, scaling) in sorted(plan.items()):
         layer, module = target
         name = module.split(".")[-1]
         pair = found.get(target, {})
         if set(pair) != {"lora_A", "lora_B"}:
             raise AdapterError(f"layer {layer} {name} lacks lora_A or lora_B weights")
-        a, b = pair["lora_A"].float(), pair["lora_B"].float()
+        a, b = pair["lora_A"], pair["lora_B"]
+        if a.dtype not in FLOAT_DTYPES or b.dtype not in FLOAT_DTYPES:
+            raise AdapterError(
+                f"layer {layer} {name}: lora_A is {a.dtype} and lora_B {b.dtype}; LoRA weights are stored as float64, "
+                "float32, float16 or bfloat16"
+            )
         in_f, out_f = base.module_features(module)
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise AdapterError(
                 f"layer {layer} {name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
                 f"not match the base ({rank}, {in_f}) / ({out_f}, {rank})"
             )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"layer {layer} {name} has NaN or Inf weights")
-        b = b * scaling
-        if not torch.isfinite(b).all():
-            raise AdapterError(
-                f"layer {layer} {name}: lora_B times the scaling {scaling:.3g} (from lora_alpha "
-                f"and r) overflows float32"
-            )
-        parts = base.modules[module]  # a fused module: B's rows split by its parts' widths, A shared
-        widths = [base.features[p][1] for p in parts]
-        for part, b_part in zip(parts, b.split(widths), strict=True):
-            weights[(layer, part)] = (a, b_part.contiguous())
-    return weights
+        modules[target] = (a, b, scaling)
+    return modules

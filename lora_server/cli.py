@@ -105,8 +105,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The server's configuration from its flags. Adapter roots: the ones given, the shipped demo adapters', and
-    the directories of adapters given with --adapter NAME=PATH (the operator's own choice)."""
+    """The server's configuration from its flags. Adapter roots: the ones given, the shipped demo adapters', the
+    directories of adapters given with --adapter NAME=PATH and the --adapter-dir folders (the operator's own
+    choice)."""
     from pathlib import Path
 
     from lora_server.adapters import DEMO_DIR
@@ -123,7 +124,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     preloaded = [spec.partition("=")[2] for spec in server.adapters or () if "=" in spec]
     preloaded = [path for path in preloaded if source_scheme(path) is None]  # a URL's copy lies in the adapter cache
     given = config_from_flags(EngineConfig, args).adapter_roots or ()
-    roots = tuple(dict.fromkeys(str(Path(r).expanduser().resolve()) for r in [*given, DEMO_DIR, *preloaded]))
+    dirs = [*given, DEMO_DIR, *preloaded, *(server.adapter_dirs or ())]
+    roots = tuple(dict.fromkeys(str(Path(r).expanduser().resolve()) for r in dirs))
     return dataclasses.replace(server, engine=config_from_flags(EngineConfig, args, adapter_roots=roots))
 
 

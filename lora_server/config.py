@@ -5,6 +5,7 @@ builds its flags and defaults from here, so no default is written twice."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,23 @@ DEVICES = ("auto", "cpu", "cuda")
 RAY_ROUTINGS = ("adapter", "random")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # vLLM's names
 GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
+CPU_MAX_NUM_SEQS, CPU_MAX_BATCHED_TOKENS = 64, 512
+CUDA_MAX_NUM_SEQS = 256
+# vLLM's step budget for an online server: (device memory from which the larger applies, larger, smaller)
+CUDA_MAX_BATCHED_TOKENS = (70 * GIB, 8192, 2048)
+HOST_ADAPTER_SHARE = 0.25  # of the host memory available at start, for staged adapters (--cpu-lora-gb's help says)
+
+
+def available_memory_bytes() -> int:
+    """Host memory available to new allocations now: Linux's MemAvailable, else the physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * KIB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def flag(
@@ -137,8 +155,21 @@ class EngineConfig:
         default=None,
         metadata=flag("the longest sequence, prompt and output (default: the model's context, capped by the pool)"),
     )
-    max_num_seqs: int = field(default=64, metadata=flag("the most requests running at once"))
-    max_num_batched_tokens: int = field(default=512, metadata=flag("the token budget of one engine step"))
+    max_num_seqs: int = field(
+        default=0,
+        metadata=flag(
+            "the most requests running at once (default: 0, sized for the device: 64 on the CPU, "
+            f"{CUDA_MAX_NUM_SEQS} on CUDA)"
+        ),
+    )
+    max_num_batched_tokens: int = field(
+        default=0,
+        metadata=flag(
+            "the token budget of one engine step (default: 0, sized for the device as vLLM's: 512 on the CPU; on "
+            f"CUDA {CUDA_MAX_BATCHED_TOKENS[1]} with {CUDA_MAX_BATCHED_TOKENS[0] // GIB} GiB of device memory or "
+            f"more, else {CUDA_MAX_BATCHED_TOKENS[2]})"
+        ),
+    )
     enable_chunked_prefill: bool = field(
         default=True, metadata=flag("split long prompts across steps", negate="--no-chunked-prefill")
     )
@@ -209,11 +240,29 @@ class EngineConfig:
         ),
     )
     max_lora_rank: int = field(default=16, metadata=flag("the largest adapter rank accepted"))
-    max_cpu_loras: int = field(
-        default=64,
+    max_cpu_loras: int | None = field(
+        default=None,
         metadata=flag(
-            "adapters kept staged in host memory, laid out for the device (pinned on CUDA), beside those on the "
-            "device; others are read from disk again when a request needs them (in the background)"
+            "the most adapters kept staged in host memory, besides --cpu-lora-gb (vLLM's flag; default: no count, "
+            "the bytes decide)"
+        ),
+    )
+    cpu_lora_bytes: int | None = field(
+        default=None,
+        metadata=flag(
+            "host memory for adapters staged beside the device, laid out for it (pinned on CUDA): they load without "
+            "a disk read; the least recently used beyond are read from disk again when a request needs them, in "
+            "the background (default: a quarter of the memory available at start)",
+            name="--cpu-lora-gb",
+            unit=GIB,
+            unit_name="GiB",
+        ),
+    )
+    adapter_staging_workers: int = field(
+        default=0,
+        metadata=flag(
+            "threads that read adapters' files and lay them out in host memory, the adapters of the earliest "
+            "waiting requests first (default: 0, half the CPU cores, 1 to 8)"
         ),
     )
     adapter_roots: tuple[str, ...] | None = field(
@@ -321,6 +370,7 @@ class EngineConfig:
     show_progress: bool = True  # a progress bar while loading weights
 
     def __post_init__(self) -> None:
+        self._size_for_device()
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("dtype", self.dtype, tuple(DTYPES))
@@ -334,7 +384,6 @@ class EngineConfig:
             "max_waiting_requests",
             "max_loras",
             "max_lora_rank",
-            "max_cpu_loras",
             "max_json_schema_bytes",
             "max_json_schema_depth",
             "max_guided_choices",
@@ -352,6 +401,13 @@ class EngineConfig:
             raise ValueError("grammar_compile_timeout must be > 0 and grammar_cache_bytes >= 0")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
+        for name in ("max_cpu_loras", "cpu_lora_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.adapter_staging_workers < 0:
+            raise ValueError(
+                f"adapter_staging_workers must be >= 0 (0: by the cores), got {self.adapter_staging_workers}"
+            )
         _choice("pool_policy", self.pool_policy, tuple(POLICIES))
         if self.adapter_sources:
             from lora_server.adapters.sources import check_schemes
@@ -385,6 +441,34 @@ class EngineConfig:
             self._check_tensor_parallel()
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
+
+    def _size_for_device(self) -> None:
+        """Fill in the step's limits left at 0 for the device: vLLM's online-serving sizes on CUDA (a batch of many
+        requests, a step of thousands of tokens), a CPU's small ones elsewhere."""
+        if self.max_num_seqs < 0 or self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1 (0: sized for the device)")
+        cuda = self.device != "cpu" and torch.cuda.is_available()
+        if self.max_num_seqs == 0:
+            self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
+        if self.max_num_batched_tokens == 0:
+            self.max_num_batched_tokens = CPU_MAX_BATCHED_TOKENS
+            if cuda:
+                large, larger, smaller = CUDA_MAX_BATCHED_TOKENS
+                memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                self.max_num_batched_tokens = larger if memory >= large else smaller
+
+    @property
+    def staging_workers(self) -> int:
+        """adapter_staging_workers, or half the CPU cores this process may run on, 1 to 8."""
+        if self.adapter_staging_workers:
+            return self.adapter_staging_workers
+        return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+    def host_adapter_bytes(self) -> int:
+        """cpu_lora_bytes, or HOST_ADAPTER_SHARE of the memory available now (at least 256 MiB)."""
+        if self.cpu_lora_bytes is not None:
+            return self.cpu_lora_bytes
+        return max(256 * MIB, int(HOST_ADAPTER_SHARE * available_memory_bytes()))
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not do yet, refused by name (the model's own refusals, heads that do not
@@ -452,6 +536,15 @@ class ServerConfig:
             "adapters to load at start, NAME=PATH or a shipped demo NAME; takes commas, may repeat (default: the "
             "shipped demo adapters with the embedded model, none with another --model)",
             name="--adapter",
+        ),
+    )
+    adapter_dirs: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "directories whose every subdirectory is an adapter to load at start, named after it (thousands at "
+            "once: their files read and checked on several threads); one that cannot be served is logged and "
+            "skipped; takes commas, may repeat (default: none)",
+            name="--adapter-dir",
         ),
     )
     admin_key: str | None = field(

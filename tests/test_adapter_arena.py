@@ -247,3 +247,27 @@ def test_max_loras_bounds_the_adapters_of_one_batch(fillers):
 
     outs = _run(engine, [prompt] * 8, [f"a{i % 4}" for i in range(8)], at_most_two)
     assert max(seen) == 2 and sum(o.finished for o in outs) == 8
+
+
+@pytest.mark.slow
+def test_the_ttft_split_counts_the_wait_for_the_adapter(fillers):
+    """A request whose adapter must first be read from disk: its TTFT splits into queueing, adapter loading (its
+    wait for the staging, then the copy into the arena) and prefill, which add up to it, the staging's wait
+    counted; a second request of the adapter, resident now, waits for nothing of it."""
+    engine = _engine(24)
+    engine.add_adapter("f", fillers[0])  # registered: its weights are not staged
+    prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
+    timings = []
+    for i in range(2):
+        engine.add(engine.make_request(prompt, GREEDY, "f", request_id=f"r{i}"))
+        timings += [out.timings for out in _drive(engine) if out.timings is not None]
+        split = engine.snapshot().pool.ttft
+        assert split.requests == i + 1
+        mean_ttft = sum(t.ttft_s for t in timings) / len(timings)
+        parts = split.queueing_mean_s + split.adapter_loading_mean_s + split.prefill_mean_s
+        assert parts == pytest.approx(mean_ttft, rel=1e-9, abs=1e-9) and split.mean_s == pytest.approx(mean_ttft)
+        assert min(split.queueing_mean_s, split.adapter_loading_mean_s, split.prefill_mean_s) >= 0
+    first, second = timings
+    assert first.adapter_wait_s > 0 and first.adapter_loaded  # read, staged, then loaded into the arena
+    assert second.adapter_wait_s == 0 and not second.adapter_loaded and second.adapter_load_s == 0
+    assert split.adapter_loading_mean_s * 2 == pytest.approx(first.adapter_wait_s + first.adapter_load_s)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter, read_peft_adapter
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
@@ -363,13 +363,48 @@ def test_a_path_outside_the_roots_is_not_shown_publicly(tmp_path):
     assert info.value.public == "the adapter's directory is outside the adapter roots"
 
 
-def test_the_file_digest_is_a_hash_of_the_bytes_read(tmp_path):
+def _digest(path) -> str:
+    return read_peft_adapter("a", path, BASE, max_rank=16).digest()
+
+
+def test_the_digest_hashes_the_stored_weights_and_their_scaling(tmp_path):
+    """The content digest, computed by hand: sha256 over each (layer, module)'s stored A and B (dtype, shape,
+    bytes) and its scaling, in order."""
     path = _good(tmp_path / "adapter")
-    config, weights = (path / "adapter_config.json").read_bytes(), (path / "adapter_model.safetensors").read_bytes()
-    expected = hashlib.blake2b(config + weights, digest_size=16).hexdigest()
-    assert load_peft_adapter("a", path, BASE, max_rank=16).file_digest == expected
-    (path / "adapter_config.json").write_bytes(config + b" ")  # the same config, other bytes
-    assert load_peft_adapter("a", path, BASE, max_rank=16).file_digest != expected
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    expected = hashlib.sha256(b"peft-lora-v1;")
+    for i in range(LAYERS):
+        for proj in ("q_proj", "v_proj"):  # sorted: self_attn.q_proj < self_attn.v_proj
+            a = tensors[f"base_model.model.model.layers.{i}.self_attn.{proj}.lora_A.weight"]
+            b = tensors[f"base_model.model.model.layers.{i}.self_attn.{proj}.lora_B.weight"]
+            expected.update(
+                f"{i}.self_attn.{proj}.torch.float32{tuple(a.shape)}.torch.float32{tuple(b.shape)}.2.0;".encode()
+            )
+            expected.update(a.numpy().tobytes() + b.numpy().tobytes())
+    assert _digest(path) == expected.hexdigest()
+
+
+def test_the_digest_follows_what_is_served_not_the_files_bytes(tmp_path):
+    """Other bytes, the same weights (a config rewritten, keys renamed the older PEFT way, metadata): the same
+    digest; another scaling, one weight changed, another stored dtype: another."""
+    path = _good(tmp_path / "adapter")
+    digest = _digest(path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=4) + "\n")
+    assert _digest(path) == digest
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    renamed = {k.replace(".lora_A.weight", ".lora_A.default.weight"): v for k, v in tensors.items()}
+    save_file(renamed, str(path / "adapter_model.safetensors"), metadata={"format": "pt", "note": "re-saved"})
+    assert _digest(path) == digest
+    _edit_config(path, lora_alpha=3 * 4)
+    assert _digest(path) != digest
+    _edit_config(path, lora_alpha=2 * 4)
+    assert _digest(path) == digest
+    key = next(iter(tensors))
+    save_file({**tensors, key: tensors[key] * 2}, str(path / "adapter_model.safetensors"))
+    assert _digest(path) != digest
+    save_file({k: v.half() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    assert _digest(path) != digest
 
 
 REWRITE_LOOP = """

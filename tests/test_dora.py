@@ -23,10 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from lora_server.adapters.dora import dora_epilogues
 from lora_server.adapters.page_layout import PageGeometry, PageLayout
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, LoraAdapter, content_hash, load_peft_adapter
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.engine.adapter_registry import content_hash
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import GROUPS, MODULE_INDEX, MODULES, dora_column, max_tiles, row_len, tile_map
 from lora_server.model.arena import Arena, ResidentAdapters

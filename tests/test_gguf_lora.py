@@ -8,7 +8,6 @@ checked byte for byte against convert_lora's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFValue
 from gguf.quants import dequantize, quantize
 
 from lora_server.adapters.load import load_adapter
-from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, content_hash, load_peft_adapter
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
@@ -175,7 +174,7 @@ def test_gguf_peft_directory_and_base_in_one_batch_match_peft(llama, engine):
 
 def test_gguf_adapter_reads_as_its_peft_directory(llama):
     """The same A and scaled B (alpha / r folded in) as the PEFT directory, bit for bit at f32, though the file
-    holds q's and k's lora_b rows permuted; the digest is the file's bytes'."""
+    holds q's and k's lora_b rows permuted; so the same content hash."""
     gguf_adapter = load_adapter("g", llama.gguf, llama.shapes, 8)
     peft_adapter = load_peft_adapter("p", llama.root / "a0", llama.shapes, 8)
     assert gguf_adapter.weights.keys() == peft_adapter.weights.keys() and len(gguf_adapter.weights) == 21
@@ -184,7 +183,7 @@ def test_gguf_adapter_reads_as_its_peft_directory(llama):
     stored = {t.name: torch.from_numpy(np.array(t.data)) for t in GGUFReader(str(llama.gguf)).tensors}
     assert not torch.equal(stored["blk.0.attn_q.weight.lora_b"] * 2.0, peft_adapter.weights[(0, "q")][1])
     assert (gguf_adapter.rank, gguf_adapter.invocation_tokens) == (8, ())
-    assert gguf_adapter.file_digest == hashlib.blake2b(llama.gguf.read_bytes(), digest_size=16).hexdigest()
+    assert content_hash(gguf_adapter) == content_hash(peft_adapter)  # the same weights: one content
 
 
 @pytest.mark.parametrize("outtype", ["f16", "q8_0"])

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from lora_server.adapters.page_layout import PageLayout
-from lora_server.adapters.peft_format import LoraAdapter, TokenIds, VocabLora
+from lora_server.adapters.peft_format import LoraAdapter, PeftAdapter, TokenIds, VocabLora
 from lora_server.config import EngineConfig
 from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
@@ -79,7 +79,7 @@ class TensorParallel:
         self._sent = False  # in_step: this step's inputs went out
         self._out_of_step = False  # a step failed on rank 0 after its inputs went out
 
-    def adapter_refusal(self, adapter: LoraAdapter) -> str:
+    def adapter_refusal(self, adapter: LoraAdapter | PeftAdapter) -> str:
         """Why an adapter is not served under tensor parallelism ("": it is): LoRA on any module, the embedding and
         head included, and trainable tokens are."""
         n = self.shard.world

@@ -1,42 +1,56 @@
-"""Stages adapters' weights on the host, off the engine's step: a background thread reads a registered adapter's files
-again, checks them against the content hash it was registered with, converts them to the model's dtype and lays
-them out in pages (adapters.page_layout), in pinned memory on CUDA so that the device copy (a copy operation of the
-pool's, on a side stream) never waits for the host. A DoRA adapter's scales are computed here too, from the base
-weights (adapters.dora, through the model's narrow ``row_norms``; on CUDA on a stream of its own). The engine
-thread asks for what it needs and takes what is ready; a request whose adapter is not staged yet waits while the
-running batch keeps stepping.
+"""Stages adapters' weights on the host, off the engine's step: worker threads read a registered adapter's files
+again and lay its weights out in pages (adapters.page_layout), in reused buffers that are pinned on CUDA
+(model.pinned.ImageBuffers), so that the device copy (a copy operation of the pool's, on a side stream) never waits
+for the host. The engine thread asks for what it needs and takes what is ready; a request whose adapter is not
+staged yet waits while the running batch keeps stepping.
 
-Ownership: the loader owns the staged images and the set of contents in flight. Staged images are kept up to
-``capacity``, least recently used first out, evicted on the engine thread only (``take_events``), so an image the
-pool saw staged is still there when the step's copies run; the images the caller says to keep (pinned adapters',
-a fact of the registry and the pool) are never evicted.
+Staging a PEFT directory is one read of each file and one copy of each weight block into its page, the scaling and
+the dtype conversion within that copy (PageLayout.image from the stored weights). The weights are not hashed again
+when the files are the bytes registered: same stamps (device, inode, size, times) as the read that hashed them, and
+files that had settled before it (peft_files.FilesIdentity); otherwise they are, and files whose weights changed
+fail that adapter's requests. A DoRA adapter's scales are computed here from the base weights (adapters.dora,
+through the model's narrow ``row_norms``), and with tensor parallelism each rank's share is laid out alike.
 
-The loader thread lives only while there is work: it exits once nothing is pending and the next request starts a
-new one. A thread that stays alive after torch has run a parallel region in it keeps an OpenMP team of its own, and
-on a small CPU that makes every parallel op of the engine's thread several times slower (measured on 2 cores: a
-LoRA segment pass of 6 adapters 0.18 -> 1.5 ms, the engine's batch-24 throughput with adapters down by half)."""
+Ownership: the loader owns the staged images, what is being staged and in which order, and the file identities it
+vouches for. Staged images are kept within ``budget_bytes`` (and ``max_images``, vLLM's count, when set), least
+recently used first out, evicted on the engine thread only (``take_events``), so that an image the pool saw staged
+is still there when the step's copies run; the images the caller says to keep (pinned adapters', a fact of the
+registry and the pool) are never evicted. What waits is staged by priority: the adapters of the earliest waiting
+requests first, then pinned adapters.
+
+Workers live only while there is work, and run their torch ops on their own thread (engine.openmp.run_ops_alone):
+a thread that stays alive after running a parallel region keeps an OpenMP team, and on a small CPU a second team
+makes every parallel op of the engine's thread several times slower (measured on 2 cores: a LoRA segment pass of 6
+adapters 0.18 -> 1.5 ms, the engine's batch-24 throughput with adapters down by half)."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
-from lora_server.adapters.load import load_adapter
+from lora_server.adapters.load import adapter_digest, read_adapter
 from lora_server.adapters.page_layout import PageLayout, vocab_shapes
-from lora_server.adapters.peft_format import AdapterError, VocabLora
-from lora_server.engine.adapter_registry import AdapterRegistry, content_hash
+from lora_server.adapters.peft_adapter import PeftAdapter
+from lora_server.adapters.peft_files import FilesIdentity
+from lora_server.adapters.peft_format import AdapterError, LoraAdapter, VocabLora
+from lora_server.engine.adapter_registry import AdapterContent, AdapterRegistry
 from lora_server.engine.load_times import LatencyHistogram
+from lora_server.engine.openmp import run_ops_alone
 from lora_server.engine.reports import Histogram
-from lora_server.model.pinned import pinned_empty
+from lora_server.model.pinned import ImageBuffers
 
 log = logging.getLogger("lora_server")
+LATER = math.inf  # the priority of an adapter no request waits for (a pin, a preload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,11 @@ class StagedAdapter:
     vocab: VocabLora | None = None  # its embedding / head changes (their rows are in the image; the ids are read here)
     # with tensor parallelism, ranks 1..N-1's images of their shares (the same layout), in rank order; () otherwise
     worker_images: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Its host memory: every rank's image."""
+        return self.image.nbytes + sum(image.nbytes for image in self.worker_images)
 
 
 @dataclass(slots=True)
@@ -60,49 +79,66 @@ class LoaderEvents:
 
 class AdapterLoader:
     """Stages registered adapters' pages on the host (see the module). ``request`` and ``take_events`` are for the
-    engine thread; the work is the loader thread's. ``row_norms``: what DoRA needs of the base weights (None: DoRA
-    adapters fail to stage, saying so)."""
+    engine thread; the work is the workers'. ``budget_bytes``: the host memory staged images may take;
+    ``max_images``: at most this many of them (None: the bytes alone decide); ``workers``: the most threads
+    staging at once; ``row_norms``: what DoRA needs of the base weights (None: DoRA adapters fail to stage, saying
+    so)."""
 
     def __init__(
         self,
         registry: AdapterRegistry,
         device: torch.device,
-        capacity: int,
+        budget_bytes: int,
+        max_images: int | None = None,
+        workers: int = 1,
         row_norms: BaseRowNorms | None = None,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(f"the loader must be able to stage at least one adapter, got capacity {capacity}")
-        self.registry, self.device, self.capacity = registry, device, capacity
+        if budget_bytes < 1 or (max_images is not None and max_images < 1) or workers < 1:
+            raise ValueError(
+                f"the loader needs a budget, room for an image and a worker: got {budget_bytes} bytes, "
+                f"{max_images} images, {workers} workers"
+            )
+        self.registry, self.device = registry, device
+        self.budget_bytes, self.max_images, self.workers = budget_bytes, max_images, workers
         self.form, self.geometry = registry.form, registry.form.geometry
         self.row_norms = row_norms
+        self.buffers = ImageBuffers(self.geometry.page_bytes, device, budget_bytes)
         self._staged: OrderedDict[int, StagedAdapter] = OrderedDict()  # least recently used first
-        self._in_flight: set[int] = set()
+        self._staged_bytes = 0
+        self._in_flight: set[int] = set()  # queued or being staged
+        self._queue: list[tuple[float, int, int]] = []  # (priority, arrival, content): a heap, stale entries skipped
+        self._priority: dict[int, float] = {}  # content -> its priority while queued (not yet taken by a worker)
+        self._order = itertools.count()
+        self._vouched: dict[int, FilesIdentity] = {}  # content -> files known to hold its registered weights
         self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
         self.num_staged = 0  # stagings done since start (reads from disk)
         self._load_times = LatencyHistogram()  # how long each staging took (disk -> host)
         self._events = LoaderEvents()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
-        self._pending: deque[int] = deque()  # contents to stage, in order
-        self._thread: threading.Thread | None = None  # the loader thread while there is work (see the module)
+        self._threads = 0  # workers alive (see the module)
         self._closed = False
 
     # ---- the engine thread ----------------------------------------------------------------------------------
 
-    def request(self, adapter_id: int) -> None:
-        """Stage this content unless it is staged or on its way (a retired one is reported failed)."""
+    def request(self, adapter_id: int, priority: float = LATER) -> None:
+        """Stage this content unless it is staged or being staged; ``priority`` orders what waits, lowest first
+        (the arrival time of the earliest request that waits for it; LATER when none does). A content already
+        waiting moves up to the lower of its priorities."""
         with self._lock:
             if adapter_id in self._staged:
                 self._staged.move_to_end(adapter_id)
                 return
-            if adapter_id in self._in_flight:
+            queued = self._priority.get(adapter_id)
+            if adapter_id in self._in_flight and (queued is None or queued <= priority):
                 return
             self._failures.pop(adapter_id, None)
             self._in_flight.add(adapter_id)
-            self._pending.append(adapter_id)
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
-                self._thread.start()
+            self._priority[adapter_id] = priority
+            heapq.heappush(self._queue, (priority, next(self._order), adapter_id))
+            if self._threads < min(self.workers, len(self._priority)) and not self._closed:
+                self._threads += 1
+                threading.Thread(target=self._run, name="adapter-loader", daemon=True).start()
 
     def staged(self, adapter_id: int) -> StagedAdapter | None:
         """The staged image of a content (it counts as a use), or None."""
@@ -115,7 +151,10 @@ class AdapterLoader:
     def forget(self, adapter_id: int) -> None:
         """A retired content: its image goes (a load in flight is dropped when it lands)."""
         with self._lock:
-            self._staged.pop(adapter_id, None)
+            staged = self._staged.pop(adapter_id, None)
+            if staged is not None:
+                self._staged_bytes -= staged.nbytes
+            self._vouched.pop(adapter_id, None)
 
     def failed(self, adapter_ids: Iterable[int]) -> str | None:
         """Why staging one of these contents failed last (None: none has failed since it was last asked for)."""
@@ -134,19 +173,25 @@ class AdapterLoader:
                 self._done.wait(timeout)
 
     def take_events(self, keep: Collection[int] = ()) -> LoaderEvents:
-        """Contents staged, failed and evicted since the last call; evicts down to the capacity first, never the
-        images of ``keep`` (pinned adapters) nor those that just landed (they get their chance to be loaded)."""
+        """Contents staged, failed and evicted since the last call; evicts down to the budget first, least recently
+        used first, never the images of ``keep`` (pinned adapters) nor those that just landed (they get their
+        chance to be loaded)."""
         with self._lock:
             events = self._events
-            keep = set(keep) | set(events.staged)
-            while len(self._staged) > self.capacity:
-                victim = next((i for i in self._staged if i not in keep), None)
+            kept = set(keep) | set(events.staged)
+            victims = iter([i for i in self._staged if i not in kept])
+            while self._over_budget():
+                victim = next(victims, None)
                 if victim is None:
                     break
-                del self._staged[victim]
+                self._staged_bytes -= self._staged.pop(victim).nbytes
                 events.evicted.append(victim)
             self._events = LoaderEvents()
         return events
+
+    def _over_budget(self) -> bool:
+        over_count = self.max_images is not None and len(self._staged) > self.max_images
+        return over_count or self._staged_bytes > self.budget_bytes
 
     def load_times(self) -> Histogram:
         """How long the stagings took, disk to host memory."""
@@ -157,24 +202,39 @@ class AdapterLoader:
         with self._lock:
             return list(self._staged)
 
-    def close(self) -> None:
-        """Stop the loader thread (after the load under way); nothing more is staged."""
+    def staged_bytes(self) -> int:
+        """Host memory the staged images take now."""
         with self._lock:
-            self._closed = True
-            self._pending.clear()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=5)
+            return self._staged_bytes
 
-    # ---- the loader thread ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the workers (after the stagings under way); nothing more is staged."""
+        with self._done:
+            self._closed = True
+            self._queue.clear()
+            self._priority.clear()
+            self._done.wait_for(lambda: self._threads == 0, timeout=5)
+
+    # ---- the workers ----------------------------------------------------------------------------------------
+
+    def _next(self) -> int | None:
+        """The queued content of the lowest priority, taken off the queue (lock held); None when none is left."""
+        while self._queue and not self._closed:
+            priority, _, adapter_id = heapq.heappop(self._queue)
+            if self._priority.get(adapter_id) == priority:
+                del self._priority[adapter_id]
+                return adapter_id
+        return None
 
     def _run(self) -> None:
+        run_ops_alone()
         while True:
-            with self._lock:
-                if not self._pending or self._closed:
-                    self._thread = None  # under the lock: a request from now on starts a new thread
+            with self._done:
+                adapter_id = self._next()
+                if adapter_id is None:
+                    self._threads -= 1  # under the lock: a request from now on starts a new worker
+                    self._done.notify_all()
                     return
-                adapter_id = self._pending.popleft()
             start = time.perf_counter()
             try:
                 staged = self._stage(adapter_id)
@@ -189,6 +249,7 @@ class AdapterLoader:
                 self._in_flight.discard(adapter_id)
                 if staged is not None and self.registry.content(adapter_id) is not None:
                     self._staged[adapter_id] = staged
+                    self._staged_bytes += staged.nbytes
                     self.num_staged += 1
                     self._load_times.observe(time.perf_counter() - start)
                     self._events.staged.append(adapter_id)
@@ -202,23 +263,44 @@ class AdapterLoader:
         if content is None:
             raise AdapterError(f"adapter content {adapter_id} is no longer registered")
         g = self.geometry
-        adapter = load_adapter(content.name, content.path, self.form.shapes, g.max_rank, self.registry.allowed_roots)
-        # the same bytes are the same weights; other bytes may still hold them (a copy, a re-save)
-        if adapter.file_digest != content.file_digest and content_hash(adapter) != content.digest:
+        adapter = read_adapter(content.name, content.path, self.form.shapes, g.max_rank, self.registry.allowed_roots)
+        self._check_unchanged(content, adapter)
+        # the float32 weights, for what computes with them: DoRA's scales, each rank's share
+        lora = _as_lora(adapter) if adapter.magnitudes or self.form.shards else None
+        dora = None
+        if adapter.magnitudes:
+            if self.row_norms is None:
+                raise AdapterError(f"adapter `{content.name}` is a DoRA adapter, which this engine cannot serve")
+            assert lora is not None
+            dora = dora_epilogues(lora, self.row_norms, g.dtype)
+        layout = PageLayout(g, content.rank_map, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab))
+        image = self.buffers.take(layout.num_pages)
+        if self.form.shards is None:
+            return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora), adapter.vocab)
+        assert lora is not None
+        first, *others = self.form.shards(lora)  # rank 0's share first
+        workers = tuple(layout.image(shard) for shard in others)
+        return StagedAdapter(adapter_id, layout, layout.image(first, image, dora), adapter.vocab, workers)
+
+    def _check_unchanged(self, content: AdapterContent, adapter: PeftAdapter | LoraAdapter) -> None:
+        """AdapterError unless the files hold the weights registered: their bytes are the ones hashed then (same
+        stamps, settled files), or the weights hash as registered (any files: a copy, a re-save), which then
+        vouches for these files."""
+        identity = adapter.identity if isinstance(adapter, PeftAdapter) else None
+        with self._lock:
+            vouched = self._vouched.get(content.adapter_id, content.identity)
+        if identity is not None and vouched is not None and vouched.same_bytes(identity):
+            return
+        if adapter_digest(adapter) != content.digest:
             raise AdapterError(
                 f"the files of adapter `{content.name}` at {content.path} changed since it was registered; "
                 "register it again",
                 "its files changed since it was registered",
             )
-        dora = None
-        if adapter.magnitudes:
-            if self.row_norms is None:
-                raise AdapterError(f"adapter `{content.name}` is a DoRA adapter, which this engine cannot serve")
-            dora = dora_epilogues(adapter, self.row_norms, g.dtype)
-        layout = PageLayout(g, content.rank_map, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab))
-        image = None  # pinned on CUDA, to its size (lora_server.model.pinned)
-        if self.device.type == "cuda":
-            image = pinned_empty((layout.num_pages, g.page_bytes), torch.uint8, self.device)
-        first, *others = self.form.shards(adapter)  # rank 0's share first (the adapter itself on one device)
-        workers = tuple(layout.image(shard) for shard in others)
-        return StagedAdapter(adapter_id, layout, layout.image(first, image, dora), adapter.vocab, workers)
+        if identity is not None:
+            with self._lock:
+                self._vouched[content.adapter_id] = identity
+
+
+def _as_lora(adapter: PeftAdapter | LoraAdapter) -> LoraAdapter:
+    return adapter.lora() if isinstance(adapter, PeftAdapter) else adapter

@@ -9,18 +9,23 @@ never share it."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
-from lora_server.adapters.load import load_adapter
-from lora_server.adapters.page_layout import PageLayout, adapter_ranks, vocab_shapes
-from lora_server.adapters.peft_format import AdapterError, LoraAdapter
+from lora_server.adapters.load import adapter_digest, read_adapter
+from lora_server.adapters.page_layout import PageLayout, vocab_shapes
+from lora_server.adapters.peft_adapter import PeftAdapter
+from lora_server.adapters.peft_files import FilesIdentity
+from lora_server.adapters.peft_format import AdapterError
 from lora_server.adapters.sources import AdapterSources, source_scheme
+from lora_server.engine.openmp import run_ops_alone
 from lora_server.errors import UnknownAdapterError
 from lora_server.kv_pool import POLICIES, PoolConfig
 from lora_server.kv_pool.tree import AdapterKey
@@ -55,14 +60,16 @@ class CheckedAdapter:
 
     name: str  # the name it is registered under
     path: Path  # the directory its files were read from
-    digest: str  # content_hash of the weights
-    file_digest: str  # a hash of the files' bytes (LoraAdapter.file_digest)
+    digest: str  # what it serves, hashed (adapters.load.adapter_digest): equal digests, one content
     ranks: tuple[tuple[int, str, int], ...]  # (layer, module, rank) of every module it targets
     num_pages: int
     host_nbytes: int  # its A and B in float32, as read
     invocation_tokens: tuple[int, ...] = field(default=(), kw_only=True)  # an aLoRA's (LoraAdapter's)
     # its largest rank, LoRA on the embedding or head included (0: it has only trainable tokens)
     rank: int = field(default=0, kw_only=True)
+    # a PEFT directory's files as read (their stamps: the loader need not hash them again while they hold); None
+    # for a GGUF file, hashed whenever it is read again
+    identity: FilesIdentity | None = field(default=None, kw_only=True)
 
     @property
     def rank_map(self) -> dict[tuple[int, str], int]:
@@ -77,6 +84,14 @@ class AdapterContent(CheckedAdapter):
     adapter_id: int
 
 
+class AdapterSpec(NamedTuple):
+    """An adapter to register: its name, where its files are, whether it is pinned."""
+
+    name: str
+    path: str | Path
+    pinned: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterChanges:
     """What the pool must learn since it last asked: contents registered, contents retired (ids), and the contents
@@ -85,24 +100,6 @@ class AdapterChanges:
     added: list[AdapterHandle]
     retired: list[int]
     pinned: frozenset[int] | None
-
-
-def content_hash(adapter: LoraAdapter) -> str:
-    """A hash of the weights as served: every (layer, module)'s A and scaled B in float32, in a fixed order."""
-    digest = hashlib.blake2b(digest_size=16)
-    if adapter.invocation_tokens:  # the same weights activated elsewhere compute something else
-        digest.update(f"alora{list(adapter.invocation_tokens)};".encode())
-    for (layer, module), (a, b) in sorted(adapter.weights.items()):
-        digest.update(f"{layer}.{module}.{tuple(a.shape)}.{tuple(b.shape)};".encode())
-        digest.update(a.float().contiguous().numpy().tobytes())
-        digest.update(b.float().contiguous().numpy().tobytes())
-    for (layer, module), magnitude in sorted(adapter.magnitudes.items()):  # DoRA's: the same A, B scale otherwise
-        digest.update(f"dora.{layer}.{module}.{tuple(magnitude.shape)};".encode())
-        digest.update(magnitude.float().contiguous().numpy().tobytes())
-    for key, tensor in ({} if adapter.vocab is None else adapter.vocab.tensors()).items():  # the embedding's, head's
-        digest.update(f"vocab.{key}.{tuple(tensor.shape)};".encode())
-        digest.update(tensor.contiguous().numpy().tobytes())  # float32 weights, int64 ids
-    return digest.hexdigest()
 
 
 class AdapterRegistry:
@@ -170,21 +167,23 @@ class AdapterRegistry:
         roots = self._local_roots
         if source_scheme(path) is not None:  # a URL: its copy in the adapter cache, downloaded now or reused
             path, roots = self.sources.fetch(str(path), self._in_use), self.allowed_roots
-        adapter = load_adapter(name, path, self.form.shapes, self.geometry.max_rank, roots)
+        adapter = read_adapter(name, path, self.form.shapes, self.geometry.max_rank, roots)
+        if isinstance(adapter, PeftAdapter):
+            adapter.check_weights()
         refusal = self.form.refusal(adapter)
         if refusal:
             raise AdapterError(f"adapter `{name}` cannot be served: {refusal}")
-        ranks = adapter_ranks(adapter)
+        ranks = adapter.ranks
         checked = CheckedAdapter(
             name,
             adapter.path,
-            content_hash(adapter),
-            adapter.file_digest,
+            adapter_digest(adapter),
             tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
             PageLayout(self.geometry, ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab)).num_pages,
             adapter.nbytes,
             invocation_tokens=adapter.invocation_tokens,
             rank=adapter.rank,
+            identity=adapter.identity if isinstance(adapter, PeftAdapter) else None,
         )
         if POLICIES[self.pool.policy].adapter_slots and checked.num_pages > self.pool.adapter_slot_blocks:
             raise AdapterError(  # a DoRA adapter at the largest rank on every module: its scales take more pages
@@ -196,6 +195,21 @@ class AdapterRegistry:
             with self._lock:
                 self._check_pin(checked.num_pages, self._by_digest.get(checked.digest), self._current.get(name))
         return checked
+
+    def check_many(self, specs: Sequence[AdapterSpec], threads: int) -> list[CheckedAdapter | AdapterError]:
+        """``check`` of each adapter, on up to ``threads`` threads at once (reading and hashing files releases the
+        interpreter): each one's result in order, the reason where it cannot be served. Changes nothing."""
+
+        def check(spec: AdapterSpec) -> CheckedAdapter | AdapterError:
+            try:
+                return self.check(spec.name, spec.path, spec.pinned)
+            except AdapterError as exc:
+                return exc
+
+        if threads <= 1 or len(specs) <= 1:
+            return [check(spec) for spec in specs]
+        with ThreadPoolExecutor(threads, thread_name_prefix="adapter-check", initializer=run_ops_alone) as pool:
+            return list(pool.map(check, specs))
 
     def next_version(self, name: str) -> int:
         """The least version the next registration of ``name`` gets."""

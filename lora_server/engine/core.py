@@ -125,7 +125,14 @@ class EngineCore:
         self.pool = UnifiedPool(_pool_config(config, runner, self.arch.num_layers, self.copy_costs))
         sources = AdapterSources(config.adapter_sources or (), config.adapter_cache_path, config.adapter_cache_bytes)
         self.adapters = AdapterRegistry(runner.adapter_form, roots, self.pool.config, sources)
-        self.loader = AdapterLoader(self.adapters, runner.device, config.max_cpu_loras, runner.base_row_norms)
+        self.loader = AdapterLoader(
+            self.adapters,
+            runner.device,
+            config.host_adapter_bytes(),
+            config.max_cpu_loras,
+            config.staging_workers,
+            runner.base_row_norms,
+        )
         self.max_model_len = min(wanted_len, self.pool.request_blocks * config.block_size)
         self.residency = Residency(
             self.adapters,
@@ -157,6 +164,7 @@ class EngineCore:
         priority: int = 0,
         compile_grammar: bool = True,
         arrival_time: float | None = None,
+        adapter_wait_s: float = 0.0,
     ) -> EngineRequest:
         """Validate and tokenize (safe from any thread); raises InvalidRequestError (ContextLengthExceededError,
         UnknownAdapterError) and changes nothing. ``compile_grammar`` False: a structured output is checked but
@@ -165,7 +173,8 @@ class EngineCore:
         Requests share cached KV only when their adapter version and ``cache_salt`` are equal. ``tenant``: whom it
         is served for and that tenant's share; ``priority``: its place among the tenant's waiting requests (lower
         first), an integer in [MIN_PRIORITY, MAX_PRIORITY]. ``arrival_time``: when it arrived on the engine's clock
-        (time.monotonic; None: now), where its queueing and time to first token start.
+        (time.monotonic; None: now), where its queueing and time to first token start; ``adapter_wait_s``: how
+        long it had waited for its adapter by then (registered on its first request).
 
         The returned description holds its adapter's current version: pass it to ``add`` (the scheduler lets go
         when the request ends) or to ``discard``."""
@@ -218,6 +227,7 @@ class EngineCore:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             grammar=grammar,
             adapter_from=adapter_from,
+            adapter_wait_s=adapter_wait_s,
         )
 
     def _grammar(self, params: SamplingParams, compile_grammar: bool) -> GrammarMatcher | None:
@@ -553,6 +563,8 @@ class EngineCore:
                 host_tier_bytes=runner.host_kv.nbytes,
                 staged_adapters=len(self.loader.staged_ids()),
                 adapter_stagings=self.loader.num_staged,
+                staged_adapter_bytes=self.loader.staged_bytes(),
+                staged_adapter_budget_bytes=self.loader.budget_bytes,
             ),
             policy=pool.policy,
             block_size=self.config.block_size,
@@ -625,8 +637,11 @@ class StepTimes:
 
 @dataclass(slots=True)
 class TtftSplit:
-    """Time to first token split into queueing (arrival to first admission), adapter loading (copy operations
-    of steps that loaded its adapter) and prefill (the rest); sums over requests that got a first token."""
+    """Time to first token split into queueing, adapter loading and prefill, summed over requests that got a
+    first token: adapter loading is every wait for its adapter (registered on first use before the engine saw the
+    request, read and staged on the host before its first admission, copied into the arena after it: the copy
+    operations of its steps, or on CUDA the steps it waited for the copy); queueing the rest of arrival to first
+    admission, prefill the rest of first admission to first token. The three add up to its TTFT."""
 
     count: int = 0
     queueing_s: float = 0.0
@@ -635,11 +650,11 @@ class TtftSplit:
 
     def add(self, request: Request) -> None:
         assert request.first_token_time is not None and request.scheduled_time is not None
-        queueing = request.scheduled_time - request.arrival_time
+        after_admission = request.copy_wait_s + request.adapter_load_s
         self.count += 1
-        self.queueing_s += queueing
-        self.adapter_s += request.adapter_load_s
-        self.prefill_s += request.first_token_time - request.scheduled_time - request.adapter_load_s
+        self.queueing_s += request.scheduled_time - request.arrival_time - request.adapter_wait_s
+        self.adapter_s += request.adapter_wait_s + after_admission
+        self.prefill_s += request.first_token_time - request.scheduled_time - after_admission
 
     def figures(self) -> TtftFigures:
         n = max(1, self.count)
@@ -676,6 +691,7 @@ def _timings(request: Request) -> RequestTimings:
         first_token=request.first_token_time,
         adapter_load_s=request.adapter_load_s,
         adapter_loaded=request.adapter_loaded,
+        adapter_wait_s=request.adapter_wait_s + request.copy_wait_s,
     )
 
 

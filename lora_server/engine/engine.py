@@ -21,7 +21,7 @@ import torch
 
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
-from lora_server.engine.adapter_registry import AdapterHandle, CheckedAdapter
+from lora_server.engine.adapter_registry import AdapterHandle, AdapterSpec, CheckedAdapter
 from lora_server.engine.core import EngineCore, Prompt, StepTimes
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
@@ -203,21 +203,54 @@ class Engine:
         return self.core.adapters.check(name, path, pinned)
 
     def install_adapter(
-        self, checked: CheckedAdapter, pinned: bool = False, version: int | None = None
+        self,
+        checked: CheckedAdapter,
+        pinned: bool = False,
+        version: int | None = None,
+        registered_at: float | None = None,
     ) -> AdapterHandle:
         """Serve a checked adapter (``add_adapter``'s arguments; source "api"); reads no file."""
-        return self.core.adapters.install(checked, pinned, version)
+        return self.core.adapters.install(checked, pinned, version, registered_at=registered_at)
 
     def next_adapter_version(self, name: str) -> int:
         """The least version the next registration of ``name`` gets."""
         return self.core.adapters.next_version(name)
 
-    def stage_adapters(self, names: Sequence[str], timeout_s: float = 60.0) -> None:
-        """Read these adapters' weights and stage them in host memory now, blocking until they are (or
-        ``timeout_s``): their first requests then wait for no disk read. Up to max_cpu_loras stay staged.
-        UnknownAdapterError for a name that is not registered; AdapterError if one cannot be staged."""
+    def check_adapters(self, specs: Sequence[AdapterSpec]) -> list[CheckedAdapter | AdapterError]:
+        """``check_adapter`` for many, on several threads (the staging workers' count): each one's result in order,
+        an AdapterError with the reason for one that cannot be served. Changes nothing."""
+        return self.core.adapters.check_many(specs, self.config.staging_workers)
+
+    def add_adapters(self, specs: Sequence[AdapterSpec], source: str = "api") -> list[AdapterHandle | AdapterError]:
+        """``add_adapter`` for many: their files read, checked and hashed on several threads (the staging workers'
+        count), then each served; each one's result in order, an AdapterError with the reason for one that cannot
+        be served (the others are served all the same)."""
+        registry = self.core.adapters
+        results: list[AdapterHandle | AdapterError] = []
+        for spec, checked in zip(specs, self.check_adapters(specs), strict=True):
+            if isinstance(checked, AdapterError):
+                results.append(checked)
+                continue
+            try:
+                results.append(registry.install(checked, spec.pinned, source=source))
+            except AdapterError as exc:  # a pin that no longer fits beside the ones installed before it
+                results.append(exc)
+        return results
+
+    def stage_adapters(self, names: Sequence[str], timeout_s: float = 60.0) -> list[str]:
+        """Read these adapters' weights and stage them in host memory now, in order while they fit its budget
+        (--cpu-lora-gb, --max-cpu-loras), blocking until they are (or ``timeout_s``): their first requests then
+        wait for no disk read. Returns the names staged. UnknownAdapterError for a name that is not registered;
+        AdapterError if one cannot be staged."""
         loader = self.core.loader
-        ids = [self.core.adapters.get(name).adapter_id for name in names]
+        room, staged = loader.budget_bytes, list[str]()
+        for name in names:
+            handle = self.core.adapters.get(name)
+            if handle.device_nbytes > room or len(staged) == (loader.max_images or -1):
+                break
+            room -= handle.device_nbytes
+            staged.append(name)
+        ids = [self.core.adapters.get(name).adapter_id for name in staged]
         for adapter_id in ids:
             loader.request(adapter_id)
         deadline = time.monotonic() + timeout_s
@@ -227,6 +260,7 @@ class Engine:
                 raise AdapterError(failed)
             loader.wait(0.05)
         self._wake.set()
+        return staged
 
     def remove_adapter(self, name: str) -> None:
         """New requests for ``name`` fail (UnknownAdapterError); in-flight ones finish, then its memory is freed."""
@@ -406,6 +440,7 @@ class Engine:
         priority: int = 0,
         compile_grammar: bool = True,
         arrival_time: float | None = None,
+        adapter_wait_s: float = 0.0,
     ) -> EngineRequest:
         """Validate and tokenize, from any thread (the server calls it off the event loop); raises
         InvalidRequestError / ContextLengthExceededError / UnknownAdapterError and changes nothing. Returns the
@@ -416,7 +451,8 @@ class Engine:
         tenants, unless the config turns it off); ``priority``: lower values are admitted first among the tenant's
         waiting requests. ``compile_grammar`` False: a structured output is checked (its limits, its schema) but
         compiled only by ``attach_grammars``, which must then run before ``submit``. ``arrival_time``: when it
-        arrived (time.monotonic; None: now), where its queue time and timings start."""
+        arrived (time.monotonic; None: now), where its queue time and timings start; ``adapter_wait_s``: how long
+        it had waited for its adapter by then (an adapter registered on its first request)."""
         return self.core.make_request(
             request_id or f"req-{next(self._ids)}",
             prompt,
@@ -427,6 +463,7 @@ class Engine:
             priority=priority,
             compile_grammar=compile_grammar,
             arrival_time=arrival_time,
+            adapter_wait_s=adapter_wait_s,
         )
 
     async def attach_grammars(self, requests: Sequence[EngineRequest]) -> list[EngineRequest]:

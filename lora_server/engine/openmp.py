@@ -37,3 +37,18 @@ def release_openmp_workers() -> bool:
     region; torch ops running on other threads keep their own workers."""
     lib = _libgomp()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+def run_ops_alone() -> bool:
+    """Make the calling thread's torch ops run on it alone, with no OpenMP team of its own (for a thread beside the
+    engine's that copies memory, such as the adapter loader's workers: its team would compete with the engine's).
+    torch sets a thread's OpenMP thread count when that thread first asks for it (at::lazy_init_num_threads), so it
+    asks first and sets it to 1 after. Returns whether it could (False without libgomp)."""
+    import torch
+
+    lib = _libgomp()
+    if lib is None or not hasattr(lib, "omp_set_num_threads"):
+        return False
+    torch.get_num_threads()  # torch's per-thread initialization, which would undo what follows if it came later
+    lib.omp_set_num_threads(1)
+    return True

@@ -17,14 +17,16 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class RequestTimings:
-    """When a request reached each stage of its serving, on the engine's clock (time.monotonic): its time to first
-    token split into queueing (arrival to first admission), adapter loading and prefill (the rest)."""
+    """When a request reached each stage of its serving, on the engine's clock (time.monotonic), and the time it
+    spent on its adapter (core.TtftSplit's adapter loading: ``adapter_wait_s + adapter_load_s``)."""
 
     arrival: float  # EngineRequest.arrival_time
     first_admission: float | None  # None: it was never admitted
     first_token: float | None  # None: it ended without a token
     adapter_load_s: float  # copy time of its steps that loaded adapters, before its first token
     adapter_loaded: bool  # an admission of it loaded its adapter onto the device (False: it was resident)
+    # every other wait for its adapter before its first token: registered on first use, read and staged, copied
+    adapter_wait_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:

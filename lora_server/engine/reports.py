@@ -31,6 +31,8 @@ class DeviceMemory:
     host_tier_bytes: int  # the host tier of KV
     staged_adapters: int  # adapters staged in host memory now
     adapter_stagings: int  # stagings (reads from disk) since start
+    staged_adapter_bytes: int = 0  # the host memory their images take
+    staged_adapter_budget_bytes: int = 0  # what they may take (--cpu-lora-gb)
 
 
 @dataclass(frozen=True, slots=True)

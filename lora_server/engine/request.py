@@ -79,6 +79,8 @@ class EngineRequest:
     # the engine advances it once the request is added
     grammar: GrammarMatcher | None = None
     adapter_from: int = 0  # the position from which its adapter applies (activation_start)
+    # seconds it waited for its adapter before the engine saw it (an adapter registered on its first request)
+    adapter_wait_s: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +126,12 @@ class Request:
     scheduled_time: float | None = None  # first admission (monotonic clock): queueing ends
     adapter_loaded: bool = False  # an admission of it loaded its adapter onto the device
     adapter_load_s: float = 0.0  # time spent loading adapters in its steps before its first token
+    # before its first admission, seconds it waited for its adapter: registered on first use, read, staged
+    adapter_wait_s: float = 0.0
+    adapter_wait_since: float | None = None  # waiting for its adapter to be staged since then (None: not waiting)
+    # after its first admission, seconds it waited for its adapter's copy into the arena (asynchronous loads)
+    copy_wait_s: float = 0.0
+    copy_wait_since: float | None = None  # admitted while its adapter's copy was under way, then (None: computing)
     first_token_time: float | None = None
     grammar: GrammarMatcher | None = None  # its structured output's state: the output so far, accepted token by token
     # with params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... computed so far (token 0 has none)
@@ -151,7 +159,28 @@ class Request:
             arrival_time=described.arrival_time,
             grammar=described.grammar,
             adapter_from=described.adapter_from,
+            adapter_wait_s=described.adapter_wait_s,
         )
+
+    def wait_for_adapter(self, now: float) -> None:
+        """Its adapter is not staged yet: its wait for it runs from now (or from when it began)."""
+        if self.adapter_wait_since is None and self.scheduled_time is None:
+            self.adapter_wait_since = now
+
+    def adapter_ready(self, since: float) -> None:
+        """Its adapter has been ready (staged or on the device) since ``since``: its wait, if any, ended then."""
+        if self.adapter_wait_since is not None:
+            self.adapter_wait_s += max(0.0, since - self.adapter_wait_since)
+            self.adapter_wait_since = None
+
+    def copy_wait(self, now: float, copying: bool) -> None:
+        """Whether it computes nothing this step for its adapter's copy into the arena (asynchronous loads):
+        before its first token, that time is its copy wait."""
+        if copying and self.copy_wait_since is None and self.first_token_time is None:
+            self.copy_wait_since = now
+        elif not copying and self.copy_wait_since is not None:
+            self.copy_wait_s += now - self.copy_wait_since
+            self.copy_wait_since = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from lora_server.engine.adapter_loader import AdapterLoader, StagedAdapter
+from lora_server.engine.adapter_loader import LATER, AdapterLoader, StagedAdapter
 from lora_server.engine.adapter_registry import AdapterHandle, AdapterRegistry
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.kv_pool.unified_pool import UnifiedPool
@@ -37,8 +37,9 @@ class Residency:
         self.registry, self.loader, self.pool = registry, loader, pool
         self.adapter_loaded = adapter_loaded
         self._failures: dict[int, str] = {}  # content id -> why it could not be staged, until taken
+        self._staged_at: dict[int, float] = {}  # content id -> when a sync learned it was staged, while it is
 
-    def sync(self) -> None:
+    def sync(self, now: float) -> None:
         """Tell the pool of contents registered and retired (they go with their KV) since the last call, of pins
         that changed (a pinned adapter is staged at once and loaded as room allows), and of what the loader staged,
         evicted from the host or failed to stage. Pinned adapters' images are never evicted."""
@@ -60,17 +61,26 @@ class Residency:
         events = self.loader.take_events(keep=self.pool.pinned_adapters())
         for adapter_id in events.staged:
             self.pool.set_staged(AdapterKey(adapter_id), True)
-        for adapter_id in events.evicted:
-            self.pool.set_staged(AdapterKey(adapter_id), False)
+            self._staged_at[adapter_id] = now
+        for adapter_id in [*events.evicted, *retired]:
+            if adapter_id in events.evicted:
+                self.pool.set_staged(AdapterKey(adapter_id), False)
+            self._staged_at.pop(adapter_id, None)
         self._failures.update(events.failed)
 
-    def ready(self, adapter_id: int) -> bool:
+    def ready(self, adapter_id: int, priority: float = LATER) -> bool:
         """Whether the adapter can be made resident now: on the device, or staged on the host. If not, the loader
-        is asked to stage it."""
+        is asked to stage it, with ``priority`` (the arrival time of the request that waits for it: the earliest
+        first)."""
         if self.pool.can_make_resident(AdapterKey(adapter_id)):
             return True
-        self.loader.request(adapter_id)
+        self.loader.request(adapter_id, priority)
         return False
+
+    def ready_since(self, adapter_id: int, now: float) -> float:
+        """Since when a ready adapter has been ready, as far as waiting requests are concerned: the sync that
+        learned it was staged, or ``now`` (it was resident, or staged before anyone waited)."""
+        return min(now, self._staged_at.get(adapter_id, now))
 
     def copying(self, table_page: int) -> bool:
         """Whether the adapter at this table page is still being copied into the arena (asynchronous loads only):

@@ -164,6 +164,8 @@ class Scheduler:
             raise ValueError("this scheduler serves no adapters")
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        if request.adapter is not None and not self._adapter_ready(request):  # its staging starts now
+            request.wait_for_adapter(self.clock())
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -173,7 +175,7 @@ class Scheduler:
         adapters load, host KV comes back). Returns the clock's time."""
         now = self.clock()
         if self.residency is not None:
-            self.residency.sync()
+            self.residency.sync(now)
         if now - self._last_tick >= self.config.pool_tick_s:
             self.pool.tick(now, len(self.running), len(self.waiting))
             self._last_tick = now
@@ -193,7 +195,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if self._copying(request):
+            copying = self._copying(request)
+            request.copy_wait(now, copying)
+            if copying:
                 continue
             n = min(request.num_uncomputed_tokens, budget, chunk_cap, request.chunk_limit())
             if not self._reserve_or_preempt(request, n, work, now):
@@ -218,9 +222,15 @@ class Scheduler:
             if head.adapter is not None:
                 new_adapter = head.adapter.adapter_id not in in_batch
                 full = new_adapter and len(in_batch) >= self.config.max_loras
-                if full or not self._adapter_ready(head.adapter.adapter_id):
+                if full:
                     passed.add(head)
                     continue
+                if not self._adapter_ready(head):
+                    head.wait_for_adapter(now)
+                    passed.add(head)
+                    continue
+                assert self.residency is not None  # add() refuses adapters without it
+                head.adapter_ready(self.residency.ready_since(head.adapter.adapter_id, now))
             if not slots.take(head):  # a prompt over the partial-prefill limits: shorter ones go ahead of it
                 passed.add(head)
                 continue
@@ -234,6 +244,7 @@ class Scheduler:
             if head.adapter is not None:
                 in_batch.add(head.adapter.adapter_id)
             if self._copying(head):  # admitted, its blocks taken; it computes once its adapter's copy has run
+                head.copy_wait(now, True)
                 continue
             work.items.append((head, chunk))
             self.waiting.charge(head, chunk)
@@ -276,9 +287,9 @@ class Scheduler:
                 self.finish(request, FinishReason.ERROR)
                 work.failed.append((request, failed[request.adapter.adapter_id]))
 
-    def _adapter_ready(self, adapter_id: int) -> bool:
-        assert self.residency is not None  # add() refuses adapters without it
-        return self.residency.ready(adapter_id)
+    def _adapter_ready(self, request: Request) -> bool:
+        assert self.residency is not None and request.adapter is not None  # add() refuses adapters without it
+        return self.residency.ready(request.adapter.adapter_id, request.arrival_time)
 
     def _copying(self, request: Request) -> bool:
         return self.residency is not None and self.residency.copying(request.lora_page)

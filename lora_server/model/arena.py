@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_server.adapters.lora_types import BaseShapes, LoraAdapter, TokenIds
 from lora_server.adapters.page_layout import VOCAB_LAYER, PageGeometry, PageLayout
-from lora_server.adapters.peft_format import BaseShapes, LoraAdapter, TokenIds
+from lora_server.adapters.peft_adapter import PeftAdapter
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import GROUPS
 from lora_server.kernels.segment_lora import LoraTerm
@@ -98,13 +99,13 @@ def page_geometry(
 class AdapterForm:
     """How an engine takes adapters: what they are validated against (the whole model's ``shapes``), why one is
     not served (``refusal``: "" when it is), how each rank's share is laid out in its pages (``geometry``: the same
-    layout on every rank) and each rank's share of a validated adapter (``shards``: rank 0's first; on one device
-    the adapter itself)."""
+    layout on every rank) and each rank's share of a validated adapter (``shards``: rank 0's first; None on one
+    device, which takes the adapter itself)."""
 
     shapes: BaseShapes
     geometry: PageGeometry
-    refusal: Callable[[LoraAdapter], str] = lambda adapter: ""
-    shards: Callable[[LoraAdapter], list[LoraAdapter]] = lambda adapter: [adapter]
+    refusal: Callable[[LoraAdapter | PeftAdapter], str] = lambda adapter: ""
+    shards: Callable[[LoraAdapter], list[LoraAdapter]] | None = None
 
 
 def attach_arena(

@@ -113,6 +113,7 @@ class RequestSeries:
     tpot: Histogram  # one per request: its decode time over its output tokens after the first
     e2e: Histogram
     queue: Histogram  # one per admitted request: arrival to first admission
+    adapter: Histogram  # one per request with a first token: its TTFT's adapter loading (TtftSplit's)
 
 
 class Metrics:
@@ -147,6 +148,12 @@ class Metrics:
             "e2e": histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS),
             "queue": histogram(
                 "vllm:request_queue_time_seconds", "Time from arrival to first admission in seconds.", E2E_BUCKETS
+            ),
+            "adapter": histogram(
+                "lora_server:request_adapter_wait_seconds",
+                "Per request, the part of its time to first token spent on its adapter: registered on first use, "
+                "read and staged in host memory, copied to the device, in seconds.",
+                TTFT_BUCKETS,
             ),
         }
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")

@@ -26,9 +26,9 @@ from lora_server.config import ServerConfig
 from lora_server.engine import Engine
 from lora_server.server.engine_adapters import EngineAdapters
 from lora_server.server.error_handlers import error_response
-from lora_server.server.openai_serving import ClientDisconnected, OpenAIServing, Prepared
+from lora_server.server.openai_serving import Arrival, ClientDisconnected, OpenAIServing, Prepared
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from lora_server.server.request_id import request_id
+from lora_server.server.request_id import arrival_time, request_id
 from lora_server.server.tenancy import Callers, TenantMeter, cache_salt, tenant_share
 from lora_server.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
@@ -126,7 +126,10 @@ def add_openai_routes(
         raw = await request.body()
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = await run_in_threadpool(parse_body, raw, model_cls)
+        resolving = time.monotonic()
         adapter = await resolve(req.model, tenant)
+        # its TTFT starts at its arrival; resolving it may have registered its adapter (on first use)
+        arrival = Arrival(arrival_time(request.scope), time.monotonic() - resolving)
         prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
         prepared: Prepared = await run_in_threadpool(
             prepare,  # type: ignore[arg-type]
@@ -135,6 +138,7 @@ def add_openai_routes(
             cache_salt(tenant),
             tenant_share(tenant),
             request_id(request.scope, req.request_id),
+            arrival,
         )
         try:
             meter = (

@@ -40,6 +40,15 @@ class Meter(Protocol):
     def settle(self, prompt_tokens: int, completion_tokens: int) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """When an HTTP request arrived (time.monotonic) and how long resolving its model took, which is time it waited
+    for its adapter (one registered on its first request: its files read and hashed): where its TTFT starts."""
+
+    time: float = field(default_factory=time.monotonic)
+    adapter_wait_s: float = 0.0
+
+
 @dataclass
 class Prepared:
     """A validated HTTP request: its engine requests (``n`` per prompt, in prompt order), made but not yet submitted
@@ -122,9 +131,11 @@ class OpenAIServing:
         cache_salt: str,
         tenant: TenantShare = NO_TENANT,
         request_id: str | None = None,
+        arrival: Arrival | None = None,
     ) -> Prepared:
         """``tenant``: whom it is served for, with the tenant's share of the engine (weight, cap); ``request_id``:
-        the HTTP request's (x-request-id), which the answer's id carries (default: a new one)."""
+        the HTTP request's (x-request-id), which the answer's id carries (default: a new one); ``arrival``: when it
+        arrived (default: now)."""
         tool_request = req.tool_request()
         calling = None if tool_request is None else plan_tool_calls(tool_request, self.tool_parser)
         tools = None if tool_request is None else tool_request.definitions()
@@ -134,7 +145,7 @@ class OpenAIServing:
             params = _with_tool_calling(params, calling)
             if req.echo_text is not None:
                 raise InvalidRequestError("echo cannot be combined with tools", param="echo")
-        prepared = self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant, request_id)
+        prepared = self._prepare("chat", [prompt], params, req, adapter, cache_salt, tenant, request_id, arrival)
         prepared.prompt_logprobs = req.prompt_logprobs
         prepared.tool_calling = calling
         prepared.echo = None if req.echo_text is None else [req.echo_text]
@@ -147,6 +158,7 @@ class OpenAIServing:
         cache_salt: str,
         tenant: TenantShare = NO_TENANT,
         request_id: str | None = None,
+        arrival: Arrival | None = None,
     ) -> Prepared:
         given = req.prompts()
         prompts: list[Prompt] = list(given)
@@ -164,7 +176,7 @@ class OpenAIServing:
             ]
         longest = max(len(p) for p in prompts)
         params = self._bad_words(req, req.to_params(self.engine.max_model_len - longest))
-        prepared = self._prepare("completion", prompts, params, req, adapter, cache_salt, tenant, request_id)
+        prepared = self._prepare("completion", prompts, params, req, adapter, cache_salt, tenant, request_id, arrival)
         if req.echo:  # a text prompt as it was sent; token ids as their text
             prepared.echo = [p if isinstance(p, str) else self._text(p) for p in given]
         prepared.echo_logprobs = req.echoes_logprobs
@@ -206,8 +218,10 @@ class OpenAIServing:
         cache_salt: str,
         tenant: TenantShare,
         request_id: str | None,
+        arrival: Arrival | None,
     ) -> Prepared:
         n = req.n
+        arrival = arrival or Arrival()
         request_id = request_id or req.request_id
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         if req.cache_salt is not None:  # within the tenant's own: a salted prompt shares KV only with its salt
@@ -228,6 +242,8 @@ class OpenAIServing:
                             tenant=tenant,
                             priority=req.priority,
                             compile_grammar=False,  # after admission: attach_grammars
+                            arrival_time=arrival.time,
+                            adapter_wait_s=arrival.adapter_wait_s if adapter is not None else 0.0,
                         )
                     )
         except LoraServerError:
@@ -292,9 +308,11 @@ class OpenAIServing:
         collect.result()  # re-raises an engine error
         return self._final(prepared, request_id, created, model, [choices[i] for i in sorted(choices)])
 
-    async def _tracked(self, index: int, stream, series: RequestSeries) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The stream's outputs, its latencies observed in ``series`` (its adapter's)."""
-        start = last = first_token = time.monotonic()
+    async def _tracked(
+        self, index: int, stream, series: RequestSeries, arrival: float
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The stream's outputs, its latencies observed in ``series`` (its adapter's), from its ``arrival``."""
+        start = last = first_token = arrival
         first = True
         async for out in stream:
             now = time.monotonic()
@@ -309,6 +327,8 @@ class OpenAIServing:
                     series.tpot.observe((last - first_token) / (out.num_output_tokens - 1))
                 if out.queue_time_s is not None:
                     series.queue.observe(out.queue_time_s)
+                if out.timings is not None and out.timings.first_token is not None:
+                    series.adapter.observe(out.timings.adapter_wait_s + out.timings.adapter_load_s)
                 self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
                 self.metrics.generation_tokens.inc(out.num_output_tokens)
                 self.metrics.request_success.inc()
@@ -321,7 +341,7 @@ class OpenAIServing:
 
         async def pump(index: int, stream) -> None:
             try:
-                async for item in self._tracked(index, stream, series[index]):
+                async for item in self._tracked(index, stream, series[index], prepared.requests[index].arrival_time):
                     await queue.put(item)
                 await queue.put(None)
             except BaseException as exc:  # handed to the consumer, which re-raises it

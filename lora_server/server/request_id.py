@@ -1,11 +1,13 @@
 """``x-request-id``: every HTTP request has an id, the client's (its ``x-request-id`` header) or a generated one; it
 comes back in the response's ``x-request-id`` header, prefixes the server's log lines written while the request is
 served (uvicorn's access line included), and the completion endpoints derive their response ``id`` from it, as
-vLLM does (``cmpl-ID``, ``chatcmpl-ID``)."""
+vLLM does (``cmpl-ID``, ``chatcmpl-ID``). The same middleware, the outermost, notes when the request arrived
+(``arrival_time``): where its time to first token starts."""
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from contextvars import ContextVar
 
@@ -26,9 +28,14 @@ def request_id(scope: Scope, body_id: str | None = None) -> str:
     return body_id if body_id is not None and not state["request_id_given"] else state["request_id"]
 
 
+def arrival_time(scope: Scope) -> float:
+    """When the middleware first saw this request (time.monotonic), before its body was read."""
+    return scope["state"]["arrival"]
+
+
 class RequestIds:
     """ASGI middleware: give each HTTP request its id (see the module), keep it in ``scope["state"]`` and the log
-    context, and send it back in the response headers."""
+    context, and send it back in the response headers; note its arrival in ``scope["state"]`` too."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -42,7 +49,8 @@ class RequestIds:
         token = _current.set(rid)
         if given and rid != given:
             log.warning("x-request-id of %d characters replaced by a generated one", len(given))
-        scope.setdefault("state", {}).update(request_id=rid, request_id_given=rid == given)
+        arrival = time.monotonic()
+        scope.setdefault("state", {}).update(request_id=rid, request_id_given=rid == given, arrival=arrival)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -10,6 +10,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from fastapi import FastAPI
 from lora_server import envs
 from lora_server.adapters import demo_adapters
 from lora_server.adapters.peft_format import AdapterError
-from lora_server.admin.store import RegistryStore, StoreStatus
+from lora_server.admin.store import RegistryStore, StoreStatus, validate_name
 from lora_server.admin.store.change_feed import POLL_S
 from lora_server.admin.store.open import open_store
 from lora_server.config import EngineConfig, ServerConfig
 from lora_server.engine import Engine
+from lora_server.engine.adapter_registry import AdapterSpec
 from lora_server.model.loader import default_model_path
 from lora_server.server.app import build_app
 from lora_server.server.http_edge import connection_cap, guarded_protocol, raise_descriptor_limit
@@ -105,8 +107,9 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
         )
     demos = demo_adapters()
     preloaded = []
-    # the demo adapters are the embedded model's: another --model starts with none unless --adapter names some
-    default = list(demos) if config.engine.model is None else []
+    # the demo adapters are the embedded model's: another --model, or --adapter-dir, starts with none unless --adapter
+    # names some
+    default = list(demos) if config.engine.model is None and not config.adapter_dirs else []
     for spec in config.adapters if config.adapters is not None else default:
         name, _, path = spec.partition("=")
         if not path and name not in demos:
@@ -115,8 +118,9 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
             )
         engine.add_adapter(name, path or demos[name], source="command line" if path else "demo")
         preloaded.append(name)
+    preloaded += add_adapter_dirs(engine, config.adapter_dirs or ())
     # the adapters given at start wait in host memory: their first requests read no disk
-    engine.stage_adapters(preloaded[: config.engine.max_cpu_loras])
+    engine.stage_adapters(preloaded)
     base_id = config.served_model_name or model_id(config.engine)
     app = build_app(engine, store, config, base_id, admin_key)
     registry = RegistrySync(store, engine, app.state.control.lock, app.state.tenants.changed)
@@ -124,6 +128,44 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
     place = getattr(store, "address", None) or f"{data_dir} ({data_dir_source})"  # Redis: host:port (no password)
     log.info("%s", summary(config, engine, base_id, status, place, key_source))
     return Built(engine, store, registry, app)
+
+
+def add_adapter_dirs(engine: Engine, dirs: Sequence[str]) -> list[str]:
+    """Register every subdirectory of ``dirs`` as an adapter named after it (Engine.add_adapters: read on several
+    threads), in name order; one that cannot be served, or whose name the admin API would refuse, is logged and
+    skipped. Returns the names registered. AdapterError for a folder that is not one."""
+    specs: list[AdapterSpec] = []
+    for folder in map(Path, dirs):
+        if not folder.is_dir():
+            raise AdapterError(f"--adapter-dir {folder} is not a directory")
+        for path in sorted(p for p in folder.iterdir() if p.is_dir()):
+            try:
+                validate_name(path.name, "adapter name")
+            except ValueError as exc:
+                log.warning("adapter directory %s skipped: %s", path, exc)
+                continue
+            specs.append(AdapterSpec(path.name, path))
+    started = time.monotonic()
+    results = engine.add_adapters(specs, source="adapter dir")
+    refused = [(spec, r) for spec, r in zip(specs, results, strict=True) if isinstance(r, AdapterError)]
+    for spec, error in refused:
+        log.warning("adapter %s from %s not served: %s", spec.name, spec.path, error)
+    if specs:
+        log.info(
+            "%d adapters registered from %s in %.1f s%s",
+            len(specs) - len(refused),
+            ", ".join(dirs),
+            time.monotonic() - started,
+            f" ({len(refused)} refused, see above)" if refused else "",
+        )
+    return [spec.name for spec, r in zip(specs, results, strict=True) if not isinstance(r, AdapterError)]
+
+
+def _names(names: list[str], shown: int = 8) -> str:
+    """Names for a log line: all of a few, else how many and the first ones."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{len(names)} ({', '.join(names[:shown])}, ...)"
 
 
 def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStatus, place: str, key_source: str) -> str:
@@ -149,8 +191,10 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
             f"arena: {blocks} pages of {pool.block_bytes / 2**20:.2f} MiB, each {block_size} tokens of KV or part "
             f"of an adapter (as many resident as policy {pool.policy} keeps; at most {config.engine.max_loras} in "
             "one batch); host tier "
-            f"{pool.host_blocks} pages ({memory.host_tier_bytes / gib:.2f} GiB), up to "
-            f"{config.engine.max_cpu_loras} adapters staged in host memory",
+            f"{pool.host_blocks} pages ({memory.host_tier_bytes / gib:.2f} GiB); adapters staged in host memory: "
+            f"{memory.staged_adapters} in {memory.staged_adapter_bytes / gib:.2f} of "
+            f"{memory.staged_adapter_budget_bytes / gib:.2f} GiB"
+            + ("" if config.engine.max_cpu_loras is None else f", at most {config.engine.max_cpu_loras}"),
             "  start-up: "
             + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in info.startup_s.items())
             + (
@@ -159,7 +203,7 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
                 if "warm-up" in info.startup_s
                 else ""
             ),
-            "  adapters: " + ("; ".join(f"{src}: {', '.join(names)}" for src, names in by_source.items()) or "none"),
+            "  adapters: " + ("; ".join(f"{src}: {_names(names)}" for src, names in by_source.items()) or "none"),
             f"  adapter roots: {', '.join(config.engine.adapter_roots or ()) or 'any path'}",
             f"  tool calls: {tool_calls_summary(engine, config.tool_call_parser)}",
             f"  registry: {store.backend} at {place}; changes by other {followed}",
