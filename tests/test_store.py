@@ -199,6 +199,62 @@ def test_adapter_replace_bumps_version(store: RegistryStore):
     assert store.put_adapter(_adapter("sql")).version == 1  # a new registration after a delete starts over
 
 
+def test_put_adapters_stores_a_batch_as_one_revision(backend: Backend, store: RegistryStore):
+    """Each record as put_adapter would store it (a new name keeps its version, a replace gets at least the old one
+    plus one), all in one write: the revision moves by one."""
+    store.put_adapter(_adapter("sql", "/adapters/sql-1"))
+    store.put_adapter(_adapter("sql", "/adapters/sql-2"))  # version 2
+    store.put_adapter(_adapter("chat", version=6))
+    assert store.revision() == 3
+    batch = [
+        _adapter("sql", "/adapters/sql-3"),  # replaces version 2: 3
+        _adapter("new", "/adapters/new", pinned=True),  # new: 1
+        _adapter("chat", version=9),  # replaces 6 with a higher version given: 9
+        _adapter("big", version=4),  # new, with its version: 4
+    ]
+    expected = [
+        AdapterRecord("sql", "/adapters/sql-3", 3, False, 1000.0),
+        AdapterRecord("new", "/adapters/new", 1, True, 1000.0),
+        AdapterRecord("chat", "/adapters/x", 9, False, 1000.0),
+        AdapterRecord("big", "/adapters/x", 4, False, 1000.0),
+    ]
+    assert store.put_adapters(batch) == expected
+    assert store.revision() == 4
+    assert store.list_adapters() == sorted(expected, key=lambda r: r.name)
+    assert backend.open().list_adapters() == sorted(expected, key=lambda r: r.name)  # another replica sees it all
+    assert store.put_adapters([]) == [] and store.revision() == 4  # an empty batch changes nothing
+    assert store.put_adapters([_adapter("chat")]) == [AdapterRecord("chat", "/adapters/x", 10, False, 1000.0)]
+    assert store.revision() == 5
+
+
+def test_put_adapters_refuses_a_bad_batch_whole(store: RegistryStore):
+    store.put_adapter(_adapter("kept"))
+    for batch, reason in (
+        ([_adapter("sql"), _adapter("bad name")], "invalid adapter name"),
+        ([_adapter("sql"), _adapter("kept", version=0)], "version"),
+        ([_adapter("sql"), _adapter("chat", path="")], "path"),
+        ([_adapter("sql"), _adapter("chat"), _adapter("sql", "/adapters/other")], "'sql' appears more than once"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            store.put_adapters(batch)
+    assert store.list_adapters() == [_adapter("kept")] and store.revision() == 1
+
+
+def test_concurrent_batches_are_atomic(backend: Backend):
+    """Four replicas put the same ten names at once, each batch one atomic write: every name ends at version 4
+    (1, then three replaces), in four revisions; a lost update would leave a lower version."""
+    names = [f"a{i}" for i in range(10)]
+
+    def put(i: int) -> None:
+        backend.open().put_adapters([_adapter(name, f"/adapters/{i}") for name in names])
+
+    _run_threads(4, put)
+    store = backend.open()
+    assert [(r.name, r.version) for r in store.list_adapters()] == [(name, 4) for name in sorted(names)]
+    assert len({r.path for r in store.list_adapters()}) == 1  # every name from the one batch written last
+    assert store.revision() == 4
+
+
 @pytest.mark.parametrize(
     "bad", ["", "-lead", ".lead", "a" * 65, "has space", "a/b", "a:b", "line\n", "é", "a..b", ".."]
 )
@@ -897,6 +953,7 @@ _OPERATIONS: dict[str, Callable[[RegistryStore], object]] = {
     "take": lambda store: store.take("acme", "requests", 1, 100),
     "add_usage": lambda store: store.add_usage("acme", "sql", 1, 1),
     "list_adapters": lambda store: store.list_adapters(),
+    "put_adapters": lambda store: store.put_adapters([_adapter("sql"), _adapter("chat")]),
 }
 
 
@@ -949,6 +1006,7 @@ def test_hung_redis_times_out_instead_of_hanging(start_redis: Callable[..., subp
 
 _WRITES: dict[str, Callable[[RegistryStore], object]] = {
     "put_adapter": lambda store: store.put_adapter(_adapter("sql")),
+    "put_adapters": lambda store: store.put_adapters([_adapter("sql"), _adapter("chat")]),
     "delete_adapter": lambda store: store.delete_adapter("kept"),
     "create_tenant": lambda store: store.create_tenant("other", []),
     "issue_key": lambda store: store.issue_key("acme"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from lora_server.adapters.sources import source_scheme
 from lora_server.admin.api.errors import ApiError
 from lora_server.admin.store import (
+    MAX_NAME_SHOWN,
     MAX_TENANT_WEIGHT,
     AdapterRecord,
     RateLimits,
@@ -30,6 +31,10 @@ from lora_server.admin.store import (
 )
 from lora_server.admin.store.keys import constant_time_equals
 
+MAX_BATCH_ADAPTERS = 10_000  # adapters of one POST /admin/adapters/batch
+MAX_REFUSALS_SHOWN = 20  # refused adapters a batch's error names; the others are counted
+SERVED_ALREADY = 'already served (send "replace": true to serve new weights under it as a new version)'
+
 
 class AdapterControl(Protocol):
     """What the admin API needs from the serving side. ``lock`` is held while an adapter changes in the engine and
@@ -37,11 +42,14 @@ class AdapterControl(Protocol):
 
     Registering is two steps around the store's write: ``check_adapter`` reads and validates the files (ApiError(400)
     with the reason; nothing changes), ``serve_adapter`` then serves what was checked as version ``version`` (it
-    reads no file, and under the same hold of ``lock`` it does not fail)."""
+    reads no file, and under the same hold of ``lock`` it does not fail). ``check_adapters`` checks many (name, path,
+    pinned) at once, on several threads: each one's result in order, an ApiError(400) with the reason for one that
+    cannot be served; it changes nothing either."""
 
     lock: threading.Lock
 
     def check_adapter(self, name: str, path: str, pinned: bool) -> object: ...
+    def check_adapters(self, specs: Sequence[tuple[str, str, bool]]) -> Sequence[object]: ...
     def serve_adapter(self, checked: Any, pinned: bool, version: int) -> dict[str, Any]: ...
     def next_version(self, name: str) -> int: ...  # the least version the engine gives the name's next registration
     def unload_adapter(self, name: str) -> bool: ...  # False when the engine does not serve it
@@ -57,6 +65,11 @@ class AdapterBody(BaseModel):
     path: str
     pinned: bool = False
     replace: bool = False  # serve the new weights under a name already served (a new version); else 409
+
+
+class AdapterBatchBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    adapters: list[AdapterBody]
 
 
 class LoadLoraBody(BaseModel):
@@ -155,10 +168,33 @@ def admin_router(
 
     router = APIRouter(dependencies=[Depends(require_admin)])
 
-    def register(name: str, path: str, pinned: bool, replace: bool) -> dict[str, Any]:
+    def adapter_name(name: str) -> str:
+        """``name`` if an adapter may take it, else a 400 saying why."""
         checked_name(name, "adapter name", "name")
         if name == base_model_id:
             raise ApiError(400, f"{name!r} is the base model's id; choose another adapter name", param="name")
+        return name
+
+    def adapter_source(path: str) -> str:
+        """Where the adapter is read from: a URL as given (the engine downloads it if its scheme is enabled), or the
+        resolved local path; a 400 for a local path outside the allowed roots."""
+        if source_scheme(path) is not None:
+            return path
+        try:
+            resolved = Path(path).expanduser().resolve()
+        except (ValueError, RuntimeError) as exc:  # a NUL byte; ~user of no such user
+            raise ApiError(400, f"adapter path {path!r} cannot be resolved: {exc}", param="path") from exc
+        if not any(resolved.is_relative_to(r) for r in allowed_roots):
+            raise ApiError(
+                400,
+                f"adapter path {path} is outside the allowed adapter roots "
+                f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)",
+                param="path",
+            )
+        return str(resolved)
+
+    def register(name: str, path: str, pinned: bool, replace: bool) -> dict[str, Any]:
+        adapter_name(name)
         with control.lock:
             return register_locked(name, path, pinned, replace)
 
@@ -171,23 +207,11 @@ def admin_router(
                 param="name",
                 code="adapter_exists",
             )
-        if source_scheme(path) is not None:  # a URL: the engine downloads it if its scheme is enabled
-            source = path
-        else:
-            resolved = Path(path).expanduser().resolve()
-            if not any(resolved.is_relative_to(r) for r in allowed_roots):
-                raise ApiError(
-                    400,
-                    f"adapter path {path} is outside the allowed adapter roots "
-                    f"({', '.join(map(str, allowed_roots))}; add one with --adapter-root)",
-                    param="path",
-                )
-            source = str(resolved)
+        source = adapter_source(path)
         # files first (a 400 changes nothing), then the store (a 503 changes nothing), then the engine
         checked = control.check_adapter(name, source, pinned)
         old = store.get_adapter(name)
-        version = max(1 if old is None else old.version + 1, control.next_version(name))
-        record = store.put_adapter(AdapterRecord(name, source, version, pinned, time.time()))
+        record = store.put_adapter(AdapterRecord(name, source, _next_version(name, old, control), pinned, time.time()))
         try:
             info = control.serve_adapter(checked, pinned, record.version)
         except ApiError:  # not expected under the lock; the store is put back as it was
@@ -197,6 +221,80 @@ def admin_router(
                 store.put_adapter(old)
             raise
         return {**info, "version": record.version, "pinned": record.pinned}
+
+    def register_batch(items: list[AdapterBody]) -> dict[str, Any]:
+        """All or nothing: every item validated (name, path, a name twice, one served without ``replace``), every
+        file checked on several threads outside ``lock``; any refusal is one error naming each refused item, and
+        nothing changes. Then one store write and each adapter served, under ``lock``."""
+        if len(items) > MAX_BATCH_ADAPTERS:
+            raise ApiError(
+                400,
+                f"a batch holds at most {MAX_BATCH_ADAPTERS} adapters, got {len(items)}; send it in several",
+                param="adapters",
+            )
+        refusals: dict[int, str] = {}  # item index -> why it is refused
+        conflicts: set[int] = set()  # the items refused only because their name is served
+        sources: dict[int, str] = {}
+        first: dict[str, int] = {}  # name -> index of its first item
+        served = set(control.served_adapters())
+        for i, item in enumerate(items):
+            try:
+                adapter_name(item.name)
+                sources[i] = adapter_source(item.path)
+            except ApiError as exc:
+                refusals[i] = exc.message
+                continue
+            if item.name in first:
+                refusals[i] = f"the same name as adapters[{first[item.name]}]"
+            elif not item.replace and item.name in served:
+                refusals[i] = SERVED_ALREADY
+                conflicts.add(i)
+            first.setdefault(item.name, i)
+        ok = [i for i in range(len(items)) if i not in refusals]
+        checks = control.check_adapters([(items[i].name, sources[i], items[i].pinned) for i in ok])
+        checked = dict(zip(ok, checks, strict=True))
+        refusals |= {i: c.message for i, c in checked.items() if isinstance(c, ApiError)}
+        if refusals:
+            raise _batch_refused(items, refusals, conflicts)
+        with control.lock:
+            served = set(control.served_adapters())  # again: another registration may have come first
+            conflicts = {i for i, item in enumerate(items) if not item.replace and item.name in served}
+            if conflicts:
+                raise _batch_refused(items, dict.fromkeys(conflicts, SERVED_ALREADY), conflicts)
+            return install_batch(items, [sources[i] for i in ok], [checked[i] for i in ok], served)
+
+    def install_batch(
+        items: list[AdapterBody], sources: list[str], checked: list[object], served: set[str]
+    ) -> dict[str, Any]:
+        """The store's one write, then each adapter served (under ``lock``). Only a pin can be refused now (one that
+        no longer fits beside those served before it), so pins are served first, new names before replaced ones:
+        a refusal then finds as little as can be to undo. It undoes the batch as ``register`` does: the store as it
+        was, and the new names served so far unloaded; a replaced name served so far gets its old version back when
+        the registry sync reloads it from the store's restored record."""
+        olds = {r.name: r for r in store.list_adapters()}
+        now = time.time()
+        records = [
+            AdapterRecord(item.name, source, _next_version(item.name, olds.get(item.name), control), item.pinned, now)
+            for item, source in zip(items, sources, strict=True)
+        ]
+        stored = store.put_adapters(records)
+        order = sorted(range(len(items)), key=lambda i: (not items[i].pinned, items[i].name in served))
+        answers: dict[int, dict[str, Any]] = {}
+        for i in order:
+            record = stored[i]
+            try:
+                info = control.serve_adapter(checked[i], record.pinned, record.version)
+            except ApiError as exc:
+                for j in answers:
+                    if stored[j].name not in served:
+                        control.unload_adapter(stored[j].name)
+                store.put_adapters([old for r in stored if (old := olds.get(r.name)) is not None])
+                for r in stored:
+                    if r.name not in olds:
+                        store.delete_adapter(r.name)
+                raise _batch_refused(items, {i: exc.message}, set()) from exc
+            answers[i] = {**info, "version": record.version, "pinned": record.pinned}
+        return {"data": [answers[i] for i in range(len(items))]}
 
     def describe(name: str, record: AdapterRecord | None) -> dict[str, Any] | None:
         """An adapter as the engine serves it, or as the store recorded it ("not loaded": its files failed)."""
@@ -218,6 +316,10 @@ def admin_router(
     @router.post("/admin/adapters")
     def add_adapter(body: AdapterBody) -> dict[str, Any]:
         return register(body.name, body.path, body.pinned, body.replace)
+
+    @router.post("/admin/adapters/batch")
+    def add_adapters(body: AdapterBatchBody) -> dict[str, Any]:
+        return register_batch(body.adapters)
 
     @router.get("/admin/adapters")
     def list_adapters() -> dict[str, Any]:
@@ -362,6 +464,29 @@ def checked_name(name: str, what: str, param: str) -> str:
         return validate_name(name, what)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from exc
+
+
+def _next_version(name: str, old: AdapterRecord | None, control: AdapterControl) -> int:
+    """The version of the name's next registration: above its record in the store (``old``) and the engine's latest
+    (call under ``control.lock``)."""
+    return max(1 if old is None else old.version + 1, control.next_version(name))
+
+
+def _batch_refused(items: Sequence[AdapterBody], refusals: dict[int, str], conflicts: set[int]) -> ApiError:
+    """One error for a refused batch, naming each refused item (the first MAX_REFUSALS_SHOWN, then a count): a 409
+    when every refusal is a name already served (``conflicts``), else a 400."""
+    shown = [f"adapters[{i}] {_shown(items[i].name)}: {refusals[i]}" for i in sorted(refusals)[:MAX_REFUSALS_SHOWN]]
+    more = len(refusals) - len(shown)
+    message = f"{len(refusals)} of {len(items)} adapters refused, nothing changed: {'; '.join(shown)}" + (
+        f"; and {more} more" if more else ""
+    )
+    if refusals.keys() <= conflicts:
+        return ApiError(409, message, param="adapters", code="adapter_exists")
+    return ApiError(400, message, param="adapters")
+
+
+def _shown(name: str) -> str:
+    return repr(name[:MAX_NAME_SHOWN]) + ("..." if len(name) > MAX_NAME_SHOWN else "")
 
 
 def _no_tenant(name: str) -> ApiError:

@@ -71,6 +71,15 @@ def check_weight(value: object) -> float:
     return float(value)
 
 
+def _check_adapter(record: AdapterRecord) -> None:
+    """ValueError saying why unless ``record`` can be stored: a valid name, a path, a positive version."""
+    validate_name(record.name, "adapter name")
+    if not isinstance(record.path, str) or not record.path:
+        raise ValueError("adapter path must be a non-empty string")
+    if isinstance(record.version, bool) or not isinstance(record.version, int) or record.version < 1:
+        raise ValueError(f"adapter version must be a positive integer, got {record.version!r}")
+
+
 def _check_count(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
@@ -193,12 +202,20 @@ class RegistryStore(ABC):
 
         A new name is stored with ``record.version``; a replace stores ``max(record.version, old version + 1)``.
         """
-        validate_name(record.name, "adapter name")
-        if not isinstance(record.path, str) or not record.path:
-            raise ValueError("adapter path must be a non-empty string")
-        if isinstance(record.version, bool) or not isinstance(record.version, int) or record.version < 1:
-            raise ValueError(f"adapter version must be a positive integer, got {record.version!r}")
+        _check_adapter(record)
         return self._put_adapter(record)
+
+    def put_adapters(self, records: Sequence[AdapterRecord]) -> list[AdapterRecord]:
+        """``put_adapter`` of each record, in one atomic step that bumps the revision once; returns what was stored,
+        in order. Every record is validated before anything is written: one invalid record, or a name that appears
+        twice, is a ValueError and nothing changes. An empty batch changes nothing (the revision stays)."""
+        seen: set[str] = set()
+        for record in records:
+            _check_adapter(record)
+            if record.name in seen:
+                raise ValueError(f"adapter name {record.name!r} appears more than once in the batch")
+            seen.add(record.name)
+        return self._put_adapters(records) if records else []
 
     def get_adapter(self, name: str) -> AdapterRecord | None:
         return self._get_adapter(name) if is_valid_name(name) else None
@@ -429,6 +446,10 @@ class RegistryStore(ABC):
 
     @abstractmethod
     def _put_adapter(self, record: AdapterRecord) -> AdapterRecord: ...
+
+    @abstractmethod
+    def _put_adapters(self, records: Sequence[AdapterRecord]) -> list[AdapterRecord]:
+        """``_put_adapter`` of each record (at least one; names distinct), in one atomic step with one bump."""
 
     @abstractmethod
     def _get_adapter(self, name: str) -> AdapterRecord | None: ...

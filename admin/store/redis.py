@@ -34,7 +34,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -265,15 +265,20 @@ class RedisStore(RegistryStore):
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
-    @_reachable
     def _put_adapter(self, record: AdapterRecord) -> AdapterRecord:
-        def bump_and_store(pipe: redis.client.Pipeline) -> AdapterRecord:
-            old = pipe.hget(self._adapters_key, record.name)  # executes at once: the pipe is WATCHing
-            stored = record
-            if old is not None:
-                stored = replace(record, version=max(record.version, json.loads(cast(str, old))["version"] + 1))
+        return self._put_adapters([record])[0]
+
+    @_reachable
+    def _put_adapters(self, records: Sequence[AdapterRecord]) -> list[AdapterRecord]:
+        def bump_and_store(pipe: redis.client.Pipeline) -> list[AdapterRecord]:
+            # executes at once (the pipe is WATCHing): the old records, one per name, None where there is none
+            olds = cast(list[str | None], pipe.hmget(self._adapters_key, [r.name for r in records]))
+            stored = [
+                r if old is None else replace(r, version=max(r.version, json.loads(old)["version"] + 1))
+                for r, old in zip(records, olds, strict=True)
+            ]
             pipe.multi()
-            pipe.hset(self._adapters_key, record.name, json.dumps(asdict(stored)))
+            pipe.hset(self._adapters_key, mapping={r.name: json.dumps(asdict(r)) for r in stored})
             self._bump(pipe)
             return stored
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -206,16 +206,20 @@ class SQLiteStore(RegistryStore):
     # -- adapters -------------------------------------------------------------------------------------------------
 
     def _put_adapter(self, record: AdapterRecord) -> AdapterRecord:
+        return self._put_adapters([record])[0]
+
+    def _put_adapters(self, records: Sequence[AdapterRecord]) -> list[AdapterRecord]:
+        stored = []
         with self._transaction() as conn:
-            row = conn.execute("SELECT version FROM adapters WHERE name = ?", (record.name,)).fetchone()
-            if row is not None:
-                record = replace(record, version=max(record.version, row[0] + 1))
-            conn.execute(
+            for record in records:
+                row = conn.execute("SELECT version FROM adapters WHERE name = ?", (record.name,)).fetchone()
+                stored.append(record if row is None else replace(record, version=max(record.version, row[0] + 1)))
+            conn.executemany(
                 f"INSERT OR REPLACE INTO adapters ({_ADAPTER_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
-                (record.name, record.path, record.version, int(record.pinned), record.created_at),
+                [(r.name, r.path, r.version, int(r.pinned), r.created_at) for r in stored],
             )
             self._bump(conn)
-        return record
+        return stored
 
     def _get_adapter(self, name: str) -> AdapterRecord | None:
         rows = self._query(f"SELECT {_ADAPTER_COLUMNS} FROM adapters WHERE name = ?", (name,))

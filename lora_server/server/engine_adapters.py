@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lora_server.adapters.peft_format import AdapterError
 from lora_server.admin.api.errors import ApiError
 from lora_server.engine import Engine
-from lora_server.engine.adapter_registry import CheckedAdapter
+from lora_server.engine.adapter_registry import AdapterSpec, CheckedAdapter
 from lora_server.errors import UnknownAdapterError
 
 log = logging.getLogger("lora_server")
@@ -36,6 +37,12 @@ class EngineAdapters:
             return self.engine.check_adapter(name, path, pinned)
         except AdapterError as exc:
             raise ApiError(400, str(exc), param="path") from exc
+
+    def check_adapters(self, specs: Sequence[tuple[str, str, bool]]) -> list[CheckedAdapter | ApiError]:
+        """``check_adapter`` of each (name, path, pinned), on several threads (Engine.check_adapters): each one's
+        result in order, an ApiError 400 with the reason for one that cannot be served. Changes nothing."""
+        results = self.engine.check_adapters([AdapterSpec(*spec) for spec in specs])
+        return [ApiError(400, str(r), param="path") if isinstance(r, AdapterError) else r for r in results]
 
     def serve_adapter(self, checked: CheckedAdapter, pinned: bool, version: int) -> dict[str, Any]:
         try:

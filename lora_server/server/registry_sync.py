@@ -24,6 +24,7 @@ from lora_server.adapters.peft_format import AdapterError
 from lora_server.admin.store import AdapterRecord, RegistryStore, StoreUnavailableError
 from lora_server.admin.store.change_feed import ChangeFeed, open_feed
 from lora_server.engine import Engine
+from lora_server.engine.adapter_registry import AdapterSpec
 
 log = logging.getLogger("lora_server")
 RESYNC_S = 5.0  # a wait on the feed that hears nothing ends with a read of the revision (a missed wake-up)
@@ -56,14 +57,19 @@ class RegistrySync:
         with self.lock:
             revision = self.store.revision()  # read first: a change after it wakes the feed again
             records = {r.name: r for r in self.store.list_adapters()}
-            for record in records.values():
-                if self._stale(record):
+            stale = [r for r in records.values() if self._stale(r)]
+            # the files of all of them read and checked at once, on several threads; then each served
+            checks = self.engine.check_adapters([AdapterSpec(r.name, r.path, r.pinned) for r in stale])
+            for record, checked in zip(stale, checks, strict=True):
+                if not isinstance(checked, AdapterError):
                     try:
-                        self.engine.add_adapter(
-                            record.name, record.path, record.pinned, record.version, registered_at=record.created_at
+                        self.engine.install_adapter(
+                            checked, record.pinned, record.version, registered_at=record.created_at
                         )
-                    except AdapterError as exc:
-                        log.warning("registered adapter %s could not be loaded: %s", record.name, exc)
+                        continue
+                    except AdapterError as exc:  # a pin that does not fit beside those installed before it
+                        checked = exc
+                log.warning("registered adapter %s could not be loaded: %s", record.name, checked)
             for name in self.engine.adapter_names():
                 info = self.engine.adapter_info(name)
                 if info is not None and info.source == "api" and name not in records:
