@@ -439,3 +439,39 @@ def test_multi_turn_at_a_poisson_rate_reports_the_prefix_cache(server, tmp_path)
     assert r["cached_tokens"] == hits > 0 and r["cached_token_share"] == r["cached_tokens"] / r["total_input_tokens"]
     assert r["request_rate"] == 8.0 and r["max_concurrency"] == 2
     check_orderings(r, ["50", "99"])
+
+
+# --- Zipf adapter popularity (--lora-assignment zipf) ------------------------------------------------------------
+
+
+def test_zipf_assignment_follows_its_popularity_in_the_given_order(capsys):
+    from collections import Counter
+
+    from lora_server.bench.serve_data import assign
+    from lora_server.bench.serve_flags import check_args
+
+    names = [f"a{i}" for i in range(100)]
+    n = 50_000
+    counts = Counter(assign(random.Random(7), n, names, "zipf"))
+    # alpha 1: p_i = (1 / i) / H_100 for the i-th name, H_100 = 5.18738 (by hand: 1 + 1/2 + ... + 1/100)
+    assert counts["a0"] / n == pytest.approx(0.19277, abs=0.01)  # 1 / H_100
+    assert counts["a1"] / n == pytest.approx(0.09639, abs=0.01)  # 1 / (2 H_100)
+    assert counts["a99"] / n == pytest.approx(0.00193, abs=0.002)  # 1 / (100 H_100)
+    assert [counts[f"a{i}"] for i in range(5)] == sorted((counts[f"a{i}"] for i in range(5)), reverse=True)
+    assert set(counts) <= set(names)
+    # alpha 2: p_0 = 1 / (1 + 1/4 + ... + 1/100^2) = 1 / 1.63498; alpha 0: uniform
+    assert Counter(assign(random.Random(7), n, names, "zipf:2.0"))["a0"] / n == pytest.approx(0.61163, abs=0.01)
+    assert Counter(assign(random.Random(7), n, names, "zipf:0"))["a0"] / n == pytest.approx(0.01, abs=0.003)
+    # the other assignments as they were: the same seed, the same trace
+    rng = random.Random(3)
+    assert assign(random.Random(3), 5, names, "random") == [rng.choice(names) for _ in range(5)]
+    assert assign(random.Random(3), 3, names, "round-robin") == ["a0", "a1", "a2"]
+    # the flags: --lora-zipf-alpha is the trace's exponent, and goes with zipf only
+    args = serve_parser().parse_args(["--lora-assignment", "zipf", "--lora-zipf-alpha", "1.5"])
+    check_args(args)
+    assert args.lora_assignment == "zipf:1.5"
+    args = serve_parser().parse_args(["--lora-assignment", "zipf"])
+    check_args(args)
+    assert args.lora_assignment == "zipf:1.0"
+    assert main(["bench", "serve", "--port", "9", "--lora-zipf-alpha", "2"]) == 2
+    assert "--lora-zipf-alpha goes with --lora-assignment zipf" in capsys.readouterr().err

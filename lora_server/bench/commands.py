@@ -1,7 +1,7 @@
 """The benchmarks' commands: ``lora-server bench-engine``, ``bench-gpu``, ``bench-spec``, ``bench-pool``,
-``bench-fair``, ``bench-long-prefill``, ``bench-quality``, ``bench-tp``, and ``bench NAME`` (vLLM's shape: ``bench
-serve`` loads any OpenAI-compatible server). Each command's flags and defaults are here; its work is in its own
-module of this package, imported when it runs."""
+``bench-fair``, ``bench-long-prefill``, ``bench-quality``, ``bench-tp``, ``bench-staging``, and ``bench NAME``
+(vLLM's shape: ``bench serve`` loads any OpenAI-compatible server). Each command's flags and defaults are here;
+its work is in its own module of this package, imported when it runs."""
 
 from __future__ import annotations
 
@@ -213,6 +213,31 @@ def _bench_tp(args: argparse.Namespace) -> int:
     from lora_server.bench.tensor_parallel import bench_tp
 
     bench_tp(args, config_from_flags(EngineConfig, args))
+    return 0
+
+
+def _bench_staging_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shapes", type=lambda t: t.split(","), default=["6.6MB", "80MB"], help="takes commas (default: 6.6MB,80MB)"
+    )
+    p.add_argument("--registered", type=int, default=2000, help="6.6MB adapters registered (default: 2000)")
+    p.add_argument("--large-count", type=int, default=32, help="80MB adapters registered (default: 32)")
+    p.add_argument("--staged", type=int, default=32, help="adapters staged per run (default: 32)")
+    p.add_argument("--resolutions", type=int, default=50, help="adapters resolved on demand (default: 50)")
+    p.add_argument("--workers", type=int, default=2, help="staging workers and registration threads (default: 2)")
+    p.add_argument("--tmp", default=None, help="where the adapters are written (default: the system's temp folder)")
+    _json_flags(p, "bench-staging")
+
+
+@command(
+    "bench-staging",
+    "adapters from files to host pages at Llama-3-8B sizes: registration, on-demand resolution, staging GB/s",
+    _bench_staging_args,
+)
+def _bench_staging(args: argparse.Namespace) -> int:
+    from lora_server.bench.staging import bench_staging
+
+    bench_staging(args)
     return 0
 
 
@@ -506,3 +531,54 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 @command("bench", "benchmarks: serve (any OpenAI-compatible server), engine, pool, fair", _bench_args)
 def _bench(args: argparse.Namespace) -> int:
     return BENCHMARKS[args.benchmark][2](args)
+
+
+def _bench_e2e_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny Llama (4 layers, hidden 128) on the CPU instead of Llama-3-8B's shape",
+    )
+    p.add_argument("--adapters", type=int, default=2000, help="adapters written and registered (default: 2000)")
+    p.add_argument("--few", type=int, default=16, help="the reference point's adapters (default: 16)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per point (default: 384; 128 with --quick)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer directory from lora-server export-tokenizer, for machines without the embedded model "
+        "(default: exported at the start of the run)",
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="an empty folder for the checkpoint, the adapters and the servers' data, kept (default: a temporary "
+        "folder, removed at the end)",
+    )
+    p.add_argument(
+        "--small-arena-gb",
+        type=float,
+        default=None,
+        help="the last point's --kv-cache-gb (default: one full batch's KV and 64 adapters, a quarter to spare)",
+    )
+    _json_flags(p, "bench-e2e")
+
+
+@command(
+    "bench-e2e",
+    "thousands of adapters at the speed of a few: a synthetic checkpoint, N adapters and the real HTTP server under "
+    "load, 16 adapters against N uniform and Zipf",
+    _bench_e2e_args,
+)
+def _bench_e2e(args: argparse.Namespace) -> int:
+    import sys
+
+    from lora_server.bench.e2e import bench_e2e
+
+    if args.num_prompts is None:
+        args.num_prompts = 128 if args.quick else 384
+    try:
+        bench_e2e(args)
+    except RuntimeError as exc:  # a server or a request failed: no figures to trust
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

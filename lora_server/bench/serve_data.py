@@ -73,10 +73,20 @@ def sample_len(rng: random.Random, length: int, ratio: float) -> int:
     return max(1, rng.randint(low, high))
 
 
+def zipf_weights(n: int, alpha: float) -> list[float]:
+    """Zipf popularity of n items in their order: item i's weight 1 / (i + 1) ** alpha (not normalized)."""
+    return [1.0 / (i + 1) ** alpha for i in range(n)]
+
+
 def assign(rng: random.Random, n: int, names: list[str], how: str) -> list[str]:
-    """n picks from names: uniformly at random (vLLM's way) or in turn ("round-robin")."""
+    """n picks from names: uniformly at random ("random", vLLM's way), in turn ("round-robin"), or by Zipf
+    popularity in the names' order ("zipf", or "zipf:ALPHA"; alpha 1.0 by default): names[i] with probability
+    proportional to 1 / (i + 1) ** alpha."""
     if how == "round-robin":
         return [names[i % len(names)] for i in range(n)]
+    kind, _, alpha = how.partition(":")
+    if kind == "zipf":
+        return rng.choices(names, weights=zipf_weights(len(names), float(alpha or 1.0)), k=n)
     return [rng.choice(names) for _ in range(n)]
 
 

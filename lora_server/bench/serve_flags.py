@@ -237,9 +237,16 @@ def _trace_args(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--lora-assignment",
-        choices=["random", "round-robin"],
+        choices=["random", "round-robin", "zipf"],
         default="random",
-        help="how each request (conversation) gets its adapter (default: random, as vLLM)",
+        help="how each request (conversation) gets its adapter: random (uniform), round-robin, or zipf (the i-th "
+        "of --lora-modules with probability proportional to 1 / i ** --lora-zipf-alpha) (default: random, as vLLM)",
+    )
+    g.add_argument(
+        "--lora-zipf-alpha",
+        type=float,
+        default=None,
+        help="the Zipf exponent of --lora-assignment zipf (default: 1.0)",
     )
     g.add_argument(
         "--request-rate", type=float, default=math.inf, help="arrivals per second; inf sends all at once (default: inf)"
@@ -316,7 +323,7 @@ def _result_args(g: argparse._ArgumentGroup) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Combinations vLLM refuses, and what this client cannot do, as ValueError; maps --input-len / --output-len
-    onto the datasets' own flags, as vLLM does."""
+    onto the datasets' own flags, as vLLM does, and --lora-assignment zipf onto zipf:ALPHA (the trace's value)."""
     if args.backend is not None and args.backend not in BACKENDS:
         raise ValueError(f"--backend {args.backend}: only the OpenAI APIs are spoken ({', '.join(BACKENDS)})")
     if args.dataset_name in OTHER_DATASETS:
@@ -341,6 +348,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("the ramp goes up from a start rate above 0 to an end rate at least as high")
         if args.plot_rates:
             raise ValueError("--plot-rates sets the rate of each run: it does not go with --ramp-up-strategy")
+    if args.lora_zipf_alpha is not None:
+        if not args.lora_assignment.startswith("zipf"):
+            raise ValueError("--lora-zipf-alpha goes with --lora-assignment zipf")
+        if args.lora_zipf_alpha < 0:
+            raise ValueError("--lora-zipf-alpha must be at least 0 (0: uniform)")
+    if args.lora_assignment == "zipf":  # the trace's assignment carries its exponent (serve_data.assign)
+        args.lora_assignment = f"zipf:{1.0 if args.lora_zipf_alpha is None else float(args.lora_zipf_alpha)}"
     if args.input_len is not None:
         args.random_input_len = args.input_len
     if args.output_len is not None:
