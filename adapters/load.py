@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lora_server.adapters.lora_types import BaseShapes, LoraAdapter, content_hash
 from lora_server.adapters.peft_adapter import PeftAdapter
+from lora_server.adapters.peft_files import ReadBuffer
 from lora_server.adapters.peft_format import read_peft_adapter
 
 
@@ -16,16 +17,21 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def read_adapter(
-    name: str, path: str | Path, base: BaseShapes, max_rank: int, allowed_roots: list[Path] | None = None
+    name: str,
+    path: str | Path,
+    base: BaseShapes,
+    max_rank: int,
+    allowed_roots: list[Path] | None = None,
+    read_buffer: ReadBuffer | None = None,
 ) -> PeftAdapter | LoraAdapter:
     """The adapter at ``path``, validated but for its weights' values where they stay as stored (a PEFT directory:
-    a PeftAdapter, see check_weights); a GGUF file is read whole into a LoraAdapter (``allowed_roots`` None allows
-    any path)."""
+    a PeftAdapter, see check_weights, its weights in ``read_buffer`` when given: read_peft_adapter); a GGUF file is
+    read whole into a LoraAdapter (``allowed_roots`` None allows any path)."""
     if is_gguf(path):
         from lora_server.adapters.gguf_lora import load_gguf_adapter
 
         return load_gguf_adapter(name, path, base, max_rank, allowed_roots)
-    return read_peft_adapter(name, path, base, max_rank, allowed_roots)
+    return read_peft_adapter(name, path, base, max_rank, allowed_roots, read_buffer)
 
 
 def load_adapter(

@@ -157,6 +157,24 @@ class PageLayout:
         self.vocab = dict(vocab or {})
         for name, (rows, width) in self.vocab.items():
             self._place_rows(name, rows, width, item)
+        self.gaps = self._gaps()
+
+    def _gaps(self) -> list[tuple[int, int, int]]:
+        """(page, first element, end element) of every run of the pages that no block covers: the table, what
+        alignment leaves between blocks, each page's tail."""
+        covered: list[list[tuple[int, int]]] = [[] for _ in range(self.num_pages)]
+        for block in self.blocks:
+            covered[block.page].append((block.offset, block.offset + (block.row1 - block.row0) * block.width))
+        gaps, page_elems = [], self.geometry.page_elems
+        for page, runs in enumerate(covered):
+            at = 0
+            for start, end in sorted(runs):
+                if start > at:
+                    gaps.append((page, at, start))
+                at = max(at, end)
+            if at < page_elems:
+                gaps.append((page, at, page_elems))
+        return gaps
 
     def _place_rows(self, name: str, rows: int, width: int, item: int) -> None:
         """Put a vocabulary piece [rows, width] in runs of whole rows: as many as what is left of the page holds,
@@ -215,7 +233,8 @@ class PageLayout:
         dora: Mapping[tuple[int, str], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The adapter's pages as the device will hold them: uint8 [num_pages, page_bytes], the table left zero,
-        unused bytes zero; written into ``out`` when given (the caller's memory, of that shape). ``dora``: the
+        unused bytes zero; written into ``out`` when given (the caller's memory, of that shape: its blocks written,
+        the gaps between them zeroed, nothing written twice). ``dora``: the
         [2, out] epilogue of each DoRA module (adapters.dora.dora_epilogues), exactly the layout's.
 
         Each block is one copy from the adapter's tensors; a PeftAdapter's B is scaled in that copy, rounded once
@@ -230,8 +249,11 @@ class PageLayout:
             pages = torch.zeros(shape, dtype=torch.uint8)
         else:
             assert out.shape == shape and out.dtype == torch.uint8, (tuple(out.shape), out.dtype, shape)
-            pages = out.zero_()
+            pages = out
         values = pages.view(-1).view(g.dtype).view(self.num_pages, g.page_elems)
+        if out is not None:  # what no block writes (a reused buffer's old bytes)
+            for page, start, end in self.gaps:
+                values[page, start:end].zero_()
         parts = adapter.scaled_parts()
         for block in self.blocks:
             dst = values[block.page, block.offset : block.offset + (block.row1 - block.row0) * block.width]
@@ -283,7 +305,11 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scaling: float) -> None:
     LoraAdapter's are), rounded once into dst's dtype."""
     if src.dtype == torch.float64:
         src = src.float()
-    if scaling == 1.0:
+    if src.dtype == dst.dtype and not src.is_contiguous():  # B^T: numpy copies a transpose ~3x as fast as torch
+        np.copyto(_bits(dst), _bits(src))
+        if scaling != 1.0:
+            dst.mul_(scaling)  # the same float32 product and rounding as torch.mul(src, scaling, out=dst)
+    elif scaling == 1.0:
         dst.copy_(src)
     elif src.dtype == dst.dtype or src.dtype == torch.float32:  # opmath: float32 product, one rounding into dst
         torch.mul(src, scaling, out=dst)
@@ -292,3 +318,11 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scaling: float) -> None:
         dst.mul_(scaling)
     else:
         dst.copy_(src.float().mul_(scaling))
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's elements as unsigned integers of their width (numpy has no bfloat16): copies move them exactly."""
+    return tensor.view(_UINTS[tensor.element_size()]).numpy()
+
+
+_UINTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

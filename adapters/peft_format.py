@@ -27,7 +27,14 @@ from lora_server.adapters.lora_types import (
     content_hash,
 )
 from lora_server.adapters.peft_adapter import PeftAdapter
-from lora_server.adapters.peft_files import FLOAT_DTYPES, FilesIdentity, SafetensorsFile, read_file
+from lora_server.adapters.peft_files import (
+    FLOAT_DTYPES,
+    FilesIdentity,
+    ReadBuffer,
+    SafetensorsFile,
+    read_file,
+    read_file_into,
+)
 
 __all__ = [  # the adapter types, importable from here as before they had a module of their own
     "FUSED_MODULES",
@@ -165,13 +172,19 @@ def load_peft_adapter(
 
 
 def read_peft_adapter(
-    name: str, path: str | Path, base: BaseShapes, max_rank: int, allowed_roots: list[Path] | None = None
+    name: str,
+    path: str | Path,
+    base: BaseShapes,
+    max_rank: int,
+    allowed_roots: list[Path] | None = None,
+    read_buffer: ReadBuffer | None = None,
 ) -> PeftAdapter:
     """Read one PEFT LoRA directory and validate everything but its weights' values (PeftAdapter.check_weights);
     every refusal is an AdapterError (its ``public`` reason names no path). ``allowed_roots`` None means any path is
     allowed; otherwise the directory and each file read from it must resolve (symlinks followed) inside one. Each
     file is read once into memory (peft_files.read_file), so that files rewritten while the server reads them are a
-    refusal, never a crash; the weights stay in those bytes."""
+    refusal, never a crash; the weights stay in those bytes: in ``read_buffer`` when given (a staging worker's,
+    reused: the adapter's A and B are then valid until its next read; what outlives it is copied)."""
     roots = None if allowed_roots is None else [r.expanduser().resolve() for r in allowed_roots]
     outside = f"outside the allowed adapter roots ({', '.join(map(str, roots or [])) or 'none configured'})"
     root = _resolve(Path(path), f"adapter path {path}", "the adapter's directory")
@@ -201,7 +214,8 @@ def read_peft_adapter(
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise AdapterError(f"adapter_config.json must hold a JSON object, not {_JSON_TYPES[type(config)]}")
-    weights_bytes, weights_stamp = read_file(files["adapter_model.safetensors"])
+    weights = files["adapter_model.safetensors"]
+    weights_bytes, weights_stamp = read_file(weights) if read_buffer is None else read_file_into(weights, read_buffer)
     weights_file = SafetensorsFile(weights_bytes)
     tensors = weights_file.views()
     layers = _layers_path(name, tensors)  # before the config: target_modules regexes match the names under it
@@ -248,14 +262,17 @@ def _within(path: Path, roots: list[Path]) -> bool:
 
 
 def _layers_path(name: str, tensors: dict[str, torch.Tensor]) -> str:
-    """Which of LAYER_PATHS the adapter's keys name its modules under (TEXT_LAYERS when none does: _convert refuses
+    """Which of LAYER_PATHS the adapter's keys name its modules under (TEXT_LAYERS when none does: _modules refuses
     such keys, naming them); keys under two of the paths are refused. LoRA weights on a multimodal model's vision
     tower or projector are taken out of ``tensors`` and said in the log: they act on images only, which this
     server refuses (a 400), so on every request it serves the adapter computes what it computes in PEFT. PEFT's
     list targets (q_proj, v_proj, all-linear) wrap the vision tower's projections of those names too."""
-    image = sorted({m.group(1).split(".lora_")[0] for key in tensors if (m := _IMAGE_SIDE.fullmatch(key))})
+    on_images = [
+        k for k in tensors if ("vision_tower" in k or "multi_modal_projector" in k) and _IMAGE_SIDE.fullmatch(k)
+    ]
+    image = sorted({m.group(1).split(".lora_")[0] for key in on_images if (m := _IMAGE_SIDE.fullmatch(key))})
     if image:
-        for key in [k for k in tensors if _IMAGE_SIDE.fullmatch(k)]:
+        for key in on_images:
             del tensors[key]
         log.info(
             "adapter %s: LoRA weights on %d vision-tower / projector modules (%s...) not loaded: they act on images,"
@@ -514,7 +531,7 @@ def _magnitudes(
     by canonical (layer, module) in float32: a fused module's split by its parts' widths, as B's rows. Refused: a
     module without one, one of another shape, NaN or Inf, or any magnitude in an adapter without use_dora."""
     found: dict[tuple[int, str], torch.Tensor] = {}
-    for key, m in [(k, m) for k in tensors if (m := _MAGNITUDE_KEY.fullmatch(k))]:
+    for key, m in [(k, m) for k in tensors if "lora_magnitude_vector" in k and (m := _MAGNITUDE_KEY.fullmatch(k))]:
         target, tensor = (int(m.group(2)), f"{m.group(3)}.{m.group(4)}"), tensors.pop(key)
         if not dora:
             raise AdapterError(f"tensor {key} is a DoRA magnitude, but adapter_config.json does not set use_dora")
@@ -527,7 +544,7 @@ def _magnitudes(
         name, out_f = module.split(".")[-1], base.module_features(module)[1]
         if target not in found:
             raise AdapterError(f"layer {layer} {name} lacks its DoRA magnitude (lora_magnitude_vector)")
-        magnitude = found[target].float()
+        magnitude = _owned(found[target])
         if magnitude.shape != (out_f,):
             raise AdapterError(
                 f"layer {layer} {name}: lora_magnitude_vector {tuple(magnitude.shape)} does not match the base "
@@ -556,13 +573,13 @@ def _vocab(
     vocab, hidden = base.vocab_size, base.hidden
     lora: dict[str, dict[str, torch.Tensor]] = {}
     deltas: dict[str, torch.Tensor] = {}
-    for key in list(tensors):
+    for key in [k for k in tensors if any(f"{module}." in k for module in VOCAB_MODULES)]:
         if m := _EMBED_LORA_KEY.fullmatch(key):
-            lora.setdefault("embed_tokens", {})[m.group(1)] = tensors.pop(key).float()
+            lora.setdefault("embed_tokens", {})[m.group(1)] = _owned(tensors.pop(key))
         elif m := _HEAD_LORA_KEY.fullmatch(key):
-            lora.setdefault("lm_head", {})[m.group(1)] = tensors.pop(key).float()
+            lora.setdefault("lm_head", {})[m.group(1)] = _owned(tensors.pop(key))
         elif m := _TOKENS_KEY.fullmatch(key):
-            deltas[m.group(1).split(".")[-1]] = tensors.pop(key).float()
+            deltas[m.group(1).split(".")[-1]] = _owned(tensors.pop(key))
         elif m := _VOCAB_BASE_KEY.fullmatch(key):
             saved = tensors.pop(key)
             if not vocab_plan:
@@ -616,6 +633,12 @@ def _vocab(
     if not pairs and not tokens:
         return None
     return VocabLora(pairs.get("embed_tokens"), pairs.get("lm_head"), tokens.get("embed_tokens"), tokens.get("lm_head"))
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of the file as float32 in memory of its own (not a view of the bytes read, which a staging worker
+    reuses for the next file): DoRA's magnitudes and the vocabulary pieces outlive the read."""
+    return tensor.to(torch.float32, copy=True)
 
 
 def _vocab_key(key: str) -> bool:

@@ -247,3 +247,21 @@ def test_weights_are_hashed_again_only_when_the_files_may_have_changed(tmp_path,
     stage_again()
     assert loader.staged(handle.adapter_id) is not None and hashed.count(mine) == 3
     loader.close()
+
+
+def test_what_a_staged_adapter_keeps_is_its_own_memory(tmp_path):
+    """A worker reads every file into the same buffer: the embedding's and head's changes a staged adapter keeps
+    (float32 files, which a view would share) are still its own after the worker read other files."""
+    registry = _registry(tmp_path, torch.float32)
+    first = registry.register("v", _write(tmp_path / "v", SHAPES, torch.float32, vocab=True, lora_alpha=24))
+    others = [
+        registry.register(f"o{i}", _write(tmp_path / f"o{i}", SHAPES, torch.float32, seed=9 + i)) for i in range(3)
+    ]
+    loader = AdapterLoader(registry, torch.device("cpu"), 1 << 30, workers=1)
+    _staged(loader, [first.adapter_id, *(h.adapter_id for h in others)])
+    staged = loader.staged(first.adapter_id)
+    expected = load_peft_adapter("v", tmp_path / "v", SHAPES, 16).vocab
+    assert staged is not None and staged.vocab is not None and expected is not None
+    for name, tensor in expected.tensors().items():
+        assert torch.equal(staged.vocab.tensors()[name], tensor), name
+    loader.close()

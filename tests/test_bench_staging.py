@@ -24,7 +24,10 @@ def test_bench_staging_runs_at_small_counts(tmp_path):
     assert (row["registered"], row["staged"], row["register_threads"]) == (6, 4, 2)
     assert QV_BYTES < row["file_bytes"] < QV_BYTES + 64 * 1024  # the tensors and the safetensors header
     assert set(row["staging"]) == {
-        f"{files}, {n}" for files in ("as registered", "re-stamped") for n in ("1 worker", "2 workers")
+        f"{files}, {memory}, {n}"
+        for files in ("as registered", "re-stamped")
+        for memory in ("new memory", "reused buffers")
+        for n in ("1 worker", "2 workers")
     }
     assert all(f["gb_per_s"] > 0 and f["adapters_per_s"] > 0 for f in row["staging"].values())
     assert 0 < row["resolve_ms_median"] <= row["resolve_ms_p99"]

@@ -41,7 +41,7 @@ from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
 from lora_server.adapters.load import adapter_digest, read_adapter
 from lora_server.adapters.page_layout import PageLayout, vocab_shapes
 from lora_server.adapters.peft_adapter import PeftAdapter
-from lora_server.adapters.peft_files import FilesIdentity
+from lora_server.adapters.peft_files import FilesIdentity, ReadBuffer
 from lora_server.adapters.peft_format import AdapterError, LoraAdapter, VocabLora
 from lora_server.engine.adapter_registry import AdapterContent, AdapterRegistry
 from lora_server.engine.load_times import LatencyHistogram
@@ -51,6 +51,7 @@ from lora_server.model.pinned import ImageBuffers
 
 log = logging.getLogger("lora_server")
 LATER = math.inf  # the priority of an adapter no request waits for (a pin, a preload)
+LAYOUTS_KEPT = 64  # page layouts kept for reuse, one per adapter form (ranks, DoRA modules, vocabulary pieces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class AdapterLoader:
         self._priority: dict[int, float] = {}  # content -> its priority while queued (not yet taken by a worker)
         self._order = itertools.count()
         self._vouched: dict[int, FilesIdentity] = {}  # content -> files known to hold its registered weights
+        self._layouts: OrderedDict[tuple, PageLayout] = OrderedDict()  # the forms adapters were laid out in (_layout)
         self._failures: dict[int, str] = {}  # why the last staging of a content failed, until it is asked again
         self.num_staged = 0  # stagings done since start (reads from disk)
         self._load_times = LatencyHistogram()  # how long each staging took (disk -> host)
@@ -117,6 +119,9 @@ class AdapterLoader:
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._threads = 0  # workers alive (see the module)
+        # what workers read files into, reused from one file to the next (peft_files.ReadBuffer): one per worker
+        # alive, kept for the next ones
+        self._read_buffers: list[ReadBuffer] = []
         self._closed = False
 
     # ---- the engine thread ----------------------------------------------------------------------------------
@@ -228,16 +233,19 @@ class AdapterLoader:
 
     def _run(self) -> None:
         run_ops_alone()
+        with self._lock:
+            buffer = self._read_buffers.pop() if self._read_buffers else ReadBuffer()
         while True:
             with self._done:
                 adapter_id = self._next()
                 if adapter_id is None:
                     self._threads -= 1  # under the lock: a request from now on starts a new worker
+                    self._read_buffers.append(buffer)
                     self._done.notify_all()
                     return
             start = time.perf_counter()
             try:
-                staged = self._stage(adapter_id)
+                staged = self._stage(adapter_id, buffer)
                 error = None
             except AdapterError as exc:  # the reason with its paths to the log, without to the adapter's requests
                 log.warning("staging adapter content %d failed: %s", adapter_id, exc)
@@ -258,12 +266,14 @@ class AdapterLoader:
                     self._failures[adapter_id] = error
                 self._done.notify_all()
 
-    def _stage(self, adapter_id: int) -> StagedAdapter:
+    def _stage(self, adapter_id: int, buffer: ReadBuffer) -> StagedAdapter:
+        """The content's pages, its files read into ``buffer`` (the worker's: nothing staged keeps a view of it)."""
         content = self.registry.content(adapter_id)
         if content is None:
             raise AdapterError(f"adapter content {adapter_id} is no longer registered")
         g = self.geometry
-        adapter = read_adapter(content.name, content.path, self.form.shapes, g.max_rank, self.registry.allowed_roots)
+        roots = self.registry.allowed_roots
+        adapter = read_adapter(content.name, content.path, self.form.shapes, g.max_rank, roots, buffer)
         self._check_unchanged(content, adapter)
         # the float32 weights, for what computes with them: DoRA's scales, each rank's share
         lora = _as_lora(adapter) if adapter.magnitudes or self.form.shards else None
@@ -273,7 +283,7 @@ class AdapterLoader:
                 raise AdapterError(f"adapter `{content.name}` is a DoRA adapter, which this engine cannot serve")
             assert lora is not None
             dora = dora_epilogues(lora, self.row_norms, g.dtype)
-        layout = PageLayout(g, content.rank_map, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab))
+        layout = self._layout(content.ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab))
         image = self.buffers.take(layout.num_pages)
         if self.form.shards is None:
             return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora), adapter.vocab)
@@ -281,6 +291,27 @@ class AdapterLoader:
         first, *others = self.form.shards(lora)  # rank 0's share first
         workers = tuple(layout.image(shard) for shard in others)
         return StagedAdapter(adapter_id, layout, layout.image(first, image, dora), adapter.vocab, workers)
+
+    def _layout(
+        self,
+        ranks: tuple[tuple[int, str, int], ...],
+        dora: Collection[tuple[int, str]],
+        vocab: dict[str, tuple[int, int]],
+    ) -> PageLayout:
+        """The page layout of an adapter of these ranks, DoRA modules and vocabulary pieces: one per form, kept
+        (adapters of one shape share it; laying one out costs about as much as staging a small adapter)."""
+        key = (ranks, frozenset(dora), tuple(sorted(vocab.items())))
+        with self._lock:
+            layout = self._layouts.get(key)
+            if layout is not None:
+                self._layouts.move_to_end(key)
+                return layout
+        layout = PageLayout(self.geometry, {(layer, m): r for layer, m, r in ranks}, dora, vocab)
+        with self._lock:
+            self._layouts[key] = layout
+            while len(self._layouts) > LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        return layout
 
     def _check_unchanged(self, content: AdapterContent, adapter: PeftAdapter | LoraAdapter) -> None:
         """AdapterError unless the files hold the weights registered: their bytes are the ones hashed then (same

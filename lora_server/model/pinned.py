@@ -17,7 +17,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-PAGE = 4096  # registration covers whole pages: the buffer starts on one
+from lora_server.adapters.peft_files import new_host_memory
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -32,9 +32,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def _registered(nbytes: int) -> np.ndarray:
     """uint8 [nbytes] host memory registered with CUDA (copies from and to it are asynchronous), page-aligned, and
     unregistered once nothing views it."""
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    start = (-raw.ctypes.data) % PAGE
-    buffer = raw[start : start + nbytes]
+    buffer = raw = new_host_memory(nbytes)
     if nbytes:
         address = buffer.ctypes.data
         cudart = torch.cuda.cudart()
@@ -79,7 +77,7 @@ class ImageBuffers:
             else:
                 self.reused += 1
         if raw is None:
-            raw = _registered(nbytes) if self.device.type == "cuda" else np.empty(nbytes, dtype=np.uint8)
+            raw = _registered(nbytes) if self.device.type == "cuda" else new_host_memory(nbytes)
         handed = raw.view()  # its own object: the tensors' storage holds it, and it dies with the last of them
         weakref.finalize(handed, self._give_back, num_pages, raw)
         return torch.from_numpy(handed).view(num_pages, self.page_bytes)
