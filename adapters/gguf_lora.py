@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from lora_server.adapters.errors import AdapterError
 from lora_server.adapters.lora_types import BaseShapes, LoraAdapter
 from lora_server.adapters.peft_files import read_file
-from lora_server.adapters.peft_format import _resolve, _within
+from lora_server.adapters.peft_format import _resolve, _within, check_invocation_tokens
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # llama.cpp refuses GGUFv1 and versions after 3 (gguf.cpp)
@@ -149,7 +150,7 @@ def load_gguf_adapter(
         ranks.append(rank)
     if not weights:
         raise AdapterError("the GGUF adapter holds no LoRA tensors (blk.N.<tensor>.weight.lora_a / .lora_b)")
-    invocation = _invocation_tokens(gguf.metadata)
+    invocation = _invocation_tokens(gguf.metadata, base)
     # the path as named (absolute), not the link's target: what it is read from again, whose .gguf says the format
     named = Path(os.path.abspath(Path(path).expanduser()))
     return LoraAdapter(name, named, max(ranks), weights, invocation)
@@ -342,17 +343,18 @@ def _alpha(metadata: dict[str, tuple[GGUFValueType, object]]) -> float:
     return value
 
 
-def _invocation_tokens(metadata: dict[str, tuple[GGUFValueType, object]]) -> tuple[int, ...]:
-    """adapter.alora.invocation_tokens: an array of uint32 token ids, as llama.cpp requires (absent: a plain LoRA)."""
+def _invocation_tokens(metadata: dict[str, tuple[GGUFValueType, object]], base: BaseShapes) -> tuple[int, ...]:
+    """adapter.alora.invocation_tokens: an array of uint32 token ids, as llama.cpp requires (absent: a plain LoRA),
+    that can occur in a prompt (peft_format.check_invocation_tokens)."""
     if "adapter.alora.invocation_tokens" not in metadata:
         return ()
     kind, value = metadata["adapter.alora.invocation_tokens"]
     if kind != GGUFValueType.UINT32 or not isinstance(value, list):
         raise AdapterError(
             f"GGUF adapter.alora.invocation_tokens must be an array of uint32 token ids, got {kind.name.lower()} "
-            f"{value!r}"
+            f"{reprlib.repr(value)}"
         )
-    return tuple(value)
+    return check_invocation_tokens("GGUF adapter.alora.invocation_tokens", value, base)
 
 
 def _pairs(tensors: dict[str, _TensorInfo], base: BaseShapes) -> dict[tuple[int, str], tuple[_TensorInfo, _TensorInfo]]:

@@ -47,6 +47,7 @@ class BaseShapes:
     tied_embeddings: bool = False  # the output head is the embedding (tie_word_embeddings)
     # where the engine refuses LoRA on the embedding or head and trainable tokens (VocabLora), why; "" serves them
     vocab_refusal: str = "this engine does not serve them"
+    max_positions: int = 0  # the context length, max_position_embeddings (0: not known): what a prompt can hold
 
     @classmethod
     def llama(
@@ -62,6 +63,7 @@ class BaseShapes:
         vocab_size: int = 0,
         tied_embeddings: bool = False,
         vocab_refusal: str = "this engine does not serve them",
+        max_positions: int = 0,
     ) -> BaseShapes:
         return cls(
             num_layers,
@@ -80,6 +82,7 @@ class BaseShapes:
             vocab_size,
             tied_embeddings,
             vocab_refusal,
+            max_positions,
         )
 
     @property

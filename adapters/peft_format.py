@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+import reprlib
 import time
 from pathlib import Path
 
@@ -229,7 +230,7 @@ def read_peft_adapter(
     magnitudes = _magnitudes(tensors, plan, base, _flag(config, "use_dora"))
     vocab = _vocab(tensors, vocab_plan, token_indices, base)
     modules = _modules(tensors, plan, base)
-    invocation = _invocation_tokens(config)
+    invocation = _invocation_tokens(config, base)
     if invocation and vocab is not None:
         raise AdapterError(
             "alora_invocation_tokens with LoRA on the embedding or head, or trainable tokens: an activated LoRA "
@@ -455,14 +456,34 @@ def _check_keys(config: dict) -> None:
         )
 
 
-def _invocation_tokens(config: dict) -> tuple[int, ...]:
-    """PEFT's alora_invocation_tokens: a non-empty list of token ids (absent or null: a plain LoRA)."""
+def _invocation_tokens(config: dict, base: BaseShapes) -> tuple[int, ...]:
+    """PEFT's alora_invocation_tokens: a non-empty list of token ids (absent or null: a plain LoRA) that can occur
+    in a prompt (check_invocation_tokens)."""
     value = config.get("alora_invocation_tokens")
     if value is None:
         return ()
     if not isinstance(value, list) or not value or any(type(t) is not int or t < 0 for t in value):
-        raise AdapterError(f"alora_invocation_tokens must be a non-empty list of token ids, got {value!r}")
-    return tuple(value)
+        raise AdapterError(f"alora_invocation_tokens must be a non-empty list of token ids, got {reprlib.repr(value)}")
+    return check_invocation_tokens("alora_invocation_tokens", value, base)
+
+
+def check_invocation_tokens(key: str, tokens: list[int], base: BaseShapes) -> tuple[int, ...]:
+    """An aLoRA's invocation sequence (``key``: where the file holds it), refused unless a prompt can hold it: an id
+    at or beyond the base's vocabulary is no token of the base's tokenizer, and a sequence longer than the base's
+    context fits in no prompt; served anyway, the adapter would silently never apply. Sizes 0 (not known): not
+    checked."""
+    beyond = [t for t in tokens if t >= base.vocab_size] if base.vocab_size > 0 else []
+    if beyond:
+        raise AdapterError(
+            f"{key}: {len(beyond)} token id(s) (e.g. {reprlib.repr(beyond[0])}) are beyond the base model's vocabulary "
+            f"of {base.vocab_size} tokens: the invocation can never occur in a prompt"
+        )
+    if 0 < base.max_positions < len(tokens):
+        raise AdapterError(
+            f"{key} holds {len(tokens)} tokens, more than the base model's context of {base.max_positions} positions: "
+            "the invocation can never occur in a prompt"
+        )
+    return tuple(tokens)
 
 
 def _set(value: object) -> bool:

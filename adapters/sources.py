@@ -8,14 +8,21 @@ Contracts:
   and verified: every size, and the checksum the source publishes where it has one (an S3 single-part ETag is the
   object's MD5 unless SSE-KMS or SSE-C encrypted it; the Hub gives its LFS files' sha256 and its other files' git
   blob sha1). A source that fails halfway leaves nothing in the cache.
+- Each file's download stops the moment it passes the size its source listed (a larger Content-Length stops it
+  before the first byte): the listed sizes are what room was made for, so a source that sends more than it listed
+  never takes the cache past ``max_bytes`` (hf: not by a byte, the excess is never written; fsspec filesystems
+  count after they write, by at most one read: 64 KiB for s3). Its partial file is removed and the AdapterError
+  says so. A filesystem whose get_file reports no progress to its callback is checked after the download only.
 - An entry's manifest records the sha256 of each of its files; reusing an entry checks them again.
 - The cache holds at most ``max_bytes``: the least recently used entries go first, never one ``in_use`` names; a
   download that cannot fit is refused before it starts. One process per cache directory (an flock serializes
   downloads, but another process's registered adapters are not known here).
-- Every AdapterError's ``public`` text names the URL (without credentials), never a local path.
+- Every AdapterError's texts (``public``, and the operator's) name the URL without credentials, ``public`` never a
+  local path.
 - Credentials and endpoints come from the environment, as each library reads them: huggingface_hub (HF_TOKEN,
-  HF_ENDPOINT), botocore for s3 (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...). Those libraries are imported when a URL
-  is fetched, never when this module is."""
+  HF_ENDPOINT), botocore for s3 (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...). A URL that carries credentials
+  (``user:password@``) is refused before anything is fetched, and shown with them masked (_shown). Those libraries
+  are imported when a URL is fetched, never when this module is."""
 
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _ENTRY = re.compile(
     r"[0-9a-f]{32}"
 )  # an entry's directory name: a hash of its source's identity (where, which version)
-_USERINFO = re.compile(r"(://)[^/@]*@")
+_READ = 1 << 20  # bytes of one read of a Hub download
 
 
 def source_scheme(path: str | Path) -> str | None:
@@ -74,8 +81,16 @@ def check_schemes(schemes: Iterable[str]) -> None:
 
 
 def _shown(url: str) -> str:
-    """The URL as messages show it: without user:password@."""
-    return _USERINFO.sub(r"\1", url)
+    """The URL as messages show it: its user information (``user:password@``) masked as ``***@``. A URL has some
+    when its authority (after ``://``, to the first ``/``) holds ``@``, or holds ``:`` while an ``@`` follows: a
+    secret may hold ``/`` (AWS secret keys do), so all up to the last ``@`` is masked; masking too much (an ``@``
+    in the path of ``http://host:port/...``) is the safe mistake."""
+    match = _SCHEME.match(url)
+    rest = url[match.end() :] if match else ""
+    authority = rest.split("/", 1)[0]
+    if match is None or "@" not in rest or not ("@" in authority or ":" in authority):
+        return url
+    return f"{url[: match.end()]}***@{rest.rsplit('@', 1)[1]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +116,7 @@ class AdapterSources:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._urls: dict[Path, str] = {}  # entry directory -> the URL it was fetched from
+        self._fresh: set[Path] = set()  # entries the latest fetch of each downloaded (not reused): discard's
 
     def url_of(self, path: Path) -> str | None:
         """The URL an adapter path in the cache was fetched from (None: not a cache entry's)."""
@@ -116,6 +132,12 @@ class AdapterSources:
         if scheme not in self.schemes:
             enabled = ", ".join(sorted(self.schemes)) or "none"
             raise AdapterError(f"adapter source {scheme}:// is not enabled (enabled: {enabled}); enable it with {FLAG}")
+        if shown != url:  # never handed to a library, whose errors would show them
+            raise AdapterError(
+                f"{shown}: credentials in an adapter URL are not read (and not shown): {scheme}:// takes them from the "
+                "server's environment (HF_TOKEN for hf, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3); "
+                "register the URL without user:password@"
+            )
         given, url = url, url.rstrip("/")
         with self._lock, self._exclusive():
             try:
@@ -128,10 +150,23 @@ class AdapterSources:
             entry = self.cache_dir / hashlib.sha256(identity.encode()).hexdigest()[:32]
             if entry.is_dir() and self._reusable(entry, in_use(), shown):
                 os.utime(entry / "manifest.json")  # its last use: the LRU order
+                self._fresh.discard(entry)
             else:
                 self._download(source, url, entry, in_use)
+                self._fresh.add(entry)
             self._urls[entry] = given  # as the caller spelled it: what it recorded elsewhere (the registry store)
             return entry / json.loads((entry / "manifest.json").read_text())["path"]
+
+    def discard(self, path: Path, in_use: Callable[[], Collection[Path]]) -> None:
+        """Remove the entry ``path`` (what ``fetch`` returned) lies in, if that fetch downloaded it and no path of
+        ``in_use()`` lies in it: for a registration refused after its download, which so leaves the cache as it
+        was but for the unregistered entries evicted to make room. An entry the fetch reused stays."""
+        with self._lock, self._exclusive():
+            entry = next((e for e in self._fresh if path.is_relative_to(e)), None)
+            if entry is not None and not _used(entry, in_use()):
+                self._fresh.discard(entry)
+                self._urls.pop(entry, None)
+                shutil.rmtree(entry, ignore_errors=True)
 
     def _download(self, source: _Hub | _Objects, url: str, entry: Path, in_use: Callable[[], Collection[Path]]) -> None:
         shown = _shown(url)
@@ -145,7 +180,9 @@ class AdapterSources:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.cache_dir))
         try:
             try:
-                source.download(remotes, tmp / "files")
+                source.download(remotes, tmp / "files", shown)
+            except AdapterError:  # one that sent more than it listed (_Cap)
+                raise
             except Exception as exc:
                 raise _unreadable(shown, exc) from exc
             files = {r.name: _verified(tmp / "files" / r.name, r, shown) for r in remotes}
@@ -189,6 +226,7 @@ class AdapterSources:
             if not _used(entry, in_use):
                 shutil.rmtree(entry)
                 self._urls.pop(entry, None)
+                self._fresh.discard(entry)
                 held -= size
         if held + need > self.max_bytes:
             raise AdapterError(
@@ -221,8 +259,10 @@ class AdapterSources:
 
 
 class _Hub:
-    """``hf://ORG/NAME[@REVISION]`` (default revision: main): the PEFT files at one commit, downloaded with
-    huggingface_hub's snapshot_download (which copies a file its own cache already holds)."""
+    """``hf://ORG/NAME[@REVISION]`` (default revision: main): the PEFT files at one commit, each streamed from its
+    resolve URL through huggingface_hub's HTTP session with its token (dropped on a redirect to another host, the
+    CDN), each chunk counted before it is written (_Cap). Not snapshot_download: it checks a file's size only once
+    the whole file is on disk, and may fetch through hf_xet, which no count reaches."""
 
     local_path = "files"
 
@@ -255,14 +295,26 @@ class _Hub:
             for name, f in ((name, found[name]) for name in ADAPTER_FILES)
         ]
 
-    def download(self, remotes: list[_Remote], dest: Path) -> None:
-        from huggingface_hub import snapshot_download
+    def download(self, remotes: list[_Remote], dest: Path, shown: str) -> None:
+        from huggingface_hub import constants, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        names = [r.name for r in remotes]
-        snapshot_download(
-            self.repo, revision=self.commit, local_dir=dest, allow_patterns=names, endpoint=self.api.endpoint
-        )
-        shutil.rmtree(dest / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping of local_dir downloads
+        dest.mkdir()
+        headers = {**build_hf_headers(), "Accept-Encoding": "identity"}  # the bytes as listed: counted as they come
+        for r in remotes:
+            url = hf_hub_url(self.repo, r.location, revision=self.commit, endpoint=self.api.endpoint)
+            timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=timeout) as answer:
+                hf_raise_for_status(answer)
+                cap = _Cap(r, shown)
+                if "content-encoding" not in answer.headers:  # its length is the file's
+                    cap(int(answer.headers.get("content-length", 0)), 0)
+                got = 0
+                with (dest / r.name).open("wb") as file:
+                    for chunk in answer.iter_bytes(_READ):
+                        cap(None, got + len(chunk))  # before it is written: the excess never is
+                        file.write(chunk)
+                        got += len(chunk)
 
 
 class _Objects:
@@ -302,10 +354,18 @@ class _Objects:
             for i in self._listing
         ]
 
-    def download(self, remotes: list[_Remote], dest: Path) -> None:
+    def download(self, remotes: list[_Remote], dest: Path, shown: str) -> None:
+        """Each file with the filesystem's get_file, its callback counting (_Cap). For s3 one GET streamed in 64 KiB
+        reads: s3fs's concurrent download of a large object sizes its file by the GET's Content-Length and reads
+        whole ranges into memory, before any count."""
+        from fsspec.callbacks import Callback
+
         dest.mkdir()
+        sequential = {"max_concurrency": 1} if self.scheme in ("s3", "s3a") else {}
         for r in remotes:
-            self.fs.get_file(r.location, str(dest / r.name))
+            self.fs.get_file(
+                r.location, str(dest / r.name), callback=Callback(hooks={"cap": _Cap(r, shown)}), **sequential
+            )
 
     def _published_md5(self, location: str) -> tuple[str, str] | None:
         """An S3 object's MD5: its ETag when it was uploaded in one part and is not encrypted with SSE-KMS or SSE-C
@@ -324,6 +384,23 @@ def _object_version(info: dict[str, Any]) -> str:
         if info.get(key):
             return str(info[key])
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Cap:
+    """A download's check as its bytes come (an fsspec callback hook: called with the size the answer announces,
+    None if it does not, and the bytes so far): AdapterError once either passes the size the source listed."""
+
+    remote: _Remote
+    shown: str
+
+    def __call__(self, size: int | None, value: int, **_: object) -> None:
+        if max(size or 0, value) > self.remote.size:
+            said = f"it announced {size}" if size and size > self.remote.size else f"it sent {value} or more"
+            raise AdapterError(
+                f"{self.shown}: {self.remote.name} is larger than its source listed ({self.remote.size} bytes; "
+                f"{said}): the download was stopped there and removed; nothing was registered"
+            )
 
 
 def _verified(path: Path, remote: _Remote, shown: str) -> dict[str, Any]:

@@ -89,6 +89,15 @@ CASES = {
     "nan": (lambda p: _edit_tensors(p, _nan), "NaN or Inf"),
     "inf": (lambda p: _edit_tensors(p, _inf), "NaN or Inf"),
     "layer out of range": (lambda p: _edit_config(p, layers_to_transform=[0, 31]), "do not exist"),
+    # an activated LoRA whose invocation can never occur in a prompt (SmolLM2: 49152 tokens, 8192 positions)
+    "alora id beyond the vocabulary": (
+        lambda p: _edit_config(p, alora_invocation_tokens=[5, 49152, 2**80]),
+        r"alora_invocation_tokens: 2 token id\(s\) \(e.g. 49152\) are beyond the base model's vocabulary of 49152",
+    ),
+    "alora longer than the context": (
+        lambda p: _edit_config(p, alora_invocation_tokens=[5] * 200_000),
+        "alora_invocation_tokens holds 200000 tokens, more than the base model's context of 8192 positions",
+    ),
 }
 
 

@@ -9,11 +9,13 @@ the engine runs them in one batch with a plain LoRA of the same weights and the 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 
 import pytest
 import torch
 
+from lora_server.adapters.peft_format import AdapterError, BaseShapes, load_peft_adapter
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.request import activation_start
@@ -33,6 +35,65 @@ def test_activation_start_is_the_last_occurrence():
     assert activation_start([3, 4], [1, 2]) == sys.maxsize  # absent: the adapter applies nowhere
     assert activation_start([1], [1, 2]) == sys.maxsize  # a prefix of the sequence at the end is no occurrence
     assert activation_start([3, 4], []) == 0  # a plain LoRA: every token
+
+
+def _alora(path, tokens: list[int]):
+    """tests.servers.write_adapter's SmolLM2 LoRA made an aLoRA invoked by ``tokens``."""
+    from tests.servers import write_adapter
+
+    write_adapter(path, seed=3)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": tokens}))
+    return path
+
+
+def test_invocations_that_can_never_occur_are_refused(tmp_path):
+    """Against a base of 100 tokens and 6 positions: ids up to 99 and up to 6 of them are an invocation a prompt
+    can hold; an id of 100 or beyond (up to 2**80), or 7 ids, never occur in a prompt, and are refused naming the
+    key and why, without echoing the list. Where the base does not say (0: unknown), nothing is checked."""
+    base = BaseShapes.llama(30, 576, 1536, 576, 192, vocab_size=100, max_positions=6)
+    unknown = BaseShapes.llama(30, 576, 1536, 576, 192)
+    for tokens in ([99], [0, 1, 2, 3, 4, 99]):
+        assert load_peft_adapter("ok", _alora(tmp_path / "ok", tokens), base, 8).invocation_tokens == tuple(tokens)
+    refusals = {
+        "beyond": (
+            [5, 100, 2**80],
+            r"alora_invocation_tokens: 2 token id\(s\) \(e.g. 100\) are beyond the base "
+            r"model's vocabulary of 100 tokens",
+        ),
+        "long": ([5] * 7, "alora_invocation_tokens holds 7 tokens, more than the base model's context of 6 positions"),
+        "huge": ([5] * 200_000 + [100], "beyond the base model's vocabulary"),
+    }
+    for name, (tokens, words) in refusals.items():
+        path = _alora(tmp_path / name, tokens)
+        with pytest.raises(AdapterError, match=words) as refused:
+            load_peft_adapter(name, path, base, 8)
+        assert "can never occur in a prompt" in str(refused.value) and len(str(refused.value)) < 400
+        assert load_peft_adapter(name, path, unknown, 8).invocation_tokens == tuple(tokens)
+
+
+@pytest.mark.slow
+def test_the_admin_api_refuses_invocations_that_can_never_occur(tmp_path):
+    """A real server on SmolLM2 (49152 tokens, 8192 positions): POST /admin/adapters answers 400 naming
+    alora_invocation_tokens for an id beyond the vocabulary (2**80) and for a 200,000-token sequence, and registers
+    nothing; an aLoRA whose invocation can occur registers."""
+    from tests.servers import Server
+
+    (tmp_path / "data").mkdir()
+    server = Server(tmp_path / "data", [tmp_path])
+    try:
+        for name, tokens, words in (
+            ("beyond", [5, 2**80], "beyond the base model's vocabulary of 49152 tokens"),
+            ("long", [5] * 200_000, "holds 200000 tokens, more than the base model's context of 8192 positions"),
+        ):
+            path = _alora(tmp_path / name, tokens)
+            r = server.admin("POST", "/admin/adapters", json={"name": name, "path": str(path)})
+            assert r.status_code == 400 and "alora_invocation_tokens" in r.text and words in r.text, r.text
+            assert server.admin("GET", f"/admin/adapters/{name}").status_code == 404
+        path = _alora(tmp_path / "fine", [5, 17])
+        assert server.admin("POST", "/admin/adapters", json={"name": "fine", "path": str(path)}).status_code == 200
+    finally:
+        server.stop()
 
 
 def _engine(**kw) -> Engine:

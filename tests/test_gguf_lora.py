@@ -8,6 +8,7 @@ checked byte for byte against convert_lora's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -212,6 +213,27 @@ def test_activated_lora_invocation_tokens(llama, tmp_path):
     wrong = [m if m[0] != "adapter.alora.invocation_tokens" else (*m[:3], GGUFValueType.INT32) for m in metadata]
     with pytest.raises(AdapterError, match="invocation_tokens must be an array of uint32"):
         load_adapter("g", write_gguf(tmp_path / "int32.gguf", arch, wrong, tensors), llama.shapes, 8)
+
+
+def test_invocation_tokens_that_can_never_occur_are_refused(llama, tmp_path):
+    """Against the tiny Llama's 256 tokens and 16 positions: an id of 256 or beyond, or 17 ids, never occur in a
+    prompt: refused naming the key (unknown sizes, 0: nothing checked)."""
+    shapes = dataclasses.replace(llama.shapes, vocab_size=256, max_positions=16)
+    arch, metadata, tensors = convert_lora(llama.root / "a0", llama.config)
+    for name, tokens, words in (
+        ("fits", [0] * 15 + [255], None),
+        ("beyond", [5, 256, 2**32 - 1], r"invocation_tokens: 2 token id\(s\) \(e.g. 256\) are beyond"),
+        ("long", [5] * 17, "invocation_tokens holds 17 tokens, more than the base model's context of 16 positions"),
+    ):
+        key = "adapter.alora.invocation_tokens"
+        metadata[:] = [m for m in metadata if m[0] != key] + [(key, tokens, GGUFValueType.ARRAY, GGUFValueType.UINT32)]
+        path = write_gguf(tmp_path / f"{name}.gguf", arch, metadata, tensors)
+        assert load_adapter("g", path, llama.shapes, 8).invocation_tokens == tuple(tokens)
+        if words is None:
+            assert load_adapter("g", path, shapes, 8).invocation_tokens == tuple(tokens)
+        else:
+            error = _refused(path, shapes, words)
+            assert "adapter.alora.invocation_tokens" in str(error) and "can never occur" in str(error)
 
 
 def _other_architecture(root: Path, name: str) -> dict:

@@ -164,9 +164,18 @@ class AdapterRegistry:
         """Read and validate a PEFT directory for ``name`` and hash its weights; AdapterError with the reason, also
         for a pin that would not fit now. Changes nothing but the adapter cache: a URL (``self.sources``) is read
         from its copy there, downloaded first if need be."""
-        roots = self._local_roots
-        if source_scheme(path) is not None:  # a URL: its copy in the adapter cache, downloaded now or reused
-            path, roots = self.sources.fetch(str(path), self._in_use), self.allowed_roots
+        if source_scheme(path) is None:
+            return self._check(name, path, pinned, self._local_roots)
+        # a URL: its copy in the adapter cache, downloaded now or reused; a download refused here leaves the cache
+        fetched = self.sources.fetch(str(path), self._in_use)
+        try:
+            return self._check(name, fetched, pinned, self.allowed_roots)
+        except AdapterError:
+            self.sources.discard(fetched, self._in_use)
+            raise
+
+    def _check(self, name: str, path: str | Path, pinned: bool, roots: list[Path] | None) -> CheckedAdapter:
+        """check of local files (``roots``: where they may lie)."""
         adapter = read_adapter(name, path, self.form.shapes, self.geometry.max_rank, roots)
         if isinstance(adapter, PeftAdapter):
             adapter.check_weights()

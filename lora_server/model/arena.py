@@ -70,8 +70,9 @@ def page_bytes(arch: ModelArch, block_size: int, kv_dtype: torch.dtype) -> int:
 
 def adapter_shapes(arch: ModelArch) -> BaseShapes:
     """What an adapter of a model shaped ``arch`` must fit: its modules' features, its vocabulary (LoRA on the
-    embedding and head is served on every device: model.lora.VocabTerms). With tensor parallelism, ``arch`` is
-    the whole model's for validating adapters and a rank's (its share of the heads and the MLP) for their pages."""
+    embedding and head is served on every device: model.lora.VocabTerms), its context (what an aLoRA's invocation
+    must fit in). With tensor parallelism, ``arch`` is the whole model's for validating adapters and a rank's (its
+    share of the heads and the MLP) for their pages."""
     return BaseShapes.llama(
         arch.num_layers,
         arch.hidden_size,
@@ -84,6 +85,7 @@ def adapter_shapes(arch: ModelArch) -> BaseShapes:
         vocab_size=arch.vocab_size,
         tied_embeddings=arch.tie_word_embeddings,
         vocab_refusal="",
+        max_positions=arch.max_position_embeddings,
     )
 
 
