@@ -174,7 +174,8 @@ class PoolStats:
     bytes_to_host: int  # KV swap-outs
     evicted_blocks: dict[str, int]  # kv_swap_out, kv_drop, kv_drop_host, adapter_unload, adapter_drop
     resident_adapters: int  # adapters (not the base model) with weights on the GPU
-    kv_tokens_by_salt: dict[str, tuple[int, int]]  # cache salt -> (prompt tokens admitted, of them served cached)
+    # the account a request's figures count under (its tenant's salt) -> (prompt tokens admitted, of them cached)
+    kv_tokens_by_salt: dict[str, tuple[int, int]]
     gpu_free: int
     gpu_cached: int  # held by the tree (KV and adapter weights), shared with requests or not
     gpu_in_use: int  # held by requests only
@@ -195,7 +196,8 @@ class UnifiedPool:
         self._held: Counter[int] = Counter()  # the requests' references per GPU block
         self._num_admitted = 0
         self._admissions = self._adapter_hits = self._prompt_tokens = self._cached_tokens = 0
-        self._by_salt: dict[str, list[int]] = {}  # salt -> [prompt tokens, cached tokens]
+        # account (admit's: a tenant's salt, a bounded set) -> [prompt tokens, cached tokens]
+        self._by_salt: dict[str, list[int]] = {}
 
     # ---- what a request may use ------------------------------------------------------------------------------
 
@@ -335,6 +337,7 @@ class UnifiedPool:
         partial: bool = True,
         reuse_prefix: bool = True,
         base_tokens: int = 0,
+        account: str | None = None,
     ) -> Admission | None:
         """Make key's adapter resident, match the longest cached prefix of `tokens` (leaving at least one token to
         compute; none when not `reuse_prefix`), swap in the host part the policy restores, lock the path and give
@@ -350,7 +353,10 @@ class UnifiedPool:
         adapter (they precede its invocation): their full blocks are the base model's KV under the same salt,
         matched there (and offered there by ``release``), so base requests and the activated LoRAs of one
         conversation hold one copy of it; its adapter is made resident and locked beside that path. The blocks
-        from its invocation on are its own and are not cached."""
+        from its invocation on are its own and are not cached.
+
+        ``account``: whose figures the request's tokens count under (``kv_tokens_by_salt``; default its salt). The
+        caller keeps the accounts few (its tenants): a salt a client chose must not make a new one."""
         adapter = self.tree.adapter(key.adapter)
         if adapter is None:
             raise KeyError(f"adapter {key.adapter_id} is not registered")
@@ -402,7 +408,7 @@ class UnifiedPool:
         self._adapter_hits += was_resident
         self._prompt_tokens += len(tokens)
         self._cached_tokens += cached
-        salt = self._by_salt.setdefault(key.salt, [0, 0])
+        salt = self._by_salt.setdefault(key.salt if account is None else account, [0, 0])
         salt[0] += len(tokens)
         salt[1] += cached
         return Admission(

@@ -250,6 +250,14 @@ CASES = [
     ("completion token id negative", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [-1]}, "probe", 400),
     ("completion token id a float", "POST", COMPLETIONS, {**GOOD_COMPLETION, "prompt": [1.5]}, "probe", 400),
     ("completion logprobs 21", "POST", COMPLETIONS, {**GOOD_COMPLETION, "logprobs": 21}, "probe", 400),
+    (  # 4,000 tokens x 21 x n 4: 336,000 prompt-logprob entries, beyond the bound of 262,144
+        "prompt logprobs times n beyond the answer's bound",
+        "POST",
+        COMPLETIONS,
+        {**GOOD_COMPLETION, "prompt": [5] * 4000, "prompt_logprobs": 20, "n": 4, "max_tokens": 1},
+        "probe",
+        400,
+    ),
     (
         "completion prompt too many characters",
         "POST",
@@ -494,6 +502,17 @@ def _send(server: Server, roots: Path, keys: dict[str, str], method: str, path: 
         kw["content"] = body if isinstance(body, bytes) else body.encode()
         headers["content-type"] = "application/json"
     return httpx.request(method, server.url + path, headers=headers, timeout=120, **kw)
+
+
+def test_top_logprobs_is_checked_as_itself(server, roots, probe_key):
+    """top_logprobs above 20 or below 0 is a 400 naming top_logprobs (it named logprobs), and top_logprobs without
+    logprobs: true is a 400 too (it was accepted and ignored), as OpenAI and vLLM refuse it."""
+    keys = {"probe": probe_key}
+    for extra in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": False, "top_logprobs": 0}):
+        r = _send(server, roots, keys, "POST", CHAT, {**GOOD_CHAT, **extra}, "probe")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", (extra, r.text)
+    r = _send(server, roots, keys, "POST", CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 20}, "probe")
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
 
 
 def test_bad_input_table(server, roots, probe_key):

@@ -10,6 +10,7 @@ import pytest
 from lora_server.adapters import demo_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
+from lora_server.engine.request import with_client_salt
 from lora_server.sampling_params import SamplingParams
 
 BLOCK = 16
@@ -69,6 +70,22 @@ def test_hits_only_under_the_same_adapter_weights_and_salt():
         "tenant:b": {"prompt_tokens": p, "cached_tokens": 0},
     }
     assert figures["request_blocks"] == 0 and figures["gpu_in_use"] == 0
+
+
+@pytest.mark.slow
+def test_clients_own_salts_count_under_their_tenant_and_add_no_entry():
+    """A client's cache_salt isolates its KV within its tenant's (no hit across salts, a hit within one), but its
+    figures count under the tenant's salt: 40 salts add no entry to the pool's table (it grew by one per salt,
+    without bound, and every snapshot copied it)."""
+    engine = _engine()
+    prompt = list(range(100, 100 + 2 * BLOCK + 5))  # 37 tokens: two full blocks before the last token
+    for i in range(40):
+        assert _cached(engine, prompt, salt=with_client_salt("tenant:a", f"client-{i}")) == 0
+    assert _cached(engine, prompt, salt=with_client_salt("tenant:a", "client-7")) == _hit(prompt) > 0
+    assert _cached(engine, prompt, salt="tenant:a") == 0  # the tenant's own KV is not any client salt's
+    figures = engine.pool_report().as_json()["kv_tokens_by_salt"]
+    assert figures == {"tenant:a": {"prompt_tokens": 42 * len(prompt), "cached_tokens": _hit(prompt)}}
+    engine.core.check_integrity()
 
 
 @pytest.mark.slow

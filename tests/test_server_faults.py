@@ -62,6 +62,8 @@ def test_a_tenant_key_means_its_tenant_and_anonymous_access_closes(tmp_path):
         # key rotation: a second key works at once, the retired one stops
         rotated = s.admin("POST", "/admin/tenants/narrow/keys").json()
         new_key, old_id = rotated["api_key"], rotated["key_ids"][0]
+        # the answer says which id the new key has: the one of the two ids that is not the old one
+        assert rotated["key_id"] == rotated["key_ids"][1] != old_id and len(rotated["key_ids"]) == 2
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {new_key}"}).status_code == 200
         assert s.admin("DELETE", f"/admin/tenants/narrow/keys/{old_id}").status_code == 200
         _shaped(httpx.get(s.url + "/v1/models", headers=as_tenant), 401)

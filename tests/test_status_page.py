@@ -95,3 +95,27 @@ def test_the_page_shows_what_the_admin_api_says(server):
     assert shown["tenants"] == [
         ["acme", "upper", str(usage["requests"]), str(usage["prompt_tokens"]), str(usage["completion_tokens"])]
     ]
+
+
+@pytest.mark.slow
+def test_the_page_works_opened_with_the_key_in_its_url(server):
+    """http://user:KEY@host/admin/ui: Chromium refuses a fetch of a relative URL from a page whose URL carries
+    credentials, and the page stayed empty; it fetches from its origin (no credentials in it), and the browser
+    sends the ones it was given for /admin."""
+    from playwright.sync_api import sync_playwright
+
+    assert os.path.exists(CHROMIUM), "chromium is missing: the test set-up installs it (.ci/setup --tests)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(server.url.replace("http://", f"http://admin:{ADMIN}@") + "/admin/ui")
+            page.wait_for_function(
+                "document.getElementById('updated').textContent !== 'never' || "
+                "document.getElementById('error').textContent !== ''",
+                timeout=30_000,
+            )
+            error, policy = page.text_content("#error"), page.text_content("#policy")
+        finally:
+            browser.close()
+    assert error == "" and policy == server.admin("GET", "/admin/pool").json()["policy"]

@@ -27,9 +27,10 @@ from lora_server.admin.store import (
     TenantRecord,
     UnknownKeyError,
     UnknownTenantError,
+    key_id,
     validate_name,
 )
-from lora_server.admin.store.keys import constant_time_equals
+from lora_server.admin.store.keys import constant_time_equals, hash_api_key
 
 MAX_BATCH_ADAPTERS = 10_000  # adapters of one POST /admin/adapters/batch
 MAX_REFUSALS_SHOWN = 20  # refused adapters a batch's error names; the others are counted
@@ -385,7 +386,7 @@ def admin_router(
         warnings = [
             f"adapter {a!r} is not registered: the tenant's requests for it get 404 until it is" for a in missing
         ]
-        return {**tenant_json(record), "api_key": key, "warnings": warnings}
+        return {**tenant_json(record), "api_key": key, "key_id": key_id(hash_api_key(key)), "warnings": warnings}
 
     @router.get("/admin/tenants")
     def list_tenants() -> dict[str, Any]:
@@ -428,7 +429,7 @@ def admin_router(
             raise _no_tenant(name) from exc
         except ValueError as exc:
             raise ApiError(409, str(exc), param="name", code="too_many_keys") from exc
-        return {**tenant_json(record), "api_key": key}
+        return {**tenant_json(record), "api_key": key, "key_id": key_id(hash_api_key(key))}  # which id is the new one
 
     @router.delete("/admin/tenants/{name}/keys/{key_id}")
     def retire_key(name: str, key_id: str) -> dict[str, Any]:

@@ -87,6 +87,21 @@ class EngineRequest:
         return len(self.prompt_token_ids)
 
 
+CLIENT_SALT = "\x00salt:"  # between the server's (tenant's) cache salt and a client's own cache_salt
+
+
+def with_client_salt(server_salt: str, client_salt: str | None) -> str:
+    """The cache salt of a request of a tenant (``server_salt``, derived by the server) that sent its own
+    ``cache_salt``: it shares KV only with requests of the same tenant and the same client salt."""
+    return server_salt if client_salt is None else f"{server_salt}{CLIENT_SALT}{client_salt}"
+
+
+def server_salt(cache_salt: str) -> str:
+    """The server's part of a cache salt (with_client_salt): the account its figures count under, one per tenant
+    however many salts clients send."""
+    return cache_salt.partition(CLIENT_SALT)[0]
+
+
 def activation_start(prompt: Sequence[int], invocation: Sequence[int]) -> int:
     """The position from which an adapter applies to a request of ``prompt``: 0 for a plain LoRA (``invocation``
     empty); for an activated LoRA (PEFT's alora_invocation_tokens) the start of the last occurrence of

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from lora_server.config import EngineConfig
 from lora_server.engine.fair_queue import FairQueue
 from lora_server.engine.ngram import propose_ngram
-from lora_server.engine.request import FinishReason, Request, RequestStatus
+from lora_server.engine.request import FinishReason, Request, RequestStatus, server_salt
 from lora_server.engine.residency import Residency
 from lora_server.errors import QueueFullError
 from lora_server.kv_pool import OutOfBlocksError
@@ -311,6 +311,7 @@ class Scheduler:
             partial=self.config.enable_chunked_prefill,
             reuse_prefix=not request.needs_prompt_logprobs,  # prompt logprobs need every prompt position computed
             base_tokens=request.adapter_from if request.adapter is not None else 0,
+            account=server_salt(request.cache_salt),
         )
         if admission is None:
             return None

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from lora_server.engine import Engine, Prompt
 from lora_server.engine.outputs import RequestOutput, TokenLogprob
-from lora_server.engine.request import NO_TENANT, EngineRequest, TenantShare
+from lora_server.engine.request import NO_TENANT, EngineRequest, TenantShare, with_client_salt
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError, LoraServerError
 from lora_server.sampling_params import SamplingParams
@@ -31,6 +31,10 @@ from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
 from lora_server.server.tool_calls import ChoiceToolCalls
 from lora_server.tools.calling import ToolCalling, plan_tool_calls
 from lora_server.tools.parsers import TOOL_PARSERS, ToolParser, parser_for_template
+
+# the most prompt-logprob entries one request's answer holds (tokens x (top-k + 1) x n): a whole 8,192-token prompt
+# with its top 20, once
+MAX_PROMPT_LOGPROBS = 1 << 18
 
 
 class Meter(Protocol):
@@ -224,8 +228,7 @@ class OpenAIServing:
         arrival = arrival or Arrival()
         request_id = request_id or req.request_id
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id or uuid.uuid4().hex}"
-        if req.cache_salt is not None:  # within the tenant's own: a salted prompt shares KV only with its salt
-            cache_salt = f"{cache_salt}\x00salt:{req.cache_salt}"
+        cache_salt = with_client_salt(cache_salt, req.cache_salt)  # within the tenant's own
         unique = uuid.uuid4().hex[:8]  # engine ids stay unique when a client sends one x-request-id twice
         requests: list[EngineRequest] = []
         try:
@@ -246,6 +249,7 @@ class OpenAIServing:
                             adapter_wait_s=arrival.adapter_wait_s if adapter is not None else 0.0,
                         )
                     )
+            _check_prompt_logprobs(requests, params)
         except LoraServerError:
             self.discard(requests)
             raise
@@ -583,6 +587,22 @@ def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def _check_prompt_logprobs(requests: list[EngineRequest], params: SamplingParams) -> None:
+    """Refuse prompt logprobs whose answer would hold more than MAX_PROMPT_LOGPROBS entries (each prompt token's
+    logprob and its top-k, for each of the n choices of each prompt): a small body could otherwise ask for an
+    answer of hundreds of MB (8,000 tokens, top 20 and n 16: 2.7 million entries)."""
+    k = params.prompt_logprobs
+    if k is None:
+        return
+    entries = sum(r.num_prompt_tokens * (k + 1) for r in requests)
+    if entries > MAX_PROMPT_LOGPROBS:
+        raise InvalidRequestError(
+            f"prompt logprobs of {entries:,} entries (prompt tokens x (top-k + 1) x n) asked for; at most "
+            f"{MAX_PROMPT_LOGPROBS:,} in one request: lower prompt_logprobs (or logprobs with echo) or n",
+            param="prompt_logprobs",
+        )
 
 
 async def _first_or_gone(

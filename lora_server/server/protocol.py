@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from lora_server.errors import InvalidRequestError
-from lora_server.sampling_params import SamplingParams, StructuredOutput
+from lora_server.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from lora_server.server.request_fields import CHAT, COMPLETIONS, refuse_fields
 from lora_server.tools.spec import ToolRequest, history_tool_calls, parse_tool_request
 
@@ -308,6 +308,13 @@ class ChatCompletionRequest(_Sampling):
         return last.text(len(self.messages) - 1) if self.echo and last.role == "assistant" else None
 
     def to_params(self, default_max: int) -> SamplingParams:
+        if self.top_logprobs is not None:  # checked as itself: SamplingParams' refusal would name logprobs
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}", param="top_logprobs"
+                )
         k = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, k, default_max, self.prompt_logprobs)
