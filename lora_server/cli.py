@@ -75,10 +75,10 @@ def _export_tokenizer(args: argparse.Namespace) -> int:
     if config.load_format == "dummy":
         raise ModelLoadError("dummy weights have no tokenizer")
     path, fmt = model_files(config)
+    longest = read_arch(path, fmt).max_position_embeddings  # checks the file before the tokenizer reads it
     if fmt == "hf" and not (path / "tokenizer.json").is_file():
         raise ModelLoadError(f"{path} has no tokenizer.json")
     tokenizer = Tokenizer.from_gguf(path) if fmt == "gguf" else Tokenizer.from_hf_dir(path)
-    longest = read_arch(path, fmt).max_position_embeddings
     files = tokenizer.save_pretrained(args.dir, min(config.max_model_len or longest, longest))
     print("\n".join(str(f) for f in files))
     return 0

@@ -502,7 +502,8 @@ def test_types_not_kept_are_still_dequantized_exactly(tmp_path):
 
     raw = np.random.default_rng(18).integers(0, 256, size=(16, 110), dtype=np.uint8)
     raw[:, 108:110] = np.array([0.01], dtype=np.float16).view(np.uint8)  # d, the block's last field
-    write_llama_gguf(tmp_path / "q3_k.gguf", TINY, {"blk.0.ffn_up.weight": (raw, "Q3_K")})
+    # an MLP of 16 rows, the Q3_K weight's (a checkpoint's shapes must agree with its metadata)
+    write_llama_gguf(tmp_path / "q3_k.gguf", {**TINY, "intermediate": 16}, {"blk.0.ffn_up.weight": (raw, "Q3_K")})
     weight = open_gguf(tmp_path / "q3_k.gguf").weights["layers.0.up"]
     assert isinstance(weight, FloatWeight)
     exact = gguf_dequantize(raw, GGMLQuantizationType.Q3_K)

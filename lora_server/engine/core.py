@@ -43,6 +43,7 @@ from lora_server.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     LoraServerError,
+    ModelLoadError,
     RequestFailedError,
     TensorParallelError,
 )
@@ -740,10 +741,14 @@ def _logprobs_by_request(sampling: list[Request], result: SampleResult | None) -
 def _open_tokenizer(fmt: str, path: Path | None, chat_template: str | None) -> Tokenizer | None:
     """The checkpoint's tokenizer, with ``chat_template`` (a file, or the template's text) instead of its own."""
     tokenizer = None
-    if fmt == "gguf" and path is not None:
-        tokenizer = Tokenizer.from_gguf(path)
-    elif fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_hf_dir(path)
+    try:
+        if fmt == "gguf" and path is not None:
+            tokenizer = Tokenizer.from_gguf(path)
+        elif fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_hf_dir(path)
+    except Exception as exc:  # noqa: BLE001 (the tokenizers package raises plain Exception on a bad file)
+        where = path if fmt == "gguf" else path / "tokenizer.json" if path is not None else "the model"
+        raise ModelLoadError(f"{where}: its tokenizer cannot be read: {type(exc).__name__}: {exc}") from exc
     if chat_template is None:
         return tokenizer
     if tokenizer is None:

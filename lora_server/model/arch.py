@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_server.errors import ModelLoadError
+from lora_server.model.checkpoint_checks import HF_NAMES, check_arch, check_hf_config, head_width
 
 # HF architecture -> family: "llama" is the Llama forward pass (Qwen2 adds biases on q, k, v); the others are
 # described by ModelArch's fields (qk_norm, gemma_norms, activation, windows, soft-capping, fused projections...)
@@ -216,8 +217,14 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         """The model's shape from an HF config.json's dict (a multimodal one's: its language model's, see
-        _text_config); settings the model does not implement are a ModelLoadError naming them."""
+        _text_config); settings the model does not implement, and any setting of the wrong type or out of its range,
+        are a ModelLoadError naming them (checkpoint_checks: check_hf_config before anything is computed from them,
+        check_arch on the result)."""
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"config.json holds a {type(cfg).__name__}, not a JSON object")
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelLoadError(f"architectures = {archs!r}: expected a list of class names")
         arch = archs[0]
         if arch not in FAMILIES:
             raise ModelLoadError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -226,9 +233,10 @@ class ModelArch:
             cfg = _text_config(cfg, arch)
         if family == "gemma3":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        check_hf_config(cfg)
         _refuse_unread_settings(cfg, arch, family)
         heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        head_dim = cfg.get("head_dim") or head_width(cfg["hidden_size"], heads, "hidden_size", "num_attention_heads")
         global_rope, local_rope = _rope_parameters(cfg, family)
         rope_type = global_rope.get("rope_type", global_rope.get("type", "default"))
         allowed = ("default", "llama3", "linear") + (("longrope",) if family == "phi3" else ())
@@ -243,7 +251,7 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         gemma = family in ("gemma2", "gemma3")
         num_layers = cfg["num_hidden_layers"]
-        return cls(
+        built = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -278,6 +286,8 @@ class ModelArch:
             rope_attention_factor=attention_factor,
             fused_projections=family == "phi3",
         )
+        check_arch(built, HF_NAMES)
+        return built
 
 
 def _text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -329,8 +339,8 @@ def longrope_context(rope: dict[str, Any], cfg: dict[str, Any], max_pos: int, ro
     whole forward pass once any position passes the original length, which changes the keys already cached; the
     context is capped instead so that every position is rotated as HF rotates it."""
     original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-    if not original:
-        raise ModelLoadError("longrope scaling without original_max_position_embeddings")
+    if not original or original < 2:  # its logarithm divides below
+        raise ModelLoadError(f"longrope scaling with original_max_position_embeddings {original!r}: expected 2 or more")
     if len(rope.get("short_factor") or ()) != rotary_dim // 2:
         raise ModelLoadError(f"longrope short_factor must hold {rotary_dim // 2} values (the rotary dimensions / 2)")
     factor = rope.get("factor") or max_pos / original

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,21 @@ from lora_server.errors import ModelLoadError
 from lora_server.kernels.gguf_reference import GGUF_BLOCKS
 from lora_server.model.arch import ModelArch, longrope_context
 from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread, tensor_copy
+from lora_server.model.checkpoint_checks import (
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    POSITIVE,
+    SIZE,
+    Int,
+    Real,
+    TensorShapes,
+    about,
+    check_arch,
+    check_gguf_file,
+    check_int,
+    check_real,
+    head_width,
+)
 from lora_server.model.gguf_linear import GGUFBlockLinear
 from lora_server.model.quant import Int4Linear, Int8Linear, QuantLinear
 
@@ -145,12 +161,65 @@ class _Meta:
             raise ModelLoadError(f"GGUF {self.name}.{key} is missing: the {self.name} architecture needs it")
         return value
 
+    def size(self, key: str, default: int | None = None, spec: Int = SIZE, required: bool = False):
+        """An integer key within ``spec`` (absent: ``default``, or a start-up error where ``required``)."""
+        value = self.require(key) if required else self.get(key)
+        return default if value is None else check_int(value, f"GGUF {self.name}.{key}", spec)
+
+    def real(self, key: str, default: float | None = None, spec: Real = POSITIVE, required: bool = False):
+        """A finite real key within ``spec`` (absent: ``default``, or a start-up error where ``required``)."""
+        value = self.require(key) if required else self.get(key)
+        return default if value is None else check_real(value, f"GGUF {self.name}.{key}", spec)
+
+
+def gguf_names(name: str) -> dict[str, str]:
+    """ModelArch field -> the {name}.* key that gives it, for messages (checkpoint_checks.check_arch)."""
+    keys = dict(
+        vocab_size="vocab_size",
+        hidden_size="embedding_length",
+        intermediate_size="feed_forward_length",
+        num_layers="block_count",
+        num_heads="attention.head_count",
+        num_kv_heads="attention.head_count_kv",
+        head_dim="attention.key_length",
+        rms_norm_eps="attention.layer_norm_rms_epsilon",
+        rope_theta="rope.freq_base",
+        max_position_embeddings="context_length",
+        rotary_dim="rope.dimension_count",
+        rope_scaling="rope.scaling",
+        attn_softcap="attn_logit_softcapping",
+        final_softcap="final_logit_softcapping",
+        local_rope_theta="rope.freq_base_swa",
+    )
+    return {field: f"GGUF {name}.{key}" for field, key in keys.items()}
+
+
+def gguf_reader(path: Path):
+    """gguf's reader of a file whose layout checkpoint_checks.check_gguf_file passed."""
+    from gguf import GGUFReader
+
+    check_gguf_file(path)
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError) as exc:  # what gguf's reader raises on a malformed file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def read_gguf(path: Path) -> tuple[Any, ModelArch]:
+    """(gguf's reader, the ModelArch) of a GGUF file, each checked: its layout, its metadata's types, ranges and
+    relations, its tokenizer arrays against each other and the vocabulary. Errors name the file."""
+    reader = gguf_reader(path)
+    with about(path):
+        arch = gguf_arch(reader)
+        _check_tokenizer_metadata(reader, arch.vocab_size)
+    return reader, arch
+
 
 def gguf_arch(reader) -> ModelArch:
     """ModelArch from GGUF metadata: llama, qwen2 (q/k/v biases), qwen3 (per-head q/k norms), gemma2, gemma3 and
     phi3 files; the same ModelArch as ModelArch.from_hf_config gives the HF config the file was converted from."""
     name = _gguf_field(reader, "general.architecture")
-    if name not in GGUF_ARCHITECTURES:
+    if not isinstance(name, str) or name not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {name!r} is not supported ({', '.join(GGUF_ARCHITECTURES)})")
     meta = _Meta(reader, name)
     if name in _KNOWN_KEYS:
@@ -162,7 +231,9 @@ def gguf_arch(reader) -> ModelArch:
         fields.update(_phi3_fields(reader, meta, fields))
     else:
         fields.update(_llama_fields(meta, fields))
-    return ModelArch(**fields)
+    arch = ModelArch(**fields)
+    check_arch(arch, gguf_names(name))
+    return arch
 
 
 def _refuse_unknown_keys(reader, name: str) -> None:
@@ -182,27 +253,27 @@ def _common_fields(reader, meta: _Meta) -> dict:
         raise ModelLoadError(
             f"GGUF {name}.expert_count {meta.get('expert_count')}: mixture-of-experts models are not implemented"
         )
-    heads = meta.get("attention.head_count")
+    # what the arithmetic below and the per-layer lists need are required and checked first
+    heads = meta.size("attention.head_count", required=True)
+    hidden = meta.size("embedding_length", required=True)
+    layers = meta.size("block_count", spec=Int(high=MAX_LAYERS), required=True)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.size("vocab_size")
     names = {t.name for t in reader.tensors}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     llama_family = name not in _KNOWN_KEYS  # llama.cpp requires the norm epsilon of gemma2, gemma3, phi3 files
-    eps = (
-        meta.get("attention.layer_norm_rms_epsilon", 1e-5)
-        if llama_family
-        else meta.require("attention.layer_norm_rms_epsilon")
-    )
+    eps = meta.real("attention.layer_norm_rms_epsilon", 1e-5, required=not llama_family)
     return dict(
         architecture=GGUF_ARCHITECTURES[name],
-        vocab_size=meta.get("vocab_size") or len(tokens.data),
-        hidden_size=meta.get("embedding_length"),
-        intermediate_size=meta.get("feed_forward_length"),
-        num_layers=meta.get("block_count"),
+        vocab_size=vocab if vocab is not None or tokens is None else len(tokens.data),
+        hidden_size=hidden,
+        intermediate_size=meta.size("feed_forward_length"),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=meta.get("attention.head_count_kv", heads),
-        rms_norm_eps=float(eps),
-        rope_theta=float(meta.get("rope.freq_base", 10000.0)),
-        max_position_embeddings=meta.get("context_length", 4096),
+        num_kv_heads=meta.size("attention.head_count_kv", heads),
+        rms_norm_eps=eps,
+        rope_theta=meta.real("rope.freq_base", 10000.0),
+        max_position_embeddings=meta.size("context_length", 4096, Int(high=MAX_POSITIONS)),
         tie_word_embeddings="output.weight" not in names,
         rope_scaling=_rope_scaling(meta),
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -215,7 +286,7 @@ def _rope_scaling(meta: _Meta) -> tuple[tuple[str, object], ...]:
     factor tensors (_longrope)."""
     kind = meta.get("rope.scaling.type")
     if kind == "linear":
-        return (("factor", meta.get("rope.scaling.factor")), ("rope_type", "linear"))
+        return (("factor", meta.real("rope.scaling.factor")), ("rope_type", "linear"))
     if kind in (None, "none") or (kind == "longrope" and meta.name == "phi3"):
         return ()
     raise ModelLoadError(f"GGUF {meta.name}.rope.scaling.type {kind!r} is not implemented (linear only)")
@@ -224,7 +295,7 @@ def _rope_scaling(meta: _Meta) -> tuple[tuple[str, object], ...]:
 def _llama_fields(meta: _Meta, common: dict) -> dict:
     """llama, qwen2, qwen3: head_dim from attention.key_length; full rotary and full attention only."""
     name = meta.name
-    rotary, key_length = meta.get("rope.dimension_count"), meta.get("attention.key_length")
+    rotary, key_length = meta.size("rope.dimension_count"), meta.size("attention.key_length")
     if rotary is not None and key_length is not None and rotary != key_length:
         raise ModelLoadError(
             f"GGUF {name}.rope.dimension_count {rotary} differs from attention.key_length {key_length}: partial "
@@ -233,7 +304,7 @@ def _llama_fields(meta: _Meta, common: dict) -> dict:
     if meta.get("attention.sliding_window"):
         raise ModelLoadError(f"GGUF {name}.attention.sliding_window is set: not read from GGUF files")
     return dict(
-        head_dim=key_length or rotary or common["hidden_size"] // common["num_heads"],
+        head_dim=key_length or rotary or _head_width(meta, common),
         attention_bias=name == "qwen2",
         family="qwen3" if name == "qwen3" else "llama",
         qk_norm=name == "qwen3",
@@ -242,8 +313,8 @@ def _llama_fields(meta: _Meta, common: dict) -> dict:
 
 def _head_dim(meta: _Meta, common: dict) -> int:
     """attention.key_length (llama.cpp's n_embd_head_k: hidden / heads where absent), equal to value_length."""
-    head_dim = meta.get("attention.key_length") or common["hidden_size"] // common["num_heads"]
-    value_length = meta.get("attention.value_length", head_dim)
+    head_dim = meta.size("attention.key_length") or _head_width(meta, common)
+    value_length = meta.size("attention.value_length", head_dim)
     if value_length != head_dim:
         raise ModelLoadError(
             f"GGUF {meta.name}.attention.value_length {value_length} differs from the key length {head_dim}: "
@@ -252,20 +323,26 @@ def _head_dim(meta: _Meta, common: dict) -> int:
     return head_dim
 
 
+def _head_width(meta: _Meta, common: dict) -> int:
+    """hidden / heads (llama.cpp's n_embd_head_k where the file gives no key length)."""
+    hidden, heads = f"GGUF {meta.name}.embedding_length", f"GGUF {meta.name}.attention.head_count"
+    return head_width(common["hidden_size"], common["num_heads"], hidden, heads)
+
+
 def _gemma_fields(meta: _Meta, common: dict) -> dict:
     """Gemma 2 and Gemma 3 as llama.cpp reads them (llama-model.cpp, LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3): GELU-tanh,
     1 + w norms, embeddings times sqrt(hidden), scores scaled by llama.cpp's f_attention_scale, the sliding layers'
     windows; Gemma 3's per-head q/k norms and local RoPE base."""
     name, layers, gemma3 = meta.name, common["num_layers"], meta.name == "gemma3"
     head_dim = _head_dim(meta, common)
-    rotary = meta.get("rope.dimension_count", head_dim)
+    rotary = meta.size("rope.dimension_count", head_dim)
     if rotary != head_dim:
         raise ModelLoadError(
             f"GGUF {name}.rope.dimension_count {rotary} differs from head_dim {head_dim}: not implemented"
         )
     # GGUF has no query_pre_attn_scalar: llama.cpp's scale is head_dim ** -0.5, (hidden / heads) ** -0.5 for 27B
     scalar = common["hidden_size"] // common["num_heads"] if layers == _GEMMA_27B_LAYERS[name] else head_dim
-    window = meta.get("attention.sliding_window", None if gemma3 else _GEMMA2_SLIDING_WINDOW)
+    window = meta.size("attention.sliding_window", None if gemma3 else _GEMMA2_SLIDING_WINDOW, Int(low=0))
     if gemma3 and not window:
         raise ModelLoadError("GGUF gemma3.attention.sliding_window is missing or 0: llama.cpp requires it for gemma3")
     sliding = _gemma3_sliding_layers(meta, layers) if gemma3 else [i % 2 == 0 for i in range(layers)]
@@ -281,10 +358,10 @@ def _gemma_fields(meta: _Meta, common: dict) -> dict:
         # llama.cpp's defaults (llama_hparams) where a gemma2 file lacks them: 50 and 30, Gemma2Config's too. A gemma3
         # file's caps (the converter writes the final one where config.json sets it) apply as HF applies them;
         # llama.cpp's gemma3 graph reads neither
-        attn_softcap=float(meta.get("attn_logit_softcapping", 0.0 if gemma3 else 50.0)),
-        final_softcap=float(meta.get("final_logit_softcapping", 0.0 if gemma3 else 30.0)),
+        attn_softcap=meta.real("attn_logit_softcapping", 0.0 if gemma3 else 50.0, Real(closed=True)),
+        final_softcap=meta.real("final_logit_softcapping", 0.0 if gemma3 else 30.0, Real(closed=True)),
         layer_windows=windows if any(windows) else (),
-        local_rope_theta=float(meta.get("rope.freq_base_swa", 10000.0)) if gemma3 else 0.0,  # unscaled, as HF's
+        local_rope_theta=meta.real("rope.freq_base_swa", 10000.0) if gemma3 else 0.0,  # unscaled, as HF's
     )
 
 
@@ -298,6 +375,7 @@ def _gemma3_sliding_layers(meta: _Meta, layers: int) -> list[bool]:
                 f"GGUF gemma3.attention.sliding_window_pattern holds {len(pattern)} values for {layers} layers"
             )
         return [bool(p) for p in pattern]
+    check_int(pattern, "GGUF gemma3.attention.sliding_window_pattern", Int(low=0, high=MAX_LAYERS))
     return [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
 
 
@@ -306,10 +384,10 @@ def _phi3_fields(reader, meta: _Meta, common: dict) -> dict:
     tensors, a sliding window on every layer. llama.cpp disables Phi-3's window (llama_model_phi3: "Phi SWA is
     currently disabled"); HF applies it, and so does this server, as for the HF checkpoint."""
     head_dim = _head_dim(meta, common)
-    rotary = meta.get("rope.dimension_count", head_dim)
+    rotary = meta.size("rope.dimension_count", head_dim)
     if rotary > head_dim or rotary % 2:
         raise ModelLoadError(f"GGUF phi3.rope.dimension_count {rotary}: not an even width within head_dim {head_dim}")
-    window = meta.get("attention.sliding_window") or 0
+    window = meta.size("attention.sliding_window", 0, Int(low=0))
     fields = dict(
         head_dim=head_dim,
         family="phi3",
@@ -317,9 +395,7 @@ def _phi3_fields(reader, meta: _Meta, common: dict) -> dict:
         rotary_dim=0 if rotary == head_dim else rotary,
         layer_windows=(window,) * common["num_layers"] if window else (),
     )
-    factors = {
-        _ROPE_FACTORS[t.name]: tuple(float(x) for x in t.data) for t in reader.tensors if t.name in _ROPE_FACTORS
-    }
+    factors = {_ROPE_FACTORS[t.name]: _factor_values(t) for t in reader.tensors if t.name in _ROPE_FACTORS}
     kind = meta.get("rope.scaling.type")
     if factors and kind not in (None, "none", "longrope"):
         raise ModelLoadError(f"GGUF phi3 holds LongRoPE factor tensors and rope.scaling.type {kind!r}: which applies?")
@@ -337,15 +413,61 @@ def _longrope(meta: _Meta, common: dict, factors: dict[str, tuple[float, ...]], 
         raise ModelLoadError(f"GGUF phi3 LongRoPE without its {' and '.join(missing)}")
     if len(factors["long_factor"]) != rotary // 2:
         raise ModelLoadError(f"GGUF phi3 rope_factors_long must hold {rotary // 2} values (the rotary dimensions / 2)")
-    original = meta.require("rope.scaling.original_context_length")
+    original = meta.size("rope.scaling.original_context_length", spec=Int(high=MAX_POSITIONS), required=True)
     rope = {"original_max_position_embeddings": original, "short_factor": factors["short_factor"]}
     if meta.get("rope.scaling.attn_factor") is not None:
-        rope["attention_factor"] = float(meta.get("rope.scaling.attn_factor"))
+        rope["attention_factor"] = meta.real("rope.scaling.attn_factor")
     context, attention = longrope_context(rope, {}, common["max_position_embeddings"], rotary)
     scaling = dict(factors, original_max_position_embeddings=original, rope_type="longrope")
     return dict(
         max_position_embeddings=context, rope_attention_factor=attention, rope_scaling=tuple(sorted(scaling.items()))
     )
+
+
+def _factor_values(t) -> tuple[float, ...]:
+    """A LongRoPE factor tensor's values: float32 or float16, one dimension (checked as finite and positive with
+    the rest of the RoPE parameters, checkpoint_checks.check_arch)."""
+    from gguf import GGMLQuantizationType
+
+    if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or len(t.shape) != 1:
+        raise ModelLoadError(f"GGUF tensor {t.name}: expected one dimension of float32 or float16 factors")
+    return tuple(float(x) for x in t.data)
+
+
+# tokenizer.ggml.* arrays -> the value types their elements may have (gguf.GGUFValueType names)
+_TOKENIZER_ARRAYS = {
+    "tokenizer.ggml.tokens": ("STRING",),
+    "tokenizer.ggml.merges": ("STRING",),
+    "tokenizer.ggml.token_type": ("INT8", "UINT8", "INT16", "UINT16", "INT32", "UINT32", "INT64", "UINT64"),
+    "tokenizer.ggml.scores": ("FLOAT32", "FLOAT64"),
+}
+
+
+def _check_tokenizer_metadata(reader, vocab_size: int) -> None:
+    """The tokenizer arrays the engine's tokenizer reads, where the file has them: of their element types, a token
+    type and a score per token, no more tokens than the embedding's rows (a token past them could not be embedded)."""
+    from gguf import GGUFValueType
+
+    model = reader.fields.get("tokenizer.ggml.model")
+    if model is not None and model.types != [GGUFValueType.STRING]:
+        raise ModelLoadError("GGUF tokenizer.ggml.model: expected a string")
+    counts = {}
+    for key, kinds in _TOKENIZER_ARRAYS.items():
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        types = [t.name for t in field.types]
+        if types[:1] != ["ARRAY"] or (len(field.data) and types[1] not in kinds):
+            raise ModelLoadError(f"GGUF {key}: expected an array of {' or '.join(kinds)} values, got {types}")
+        counts[key] = len(field.data)
+    tokens = counts.get("tokenizer.ggml.tokens")
+    if tokens is not None and tokens > vocab_size:
+        raise ModelLoadError(
+            f"GGUF tokenizer.ggml.tokens holds {tokens} tokens, more than the vocabulary's {vocab_size}"
+        )
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if tokens is not None and key in counts and counts[key] != tokens:
+            raise ModelLoadError(f"GGUF {key} holds {counts[key]} values for {tokens} tokens")
 
 
 def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -357,10 +479,9 @@ def unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def open_gguf(path: Path) -> Checkpoint:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = gguf_arch(reader)
+    """The file's tensors (each shape, from its tensor info, checked against the ModelArch before any is read)."""
+    reader, arch = read_gguf(path)
+    shapes = TensorShapes(arch, gguf_names(reader_architecture(reader)))
     weights: dict[str, WeightSource] = {}
     unread = []
     for t in reader.tensors:
@@ -370,6 +491,8 @@ def open_gguf(path: Path) -> Checkpoint:
         if canonical is None:
             unread.append(t.name)
             continue
+        with about(path):
+            shapes.check(canonical, tuple(int(d) for d in reversed(t.shape)), t.name)  # ggml's dims: columns first
         sources = _tensor_sources(t, canonical, arch)
         twice = sorted(set(sources) & set(weights))
         if twice:  # Phi-3's attn_qkv beside attn_q, attn_k, attn_v, say
@@ -379,6 +502,11 @@ def open_gguf(path: Path) -> Checkpoint:
     return Checkpoint(arch, weights, "gguf", path)
 
 
+def reader_architecture(reader) -> str:
+    """The file's general.architecture (gguf_arch has checked it)."""
+    return _gguf_field(reader, "general.architecture")
+
+
 def _tensor_sources(t, canonical: str, arch: ModelArch) -> dict[str, WeightSource]:
     """The weights one GGUF tensor holds, by canonical name: Gemma's norms as w (the file's w + 1, less 1, in
     float32), a fused projection's parts by rows, llama's Q and K rows unpermuted, the rest as they are."""
@@ -386,10 +514,8 @@ def _tensor_sources(t, canonical: str, arch: ModelArch) -> dict[str, WeightSourc
     if arch.gemma_norms and module.endswith("norm"):
         shifted = _float_array(t) - np.float32(1.0)
         return {canonical: FloatWeight(functools.partial(tensor_copy, shifted))}
-    if module in _FUSED_PARTS:
+    if module in _FUSED_PARTS:  # its rows checked against the parts' (open_gguf)
         parts = arch.part_rows(_FUSED_PARTS[module])
-        if t.data.shape[0] != parts[-1][2]:
-            raise ModelLoadError(f"GGUF tensor {t.name} has {t.data.shape[0]} rows, not {parts[-1][2]}")
         return {f"{prefix}.{part}": _weight_source(t, t.data[start:end]) for part, start, end in parts}
     # llama.cpp permutes the rows of Q and K for llama files only (its converter's LlamaModel)
     permuted = arch.architecture == "LlamaForCausalLM"

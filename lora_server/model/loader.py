@@ -1,16 +1,22 @@
 """Finds and reads model weights: HF directories (safetensors, sharded too), GGUF files (model.gguf_checkpoint),
 and dummy random weights for any config, each as a model.checkpoint.Checkpoint. A multimodal HF checkpoint
-(arch.MULTIMODAL_ARCHITECTURES) gives its language model only."""
+(arch.MULTIMODAL_ARCHITECTURES) gives its language model only.
+
+Nothing is sized from a checkpoint's numbers before they are checked (model.checkpoint_checks): config.json's or
+the GGUF metadata's settings, then each tensor's shape from its file's header against them, then that the tensors
+hold every layer; a failure is one ModelLoadError naming the file and the setting or tensor."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import logging
+import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,7 +26,8 @@ from lora_server.errors import ModelLoadError
 from lora_server.model import prequant
 from lora_server.model.arch import PRESETS, ModelArch
 from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread
-from lora_server.model.gguf_checkpoint import gguf_arch, open_gguf
+from lora_server.model.checkpoint_checks import HF_NAMES, TensorShapes, about, read_json_object
+from lora_server.model.gguf_checkpoint import GGUF_ARCHITECTURES, gguf_names, open_gguf, read_gguf
 from lora_server.model.prequant.source import PackedSource, split_rows
 
 log = logging.getLogger(__name__)
@@ -43,10 +50,23 @@ def default_model_path() -> Path:
 
 
 def open_checkpoint(config: EngineConfig) -> Checkpoint:
+    """The checkpoint ``config.model`` names, checked whole before anything is sized from it (the module's
+    docstring); a ModelLoadError names the file at fault."""
     if config.load_format == "dummy":
         return _dummy_checkpoint(config)
     path, fmt = model_files(config)
-    return open_gguf(path) if fmt == "gguf" else _hf_checkpoint(path)
+    with about(path):
+        checkpoint = open_gguf(path) if fmt == "gguf" else _hf_checkpoint(path)
+    with about(path if fmt == "gguf" else path / "config.json"):
+        TensorShapes(checkpoint.arch, _field_names(checkpoint)).check_layers(checkpoint.weights)
+    return checkpoint
+
+
+def _field_names(checkpoint: Checkpoint) -> Mapping[str, str]:
+    """ModelArch field -> the checkpoint's own name for it (config.json's key, or the GGUF metadata key)."""
+    if checkpoint.format == "gguf":
+        return gguf_names(next(k for k, v in GGUF_ARCHITECTURES.items() if v == checkpoint.arch.architecture))
+    return HF_NAMES
 
 
 def model_files(config: EngineConfig) -> tuple[Path, str]:
@@ -61,15 +81,19 @@ def model_files(config: EngineConfig) -> tuple[Path, str]:
 
 
 def read_arch(path: Path, fmt: str) -> ModelArch:
-    """A checkpoint's shape without reading its weights."""
+    """A checkpoint's shape without reading its weights (its settings checked as open_checkpoint checks them)."""
     if fmt == "gguf":
-        from gguf import GGUFReader
+        return read_gguf(path)[1]
+    config = _hf_config_json(path)
+    with about(path / "config.json"):
+        return ModelArch.from_hf_config(config)
 
-        return gguf_arch(GGUFReader(str(path)))
+
+def _hf_config_json(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} is neither a .gguf file nor an HF directory with config.json")
-    return ModelArch.from_hf_config(json.loads(config_file.read_text()))
+    return read_json_object(config_file)
 
 
 # ---- HF directories ---------------------------------------------------------------------------------------
@@ -158,31 +182,26 @@ def _split_fused(arch: ModelArch, canonical: str, read: Callable[[], torch.Tenso
 
 
 def _hf_checkpoint(path: Path) -> Checkpoint:
-    from safetensors import safe_open
-
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} is neither a .gguf file nor an HF directory with config.json")
-    config = json.loads((path / "config.json").read_text())
-    quantized = bool(config.get("quantization_config") or config.get("compression_config"))
-    scheme = prequant.scheme_of(config) if quantized else None  # refuses what it does not implement, by name
-    arch = ModelArch.from_hf_config(config)
+    config = _hf_config_json(path)
+    with about(path / "config.json"):
+        quantized = bool(config.get("quantization_config") or config.get("compression_config"))
+        scheme = prequant.scheme_of(config) if quantized else None  # refuses what it does not implement, by name
+        arch = ModelArch.from_hf_config(config)
     if arch.multimodal and scheme is not None:
         raise ModelLoadError(
             f"pre-quantized {arch.architecture} checkpoints are not implemented (their quantized modules are named "
             "under language_model); serve the unquantized checkpoint, with --quantization if needed"
         )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
-    readers: dict[str, Callable[[], torch.Tensor]] = {}
-    for file in files:
-        handle = safe_open(str(file), framework="pt")
-        for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-            readers[name] = functools.partial(handle.get_tensor, name)
+    tensors = _safetensors(path)
+    readers: dict[str, Callable[[], torch.Tensor]] = {
+        name: functools.partial(handle.get_tensor, name) for name, (_, handle) in tensors.items()
+    }
+    shapes = TensorShapes(arch, HF_NAMES)
     weights: dict[str, WeightSource] = {}
     consumed: set[str] = set()
     if scheme is not None:
-        weights, consumed = _packed_linears(arch, scheme, readers)
+        files = {name: file for name, (file, _) in tensors.items()}
+        weights, consumed = _packed_linears(arch, scheme, readers, shapes, files)
     unread, skipped = [], 0
     names = _hf_names(arch)
     sources: dict[str, str] = {}  # canonical -> the tensor it was read from (two for one is refused)
@@ -195,6 +214,7 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
             raise ModelLoadError(f"{path} holds {canonical} twice, as {sources[canonical]} and as {name}")
         if canonical is not None:
             sources[canonical] = name
+            _check_float_tensor(tensors[name], name, canonical, shapes)
         if canonical is not None and canonical.endswith((".qkv", ".gate_up")):
             weights.update(_split_fused(arch, canonical, read))
         elif canonical is not None:
@@ -215,11 +235,71 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(arch, weights, "hf", path)
 
 
+# safetensors dtypes a float weight is read from (a quantized checkpoint's codes come with its quantization_config)
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _safetensors(path: Path) -> dict[str, tuple[Path, Any]]:
+    """Each tensor's name -> (its file, the file's open safetensors handle, which has checked the file's header
+    against its length): the files model.safetensors.index.json lists, each holding exactly the tensors the index
+    maps to it, or, without an index, every *.safetensors file; no tensor in two files."""
+    from safetensors import SafetensorError, safe_open
+
+    index_file = path / "model.safetensors.index.json"
+    index: dict[str, str] | None = None
+    if index_file.is_file():
+        index = read_json_object(index_file).get("weight_map")
+        if not isinstance(index, dict) or not all(isinstance(f, str) and Path(f).name == f for f in index.values()):
+            raise ModelLoadError(f"{index_file}: weight_map must map tensor names to file names in {path}")
+        files = [path / name for name in sorted(set(index.values()))]
+        absent = [file.name for file in files if not file.is_file()]
+        if absent:
+            raise ModelLoadError(f"{index_file}: weight_map names {absent[0]}, which is not in {path}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors files in {path} (pickle checkpoints are not loaded)")
+    tensors: dict[str, tuple[Path, Any]] = {}
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+        for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+            if name in tensors:
+                raise ModelLoadError(f"{file}: holds {name}, which {tensors[name][0].name} holds too")
+            if index is not None and index.get(name) != file.name:
+                raise ModelLoadError(f"{index_file}: {file.name} holds {name}, which weight_map puts elsewhere")
+            tensors[name] = (file, handle)
+    missing = sorted(set(index) - set(tensors)) if index is not None else []
+    if index is not None and missing:
+        raise ModelLoadError(f"{index_file}: weight_map puts {missing[0]} in {index[missing[0]]}, which lacks it")
+    return tensors
+
+
+def _check_float_tensor(where: tuple[Path, Any], name: str, canonical: str, shapes: TensorShapes) -> None:
+    """A tensor read as a float weight: its dtype and shape, from its file's header (nothing of it is read)."""
+    file, handle = where
+    header = handle.get_slice(name)
+    with about(file):
+        if header.get_dtype() not in _FLOAT_DTYPES:
+            raise ModelLoadError(
+                f"{name} is stored as {header.get_dtype()}: a float weight is read ({', '.join(_FLOAT_DTYPES)}); "
+                "a quantized checkpoint says how in config.json's quantization_config"
+            )
+        shapes.check(canonical, tuple(header.get_shape()), name)
+
+
 def _packed_linears(
-    arch: ModelArch, scheme: prequant.QuantScheme, readers: dict[str, Callable[[], torch.Tensor]]
+    arch: ModelArch,
+    scheme: prequant.QuantScheme,
+    readers: dict[str, Callable[[], torch.Tensor]],
+    shapes: TensorShapes,
+    files: dict[str, Path],
 ) -> tuple[dict[str, WeightSource], set[str]]:
     """The linears a pre-quantized checkpoint stores quantized, as canonical name -> PackedSource (a fused
-    projection split by rows), and the tensor names they read (none of them is read again as a float weight)."""
+    projection split by rows; each weight's [out, in] checked against the arch, an error naming the file of its
+    tensors), and the tensor names they read (none of them is read again as a float weight)."""
     names = set(readers)
     tensor = lambda name: readers[name]()  # noqa: E731
     modules = FUSED_MODULES if arch.fused_projections else LLAMA_MODULES
@@ -236,7 +316,11 @@ def _packed_linears(
         packed = prequant.read_linear(scheme, module, tensor, names)
         if packed is None:
             continue
-        consumed.update(n for n in scheme.consumed(module) if n in names)
+        read = [n for n in scheme.consumed(module) if n in names]
+        fused = {("q", "k", "v"): "qkv", ("gate", "up"): "gate_up"}.get(parts, parts[0])
+        with about(files[read[0]]):
+            shapes.check(prefix + fused, packed.shape, module)
+        consumed.update(read)
         for part, start, end in arch.part_rows(parts):
             piece = packed if len(parts) == 1 else split_rows(packed, start, end)
             weights[prefix + part] = PackedSource(module, piece)
@@ -247,26 +331,61 @@ def _packed_linears(
 
 
 def _dummy_checkpoint(config: EngineConfig) -> Checkpoint:
+    """Random weights of a preset's or a config.json's shape, checked to fit the device before any is drawn (no
+    tensor checks the config's sizes here)."""
     name = config.model or "tiny-llama"
     if name in PRESETS:
-        hf_cfg = PRESETS[name]
+        hf_cfg, source = PRESETS[name], f"dummy preset {name}"
     else:
         p = Path(name)
         p = p / "config.json" if p.is_dir() else p
         if not p.is_file():
             raise ModelLoadError(f"dummy model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
-        hf_cfg = json.loads(p.read_text())
-    arch = ModelArch.from_hf_config(hf_cfg)
+        hf_cfg, source = read_json_object(p), str(p)
     device = config.torch_device
+    with about(source):
+        arch = ModelArch.from_hf_config(hf_cfg)
+        shapes = _dummy_shapes(arch)
+        _refuse_beyond_device(arch, shapes, device)
     gen = torch.Generator(device=device).manual_seed(config.seed)
 
-    def rand(*shape: int, std: float = 0.02, mean: float = 0.0) -> FloatWeight:
+    def rand(shape: tuple[int, ...], std: float = 0.02, mean: float = 0.0) -> FloatWeight:
         return FloatWeight(lambda: torch.randn(shape, generator=gen, device=device) * std + mean)
 
+    def mean(key: str) -> float:  # the layers' norms near 1 (Gemma's weight is w in 1 + w: near 0), the final one 1
+        if key == "norm":
+            return 1.0
+        return (0.0 if arch.gemma_norms else 1.0) if key.endswith("norm") else 0.0
+
+    return Checkpoint(arch, {key: rand(shape, mean=mean(key)) for key, shape in shapes.items()}, "dummy", None)
+
+
+def _refuse_beyond_device(arch: ModelArch, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    """Dummy weights are drawn one tensor at a time in float32 and held in 4 bits a weight at the least: a shape
+    whose weights need more than the device's memory even so is refused."""
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu":
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    need = sum(sizes) // 2 + 4 * max(sizes)
+    if need > capacity:
+        gib = 2**30
+        raise ModelLoadError(
+            f"vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}, intermediate_size "
+            f"{arch.intermediate_size} and num_hidden_layers {arch.num_layers} make {sum(sizes):,} dummy weights, "
+            f"which need at least {need / gib:,.1f} GiB: more than the {device.type} device's {capacity / gib:,.1f} GiB"
+        )
+
+
+def _dummy_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every weight the model of ``arch`` reads."""
     h, i = arch.hidden_size, arch.intermediate_size
-    weights: dict[str, WeightSource] = {"embed": rand(arch.vocab_size, h), "norm": rand(h, mean=1.0)}
+    weights: dict[str, tuple[int, ...]] = {"embed": (arch.vocab_size, h), "norm": (h,)}
     if not arch.tie_word_embeddings:
-        weights["lm_head"] = rand(arch.vocab_size, h)
+        weights["lm_head"] = (arch.vocab_size, h)
     for layer in range(arch.num_layers):
         shapes = dict(
             q=(arch.q_size, h),
@@ -286,7 +405,5 @@ def _dummy_checkpoint(config: EngineConfig) -> Checkpoint:
         if arch.attention_bias:
             shapes.update(q_bias=(arch.q_size,), k_bias=(arch.kv_size,), v_bias=(arch.kv_size,))
         for key, shape in shapes.items():
-            # norms near 1 (Gemma's weight is w in 1 + w: near 0)
-            mean = (0.0 if arch.gemma_norms else 1.0) if key.endswith("norm") else 0.0
-            weights[f"layers.{layer}.{key}"] = rand(*shape, mean=mean)
-    return Checkpoint(arch, weights, "dummy", None)
+            weights[f"layers.{layer}.{key}"] = shape
+    return weights

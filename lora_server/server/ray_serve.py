@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from dataclasses import replace
 from typing import Any
@@ -17,7 +18,7 @@ from ray import serve
 from lora_server.config import MIB, ServerConfig
 from lora_server.server.ray_ingress import Ingress
 from lora_server.server.ray_replica import replica_class
-from lora_server.server.serve import resolve_admin_key
+from lora_server.server.serve import RANDOM_KEY, resolve_admin_key
 
 log = logging.getLogger("lora_server")
 APP_NAME = "lora-server"
@@ -60,6 +61,8 @@ def serve_ray(config: ServerConfig) -> int:
     SIGTERM, then shut Serve down."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     admin_key, key_source = resolve_admin_key(config)
+    if key_source == RANDOM_KEY:
+        print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
     if config.ray_address:
         ray.init(address=config.ray_address)
     else:

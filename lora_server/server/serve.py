@@ -33,6 +33,7 @@ from lora_server.server.registry_sync import RegistrySync
 
 log = logging.getLogger("lora_server")
 DEAD_EXIT_S = 5.0
+RANDOM_KEY = "random, for this run"  # resolve_admin_key's source of a key it made up
 
 
 def model_id(config: EngineConfig) -> str:
@@ -49,6 +50,8 @@ def serve(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     admin_key, key_source = resolve_admin_key(config)
     built = build(config, admin_key, key_source)
+    if key_source == RANDOM_KEY:  # once the server is built: a start that fails says only why
+        print(f"admin key (random, for this run): {admin_key}", file=sys.stderr, flush=True)
     engine = built.engine
     server = _draining_server(uvicorn, built.app, engine, config)
     built.start()
@@ -61,14 +64,13 @@ def serve(config: ServerConfig) -> int:
 
 
 def resolve_admin_key(config: ServerConfig) -> tuple[str, str]:
-    """The admin key and where it came from: --admin-key, $LORA_SERVER_ADMIN_KEY, else a random one (printed)."""
+    """The admin key and where it came from: --admin-key, $LORA_SERVER_ADMIN_KEY, else a random one (RANDOM_KEY:
+    the caller prints it)."""
     if config.admin_key is not None:
         return config.admin_key, "--admin-key"
     if (key := envs.admin_key()) is not None:
         return key, "$LORA_SERVER_ADMIN_KEY"
-    key = secrets.token_urlsafe(24)
-    print(f"admin key (random, for this run): {key}", file=sys.stderr, flush=True)
-    return key, "random, for this run"
+    return secrets.token_urlsafe(24), RANDOM_KEY
 
 
 @dataclass(frozen=True, slots=True)
