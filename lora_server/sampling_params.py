@@ -74,7 +74,11 @@ class StructuredOutput:
             except (ValueError, RecursionError):
                 raise InvalidRequestError(f"{param} is not valid JSON", param=param) from None
         _check(isinstance(schema, dict), param, "must be a JSON schema object")
-        return cls("json", json.dumps(schema, ensure_ascii=False), param)
+        try:
+            text = json.dumps(schema, ensure_ascii=False)
+        except RecursionError:  # deeper than the interpreter writes (the depth limit refuses far less: structured)
+            raise InvalidRequestError(f"{param} is nested too deeply", param=param) from None
+        return cls("json", text, param)
 
 
 @dataclass(slots=True)

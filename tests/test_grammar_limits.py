@@ -19,6 +19,7 @@ import pytest
 import xgrammar.testing as xgr_testing
 
 from lora_server.config import EngineConfig
+from lora_server.engine.json_schema_check import check_json_schema
 from lora_server.engine.structured import StructuredOutputs, _compact_json_grammar
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError
@@ -186,6 +187,120 @@ def test_pattern_properties_are_refused(tokenizer):
     assert not xgr_testing._is_grammar_accept_string(grammar, json.dumps({"xa": 1}))
     jsonschema.validate({"xa": 1}, schema)
     assert "patternProperties" in _refused(_outputs(tokenizer), StructuredOutput.json_schema(schema)).message
+
+
+CITY = "http://example.com/city.json"
+CITY_SCHEMA = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "string", "maxLength": 4}
+# (schema, the $ref or keyword the 400 names, a value jsonschema rejects that the grammar xgrammar builds accepts):
+# xgrammar follows only "#" and "#/..." and reads any other reference as "any value"
+OUTSIDE_REFS = [
+    ({"type": "object", "properties": {"a": {"$ref": CITY}}, "required": ["a"]}, CITY, {"a": 12345}),
+    ({"type": "object", "properties": {"a": {"$ref": "city.json"}}, "required": ["a"]}, "city.json", {"a": 12345}),
+    (  # an $anchor
+        {
+            "type": "object",
+            "$defs": {"c": {"$anchor": "city", "type": "string"}},
+            "properties": {"a": {"$ref": "#city"}},
+            "required": ["a"],
+        },
+        "#city",
+        {"a": 12345},
+    ),
+    (  # the schema's own $id, written out: jsonschema resolves it in the document, xgrammar does not
+        {
+            "$id": "http://example.com/root",
+            "type": "object",
+            "$defs": {"c": {"type": "string"}},
+            "properties": {"a": {"$ref": "http://example.com/root#/$defs/c"}},
+            "required": ["a"],
+        },
+        "http://example.com/root#/$defs/c",
+        {"a": 12345},
+    ),
+    (  # an $id inside: its "#/..." points into its own resource, xgrammar reads it from the document's root
+        {
+            "type": "object",
+            "$defs": {
+                "c": {"type": "string"},
+                "inner": {
+                    "$id": "http://example.com/inner",
+                    "type": "object",
+                    "$defs": {"c": {"type": "integer"}},
+                    "properties": {"v": {"$ref": "#/$defs/c"}},
+                    "required": ["v"],
+                },
+            },
+            "properties": {"a": {"$ref": "#/$defs/inner"}},
+            "required": ["a"],
+        },
+        "$id",
+        {"a": {"v": "x"}},
+    ),
+    (
+        {"type": "object", "$defs": {"c": {"type": "string"}}, "properties": {"a": {"$dynamicRef": "#/$defs/c"}}},
+        "$dynamicRef",
+        {"a": 12345},
+    ),
+    (
+        {
+            "$schema": "https://json-schema.org/draft/2019-09/schema",
+            "type": "object",
+            "properties": {"a": {"anyOf": [{"type": "string"}, {"$recursiveRef": "#"}]}},
+            "required": ["a"],
+        },
+        "$recursiveRef",
+        {"a": 12345},
+    ),
+]
+
+
+@pytest.mark.parametrize("schema, named, slipped", OUTSIDE_REFS)
+def test_references_the_grammar_does_not_follow_are_400_naming_them(tokenizer, schema, named, slipped):
+    """The server never fetches a URL: a reference outside the schema (or one xgrammar reads from the wrong place)
+    would leave its value unconstrained."""
+    from referencing import Registry, Resource
+
+    assert xgr_testing._is_grammar_accept_string(_compact_json_grammar(schema, "p"), json.dumps(slipped))
+    registry = Registry().with_resources([(CITY, Resource.from_contents(CITY_SCHEMA))])
+    registry = registry.with_resources([("city.json", Resource.from_contents(CITY_SCHEMA))])
+    validator = jsonschema.validators.validator_for(schema)(schema, registry=registry)
+    assert not validator.is_valid(slipped)
+    for param in ("response_format", "tools"):
+        err = _refused(_outputs(tokenizer), StructuredOutput.json_schema(schema, param))
+        assert named in err.message and err.param == param, err.message
+
+
+def test_local_references_are_served(tokenizer):
+    schema = {
+        "$id": "http://example.com/root",
+        "type": "object",
+        "$defs": {"c": {"type": "string", "maxLength": 4}, "a/b": {"type": "integer"}},
+        "properties": {"a": {"$ref": "#/$defs/c"}, "b": {"$ref": "#/$defs/a~1b"}},
+        "required": ["a", "b"],
+    }
+    _outputs(tokenizer).matcher(StructuredOutput.json_schema(schema))
+    grammar = _compact_json_grammar(schema, "p")
+    assert xgr_testing._is_grammar_accept_string(grammar, json.dumps({"a": "abc", "b": 3}))
+    assert not xgr_testing._is_grammar_accept_string(grammar, json.dumps({"a": "abcdef", "b": 3}))
+
+
+def test_the_depth_is_measured_before_anything_recurses():
+    """A schema nested past what Python can recurse through is a 400 naming the limit, whatever limit the server
+    was given (a limit above what the checks can walk is a 400 too, never a RecursionError)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(InvalidRequestError) as err:
+        check_json_schema(schema, "tools", 64 * 1024, 32, where="tools[0].function.parameters")
+    assert err.value.param == "tools" and "tools[0].function.parameters" in err.value.message
+    assert "10001 levels" in err.value.message and "--max-json-schema-depth" in err.value.message
+    with pytest.raises(InvalidRequestError) as err:
+        check_json_schema(schema, "tools", 1 << 30, 100_000)
+    assert err.value.param == "tools"
+    check_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "tools", 1024, 3)
+    with pytest.raises(InvalidRequestError) as err:
+        check_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "tools", 1024, 2)
+    assert "3 levels" in err.value.message
 
 
 RECURSIVE_NOTHING = [

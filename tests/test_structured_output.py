@@ -287,3 +287,29 @@ def test_invalid_constraints_are_400_over_http(server, fields, param):
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", error
     assert err.value.status_code == 400 and error["param"] == param and error["message"], error
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # nothing else changed
+
+
+@pytest.mark.parametrize("ref", ["http://example.com/person.json", "person.json", "#person"])
+def test_a_ref_outside_the_schema_is_400_naming_it_over_http(server, ref):
+    """The server never fetches a URL, and xgrammar reads such a $ref as any value: refused, never unconstrained."""
+    schema = {"type": "object", "properties": {"who": {"$ref": ref}}, "required": ["who"]}
+    chat = server.client().chat.completions
+    asks = [
+        lambda: chat.create(
+            model=BASE,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        ),
+        lambda: chat.create(
+            model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body={"guided_json": schema}
+        ),
+        lambda: server.client().completions.create(
+            model=BASE, prompt="hi", max_tokens=4, extra_body={"guided_json": schema}
+        ),
+    ]
+    for ask, param in zip(asks, ["response_format", "guided_json", "guided_json"], strict=True):
+        with pytest.raises(openai.BadRequestError) as err:
+            ask()
+        error = err.value.body
+        assert error["param"] == param and "$ref" in error["message"] and ref in error["message"], error

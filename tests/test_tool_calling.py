@@ -239,6 +239,34 @@ def test_forced_calls_whole_and_streamed(server, model, tool_choice, parallel):
 
 
 @pytest.mark.slow
+def test_a_forced_call_cut_by_max_tokens_ends_length_and_keeps_every_word(server):
+    """Cut by max_tokens: finish_reason is ``length`` (never ``tool_calls``), streamed and whole agree, and nothing
+    written is dropped: before the function's name is whole (its closing quote) the text is content, word for
+    word; after it, the call with its arguments as far as they were written. The reference: the Hermes format
+    written by hand, and the text of the tokens the uncut answer generated (greedy: a cut answer is its start)."""
+    client = server.client()
+    kw = dict(model=BASE, messages=ASK, tools=TOOLS, tool_choice=NAMED)
+    full = client.chat.completions.create(**kw, temperature=0, max_tokens=160, logprobs=True)
+    [(name, arguments)] = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    assert full.choices[0].finish_reason == "tool_calls"
+    head = f'<tool_call>\n{{"name": "{name}", "arguments": '
+    tokens = [t.token for t in full.choices[0].logprobs.content]
+    written = ["".join(tokens[:k]) for k in range(len(tokens) + 1)]  # the text of the first k tokens
+    assert written[-2].startswith(f"{head}{arguments}}}\n</tool_call>")  # the last token ends the answer
+    named = [k for k in range(len(tokens)) if f'"name": "{name}"' in written[k]]
+    # cut in the first token, in the name, right after it, inside the arguments, before the last token
+    for k in sorted({1, named[0] - 1, named[0], (named[0] + len(tokens)) // 2, len(tokens) - 1}):
+        message, calls, finish = whole(client, **kw, max_tokens=k)
+        assert finish == "length", (k, written[k], message)
+        if k in named:  # the name is whole: a call, its arguments as far as written
+            assert message.content is None and calls == [(name, written[k][len(head) :][: len(arguments)])]
+        else:
+            assert message.content == written[k] and not calls, (k, written[k], message)
+        content, streamed_calls, streamed_finish, _ = streamed(client, **kw, max_tokens=k)
+        assert (content, streamed_calls, streamed_finish) == (message.content, calls, "length")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [BASE, "emoji"])
 def test_auto_calls_the_model_makes_on_its_own(server, model):
     client = server.client()

@@ -254,13 +254,53 @@ def test_forced_arguments_are_told_as_they_come():
     assert reader.feed("_call>") == [] and reader.finish() == []
 
 
-def test_a_forced_call_cut_short_keeps_what_was_told():
-    """max_tokens cut the call: its start and arguments so far were told (the answer's finish reason says
-    length); the literal cut short is not content."""
-    content, calls, _ = read(HERMES.reader("forced"), ['<tool_call>\n{"name": "get_weather", "arguments": {"ci'])
-    assert content == "" and calls == [("get_weather", '{"ci')]
-    content, calls, _ = read(HERMES.reader("forced"), ['<tool_call>\n{"name": "get_weath'])
-    assert content == "" and calls == []
+# each family's call grammar: the syntax that ends a call, and the one that ends the calls (by hand, as forced_output)
+ENDS = {"hermes": ("}\n</tool_call>", ""), "llama3_json": ("}", ""), "mistral": ("}", "]")}
+
+
+def cut_reading(parser, output: str, calls: list[tuple[str, str]], k: int) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) that ``output[:k]`` must read as, worked out by hand from where each call's name, arguments
+    and end lie in ``output``: a call whose name is whole (its closing quote written) is told with its arguments
+    as far as written; the text after the last such call's end is content, word for word (blanks alone after a
+    call are not, nor the closing syntax), and the rest of a call's own syntax cut short is neither."""
+    suffix, close = ENDS[parser.name]
+    told, start = [], 0  # start: where the text after the last told call begins
+    for name, arguments in calls:
+        name_done = output.index(f'"{name}"', start) + len(name) + 2
+        args_at = output.index(arguments, name_done)
+        if k < name_done:
+            break
+        told.append((name, output[args_at : min(k, args_at + len(arguments))]))
+        start = output.index(suffix, args_at + len(arguments)) + len(suffix)
+    content = output[start:k]
+    return ("" if told and (not content.strip() or content == close) else content), told
+
+
+@pytest.mark.parametrize("parser", [HERMES, LLAMA3_JSON, MISTRAL], ids=lambda p: p.name)
+def test_a_forced_answer_cut_anywhere_keeps_every_word(parser):
+    """max_tokens may cut a forced answer at any character: what was written is told, as calls (their arguments
+    as far as written: the answer's finish reason, length, says they are cut) or as content (a call whose name is
+    not whole yet), the same whole and streamed."""
+    plan = plan_tool_calls(parse_tool_request(TOOLS, "required", True), parser)
+    assert plan is not None
+    output = forced_output(parser, CALLS)
+    for k in range(1, len(output) + 1):
+        written, expected = output[:k], cut_reading(parser, output, CALLS, k)
+        cuts = sorted(random.Random(k).sample(range(1, k), min(k - 1, 3)))
+        for pieces in ([written], list(written), [written[a:b] for a, b in zip([0, *cuts], [*cuts, k], strict=True)]):
+            content, calls, _ = read(plan.reader(), pieces)
+            assert (content, calls) == expected, (written, pieces)
+
+
+def test_a_triggered_call_cut_before_its_name_is_whole_is_content():
+    """tool_choice auto under the grammar: text, then a call cut anywhere; the text before it stays content."""
+    plan = plan_tool_calls(parse_tool_request(TOOLS, "auto", False), HERMES)
+    assert plan is not None and plan.mode == "triggered"
+    text, call = "Let me check. ", forced_output(HERMES, CALLS[:1])
+    for k in range(1, len(call) + 1):
+        content, calls = cut_reading(HERMES, call, CALLS[:1], k)
+        for pieces in ([text + call[:k]], list(text + call[:k])):
+            assert read(plan.reader(), pieces)[:2] == (text + content, calls), pieces
 
 
 @pytest.mark.parametrize("parser", [HERMES, LLAMA3_JSON], ids=lambda p: p.name)

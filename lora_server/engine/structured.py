@@ -30,13 +30,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-import jsonschema
 import torch
 import xgrammar as xgr
 
 from lora_server.config import EngineConfig
 from lora_server.engine.ebnf_check import check_terminates
-from lora_server.engine.json_schema_check import check_enforceable
+from lora_server.engine.json_schema_check import check_enforceable, check_json_schema
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError
 from lora_server.model.batch import ScheduledSequence
@@ -109,17 +108,9 @@ class StructuredOutputs:
             self._check_schema(json.loads(c.spec), c.param)
 
     def _check_schema(self, schema: object, param: str) -> None:
-        size = len(json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode())
-        _limit(size, self.config.max_json_schema_bytes, param, "bytes", "--max-json-schema-kb")
-        check_enforceable(schema, param, self.config.max_json_schema_depth)  # depth first: check_schema recurses
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.path)
-            raise InvalidRequestError(
-                f"{param} is not a valid JSON schema{f' (at {where})' if where else ''}: {exc.message[:200]}",
-                param=param,
-            ) from None
+        cfg = self.config
+        check_json_schema(schema, param, cfg.max_json_schema_bytes, cfg.max_json_schema_depth)
+        check_enforceable(schema, param)
 
     def compile(self, c: StructuredOutput) -> Future[xgr.CompiledGrammar]:
         """``c``'s grammar: cached (a done future), the compile of an identical constraint in flight, or a new

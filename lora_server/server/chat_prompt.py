@@ -3,13 +3,17 @@ template reads and writes, then rendered and tokenized (blocking: the server cal
 
 A field that reaches the template only means something if the template uses it: a message's ``name`` or other extra
 field the template does not write, ``documents``, ``reasoning_effort`` or a ``chat_template_kwargs`` variable it does
-not read, is a 400 naming it rather than a prompt that silently lacks it."""
+not read, is a 400 naming it rather than a prompt that silently lacks it.
+
+Each tool's ``parameters`` is checked against the server's JSON schema limits first (``check_tool_schemas``): the
+template, the tool prompt and the grammar engine all recurse through it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lora_server.engine import Engine
+from lora_server.engine.json_schema_check import check_json_schema
 from lora_server.engine.tokenizer import RENDER_VARIABLES
 from lora_server.errors import InvalidRequestError
 from lora_server.server.protocol import ChatCompletionRequest
@@ -18,6 +22,7 @@ from lora_server.server.protocol import ChatCompletionRequest
 def chat_prompt(engine: Engine, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
     """The request's prompt token ids (``tools``: the function tools as sent, None without tools), truncated to
     its last ``truncate_prompt_tokens`` where asked."""
+    check_tool_schemas(engine, tools)
     messages = req.template_messages()
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequestError(
@@ -42,6 +47,18 @@ def chat_prompt(engine: Engine, req: ChatCompletionRequest, tools: list[dict[str
         variables=variables,
     )
     return truncated(prompt, req.truncate_prompt_tokens, engine.max_model_len)
+
+
+def check_tool_schemas(engine: Engine, tools: list[dict[str, Any]] | None) -> None:
+    """InvalidRequestError (param ``tools``, the message naming the tool) when a tool's parameters are deeper or
+    larger than the server's JSON schema limits or not a valid JSON schema, whether or not the tool may be called.
+    ``tools``: the function tools as sent (lora_server.tools.spec checked their shape)."""
+    cfg = engine.config
+    for i, tool in enumerate(tools or []):
+        parameters = tool["function"].get("parameters")
+        if parameters is not None:
+            where = f"tools[{i}].function.parameters"
+            check_json_schema(parameters, "tools", cfg.max_json_schema_bytes, cfg.max_json_schema_depth, where)
 
 
 def template_variables(engine: Engine, req: ChatCompletionRequest) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from lora_server.engine.request import NO_TENANT, EngineRequest, TenantShare, wi
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import InvalidRequestError, LoraServerError
 from lora_server.sampling_params import SamplingParams
-from lora_server.server.chat_prompt import chat_prompt, truncated
+from lora_server.server.chat_prompt import chat_prompt, check_tool_schemas, truncated
 from lora_server.server.logprobs import LogprobsFormatter
 from lora_server.server.metrics import Metrics, RequestSeries
 from lora_server.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -141,8 +141,9 @@ class OpenAIServing:
         the HTTP request's (x-request-id), which the answer's id carries (default: a new one); ``arrival``: when it
         arrived (default: now)."""
         tool_request = req.tool_request()
-        calling = None if tool_request is None else plan_tool_calls(tool_request, self.tool_parser)
         tools = None if tool_request is None else tool_request.definitions()
+        check_tool_schemas(self.engine, tools)  # bounded before anything walks them (the call grammar, the prompt)
+        calling = None if tool_request is None else plan_tool_calls(tool_request, self.tool_parser)
         prompt = chat_prompt(self.engine, req, tools)
         params = self._bad_words(req, req.to_params(self.engine.max_model_len - len(prompt)))
         if calling is not None:

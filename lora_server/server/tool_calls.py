@@ -46,5 +46,6 @@ class ChoiceToolCalls:
         return {"role": "assistant", "content": content, "tool_calls": self.calls}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """``tool_calls`` for an answer that made calls and ended by itself; other endings keep their reason."""
+        """``tool_calls`` for an answer that made calls and ended by itself; other endings keep their reason: one cut
+        by max_tokens stays ``length``, which tells the client that its last call may be incomplete."""
         return "tool_calls" if self.calls and reason == "stop" else reason

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lora_server.errors import InvalidRequestError
 from lora_server.sampling_params import StructuredOutput
 from lora_server.tools.readers import CallSyntax
 from lora_server.tools.spec import FunctionTool
@@ -58,5 +59,15 @@ def _call_tags(syntax: CallSyntax, tools: tuple[FunctionTool, ...]) -> list[dict
 
 
 def _constraint(format_: dict[str, Any]) -> StructuredOutput:
+    """The structural tag as a constraint. The server bounds each tool's parameters after planning the calls
+    (lora_server.server.chat_prompt): a schema nested near Python's recursion limit reaches this unbounded, and is
+    refused here."""
     tag = {"type": "structural_tag", "format": format_}
-    return StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False), "tools")
+    try:
+        return StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False), "tools")
+    except RecursionError:
+        raise InvalidRequestError(
+            "tools: a function's parameters nest too deeply for the server (see --max-json-schema-depth)",
+            param="tools",
+            code="grammar_too_large",
+        ) from None

@@ -7,7 +7,9 @@ knows. The events, joined, are the same however the output is split into pieces,
 agree (call ids aside: each reader draws its own).
 
 - ``GrammarCallReader`` reads output written under a call grammar (lora_server.tools.grammar): the literal parts
-  of each call are exact, so a call's arguments are told as they come.
+  of each call are exact, so a call's arguments are told as they come. An output cut short (max_tokens) keeps every
+  word: a call whose name was whole is told with its arguments as far as they were written (the answer's finish
+  reason, ``length``, says it is cut), and the text of a call whose name was not whole yet is content.
 - ``FreeCallReader`` reads a model's own, unconstrained output: a call is told once its JSON is whole and reads
   as a call; anything else, markers included, is content."""
 
@@ -160,6 +162,7 @@ class GrammarCallReader(ToolCallReader):
         self._state = "text" if triggered else "open"
         self._call = -1  # the index of the call whose arguments are read
         self._scan: _JsonEnd | None = None
+        self._unsaid = ""  # the syntax consumed since the last call was told (open, separator, the next one's prefix)
 
     def _advance(self, events: list[Event]) -> bool:
         if self._state in _LITERAL_NEXT:  # a literal of the syntax, named as the state is
@@ -173,8 +176,11 @@ class GrammarCallReader(ToolCallReader):
         }[self._state](events)
 
     def _literal(self, literal: str, following: str) -> bool:
-        """The grammar writes ``literal`` here: consume it whole."""
+        """The grammar writes ``literal`` here: consume it whole (kept in ``_unsaid`` until a call is told, when it
+        comes before one)."""
         if self._pending.startswith(literal):
+            if self._state in ("open", "prefix"):
+                self._unsaid += literal
             self._pending, self._state = self._pending[len(literal) :], following
             return True
         if literal.startswith(self._pending):
@@ -187,7 +193,7 @@ class GrammarCallReader(ToolCallReader):
         if end < 0:
             return False
         self._call = self._start_call(events, self._pending[:end])
-        self._pending, self._state = self._pending[end:], "infix"
+        self._pending, self._state, self._unsaid = self._pending[end:], "infix", ""
         return True
 
     def _between(self, events: list[Event]) -> bool:
@@ -196,10 +202,13 @@ class GrammarCallReader(ToolCallReader):
         if self._triggered:
             self._state = "text"
             return True
-        for literal, following in ((s.separator, "prefix"), (s.close, "done")):
-            if literal and self._pending.startswith(literal):
-                self._pending, self._state = self._pending[len(literal) :], following
-                return True
+        if s.separator and self._pending.startswith(s.separator):
+            self._unsaid += s.separator
+            self._pending, self._state = self._pending[len(s.separator) :], "prefix"
+            return True
+        if s.close and self._pending.startswith(s.close):
+            self._pending, self._state = self._pending[len(s.close) :], "done"
+            return True
         if any(literal.startswith(self._pending) for literal in (s.separator, s.close) if literal):
             return False
         self._state = "done"  # the grammar allows nothing else: unreachable
@@ -207,8 +216,8 @@ class GrammarCallReader(ToolCallReader):
 
     def _done(self, events: list[Event]) -> bool:
         """Nothing follows the calls under the grammar; told as text should it ever."""
-        events.append(Text(self._pending))
-        self._pending = ""
+        events.append(Text(self._unsaid + self._pending))
+        self._unsaid = self._pending = ""
         return False
 
     def _text(self, events: list[Event]) -> bool:
@@ -231,9 +240,15 @@ class GrammarCallReader(ToolCallReader):
         return True
 
     def _end(self, events: list[Event]) -> None:
-        """Free text still held is content; a literal cut short (the output hit its length) is not."""
+        """The output ended (by its grammar, or cut short at its length): free text still held is content, and so
+        is all that was written after the last call told, when the next call's name is not whole (its syntax
+        included, word for word); the rest of a told call's own syntax, cut short, is not."""
+        closing = self._state == "between" and self.syntax.close.startswith(self._pending)
         if self._state in ("text", "done"):
             self._end_text(events)
+        elif self._state in ("open", "prefix", "name", "between") and not closing:
+            self._tell(events, self._unsaid + self._pending)
+        self._unsaid = ""
 
 
 class FreeCallReader(ToolCallReader):

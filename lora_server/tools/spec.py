@@ -1,7 +1,11 @@
 """What a chat request asks of tools, checked and typed: its functions (OpenAI's ``tools``), how they may be called
 (``tool_choice``, ``parallel_tool_calls``), and its messages' tool-call history in the shape chat templates read
 (transformers' ``apply_chat_template``: an assistant's ``tool_calls`` with their arguments as objects, a tool
-message's ``tool_call_id``). Every check raises InvalidRequestError naming the request field, and changes nothing."""
+message's ``tool_call_id``). Every check raises InvalidRequestError naming the request field, and changes nothing.
+
+Nothing here walks a function's ``parameters``: a schema may nest deeper than Python can recurse. The server bounds
+and validates them against its limits (lora_server.server.chat_prompt.check_tool_schemas) before the chat template,
+the tool prompt or the grammar engine read them."""
 
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from lora_server.errors import InvalidRequestError
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_TOOLS = 128  # OpenAI's limit
+# the deepest a past call's arguments may nest: the tool prompt and the chat template write them back as JSON, which
+# recurses (Python's JSON parser takes nearly 1000 levels, its writer fewer)
+MAX_ARGUMENTS_DEPTH = 256
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # a function without parameters takes {}
 
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
@@ -105,21 +112,7 @@ def _function_tool(index: int, tool: Any) -> FunctionTool:
         raise InvalidRequestError(
             f"{where}.function.parameters must be a JSON schema of an object (the arguments)", param="tools"
         )
-    _check_schema(parameters, f"{where}.function.parameters")
     return FunctionTool(name, parameters, bool(strict), tool)
-
-
-def _check_schema(schema: dict[str, Any], where: str) -> None:
-    """InvalidRequestError unless ``schema`` is valid JSON Schema (by its own $schema's rules, else 2020-12)."""
-    import jsonschema  # the server's: the engine imports this package without it
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        at = "/".join(str(p) for p in exc.path)
-        raise InvalidRequestError(
-            f"{where} is not a valid JSON schema{f' (at {at})' if at else ''}: {exc.message[:200]}", param="tools"
-        ) from None
 
 
 def _tool_choice(choice: Any, names: list[str]) -> tuple[ToolChoiceMode, str | None]:
@@ -169,7 +162,23 @@ def history_tool_calls(tool_calls: Any) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"the arguments of tool call {call['id'][:40]!r} are not valid JSON", param="messages"
             ) from None
+        if _nesting(arguments) > MAX_ARGUMENTS_DEPTH:
+            raise InvalidRequestError(
+                f"the arguments of tool call {call['id'][:40]!r} nest deeper than {MAX_ARGUMENTS_DEPTH} levels",
+                param="messages",
+            )
         call = copy.deepcopy(call)
         call["function"]["arguments"] = arguments
         calls.append(call)
     return calls
+
+
+def _nesting(value: Any) -> int:
+    """How many objects and arrays deep a JSON value goes (iterative: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
