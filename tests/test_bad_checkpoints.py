@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_server.cli import main
+from lora_server.model.arch import PRESETS, ModelArch
 from tests.servers import free_port
 
 DROP = object()  # a config change that removes the key
@@ -149,6 +151,18 @@ def test_config_settings_are_checked_before_use(tiny, tmp_path, capsys, case):
     changes, file, named = CONFIG_CASES[case]
     model = _variant(tiny, tmp_path / "model", **changes)
     _refused(capsys, _generate(model), model / file, *named)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_shipped_shapes_pass_the_checks(name):
+    """Every shape the benchmarks and the ahead-of-time compile build (their hub config.json values) passes the
+    checks: a check that refuses a good config is a defect too (Phi-4-mini's LongRoPE keeps its
+    original_max_position_embeddings at the config's top level, as Phi3Config does; refused once)."""
+    arch = ModelArch.from_hf_config(PRESETS[name])
+    assert arch.num_layers == PRESETS[name]["num_hidden_layers"]
+    if name == "phi-4-mini":  # the context capped at the original 4,096; attention sqrt(1 + ln 32 / ln 4096)
+        assert arch.max_position_embeddings == 4096
+        assert arch.rope_attention_factor == pytest.approx((17 / 12) ** 0.5)
 
 
 def test_a_config_that_is_not_a_json_object_is_refused(tiny, tmp_path, capsys):
@@ -375,23 +389,38 @@ def test_dummy_weights_check_their_config(tiny, tmp_path, capsys):
 # ---- the real serve command --------------------------------------------------------------------------------------
 
 
+# Runs argv[2:] and writes its peak RSS (KiB, wait4's rusage) to the file argv[1]. A fresh, small process forks the
+# server: Linux counts into a child's peak RSS the memory of whatever forked it (the mm it left at exec), so measured
+# from pytest's own process, late in the whole tier, an idle server read as 7.7 GB.
+_PEAK_RSS = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _serve_measured(model: Path, data_dir: Path, *flags: str, timeout: float = 120) -> tuple[int, str, int]:
-    """``lora-server serve --model MODEL`` in a child process: (exit status, stderr, its peak RSS in KiB, from
-    wait4's rusage). Killed after ``timeout`` seconds (a server that started anyway)."""
+    """``lora-server serve --model MODEL`` in a child process: (exit status, stderr, its peak RSS in KiB). Killed
+    after ``timeout`` seconds (a server that started anyway)."""
     cmd = [sys.executable, "-m", "lora_server.cli", "serve", "--model", str(model), *flags]
     cmd += ["--port", str(free_port()), "--data-dir", str(data_dir), "--admin-key", "test-admin-key"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    timer = threading.Timer(timeout, proc.kill)
+    peak = data_dir.parent / "peak-rss-kb"
+    measured = [sys.executable, "-c", _PEAK_RSS, str(peak), *cmd]
+    proc = subprocess.Popen(
+        measured, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
     timer.start()
     try:
         assert proc.stderr is not None
         err = proc.stderr.read()
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc.wait()
     finally:
         timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    proc.stderr.close()
-    return proc.returncode, err, usage.ru_maxrss
+        proc.stderr.close()
+    return proc.returncode, err, int(peak.read_text())
 
 
 def _assert_one_error_line(status: int, err: str, *named: str) -> None:

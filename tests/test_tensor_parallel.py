@@ -4,19 +4,27 @@ engine with an error that names it, within seconds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
+import json
+import logging
 import os
+import re
 import signal
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
 
 from lora_server.adapters.peft_format import AdapterError, TokenIds
 from lora_server.config import EngineConfig
+from lora_server.distributed import workers
 from lora_server.distributed.step_message import (
     LOAD,
     SWAP_IN,
@@ -27,12 +35,13 @@ from lora_server.distributed.step_message import (
     encode_copy_ops,
 )
 from lora_server.engine import Engine
-from lora_server.errors import ConfigError, TensorParallelError
+from lora_server.errors import ConfigError, EngineDeadError, TensorParallelError
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model import sampler
 from lora_server.sampling_params import SamplingParams
 from tests import test_adapter_keys, test_architectures
 from tests.conftest import ADAPTERS
+from tests.servers import BASE, Server
 from tests.test_adapter_keys import TINY
 from tests.test_lora_vs_peft import _peft_greedy
 from tests.test_model_vs_hf import _compare, _hf_logprobs
@@ -478,14 +487,16 @@ def test_an_error_on_rank_0_after_the_step_went_out_stops_the_engine(tiny, tp2, 
 
 @pytest.mark.slow
 def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, monkeypatch):
-    """A worker stopped (SIGSTOP: alive, its exit code None, so no watchdog sees it) mid-run: rank 0's next
-    collective times out (STEP_TIMEOUT, 2 s here) and the engine stops with an error that says so, never a hang;
-    an engine that idles longer than that does not time out (its workers wait for the next message)."""
+    """The backstop for a rank whose heartbeat goes on while its steps do not (a deadlock outside the GIL): a step's
+    collectives time out (STEP_TIMEOUT, 2 s here) and the engine stops with an error that says so, never a hang;
+    an engine that idles longer than that does not time out (its workers wait for the next message). Here the
+    worker is stopped, with the heartbeat's bound raised past the timeout."""
     from lora_server.distributed import group
 
     monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=2))
     engine = tiny_engine(tiny[0], 2)
     runner = engine.core.runner
+    runner.tp.workers.answer_timeout_s = 600.0
     try:
         assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)
         time.sleep(3)  # idle past the timeout
@@ -505,6 +516,78 @@ def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, m
     assert not any(p.is_alive() for p in runner.tp.workers.processes)
 
 
+ANSWER_S = 2.0  # the heartbeat's bound in these tests
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_fails_the_requests_in_flight_naming_it(tiny, monkeypatch, caplog):
+    """A worker SIGSTOPped while requests stream (alive: its exit code None, its collectives waiting in rank 0's
+    step): its heartbeat stands still, and within the bound the engine is dead, the streams in flight raise an
+    error naming that rank and its pid as stopped, and the log names it, long before the step's collective timeout
+    (30 s here, 10 minutes by default), which would blame rank 0's collective instead. The stopped worker is
+    killed: a SIGCONT later finds it gone."""
+    from lora_server.distributed import group
+
+    monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=30))
+    engine = tiny_engine(tiny[0], 2)
+    ranks = engine.core.runner.tp.workers
+    ranks.answer_timeout_s = ANSWER_S
+    pid = ranks.pids[0]
+    params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+
+    async def stop_a_rank_mid_stream() -> tuple[float, list[BaseException]]:
+        streams = [engine.submit(engine.make_request(p, params)) for p in prompts([5, 9, 13])]
+        for stream in streams:
+            assert not (await anext(stream)).finished  # every request runs
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+
+        async def error_of(stream) -> BaseException:
+            with pytest.raises(EngineDeadError) as raised:
+                async for _ in stream:
+                    pass
+            return raised.value
+
+        errors = await asyncio.gather(*map(error_of, streams))
+        return time.monotonic() - start, errors
+
+    try:
+        elapsed, errors = asyncio.run(asyncio.wait_for(stop_a_rank_mid_stream(), 120))
+        print(f"the streams failed {elapsed:.2f} s after the SIGSTOP")
+        named = rf"tensor-parallel rank 1 \(pid {pid}\) has not answered for [\d.]+ s \(process state T: stopped\)"
+        for error in errors:
+            assert re.search(named, str(error)), error
+        assert engine.dead.is_set() and re.search(named, str(engine.dead_error))
+        assert elapsed < ANSWER_S + 8.0  # generous: the bound, far below the step's timeout
+        assert any(re.search(named, r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR)
+        assert ranks.processes[0].exitcode == -signal.SIGKILL  # killed while stopped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a failed test's worker goes on, so that closing ends
+            os.kill(pid, signal.SIGCONT)
+        engine.shutdown()
+        engine.core.runner.close()
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_while_the_engine_idles_stops_it(tp2):
+    """No step in flight: the heartbeat finds the stopped rank all the same, and the engine thread's idle loop stops
+    the engine (the server's /health answers 503 from then on, and it exits non-zero) within the bound."""
+    ranks = tp2.core.runner.tp.workers
+    ranks.answer_timeout_s = ANSWER_S
+    tp2.start()
+    pid = ranks.pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert tp2.dead.wait(ANSWER_S + 8.0), "the engine did not stop"
+        assert f"tensor-parallel rank 1 (pid {pid}) has not answered" in str(tp2.dead_error)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a failed test's worker goes on, so that closing ends
+            os.kill(pid, signal.SIGCONT)
+        tp2.shutdown()
+
+
 @pytest.mark.slow
 def test_a_rank_that_dies_while_the_engine_idles_stops_its_thread(tp2):
     """The engine thread's idle loop looks at the ranks too: the engine is marked dead (the server exits non-zero on
@@ -516,3 +599,79 @@ def test_a_rank_that_dies_while_the_engine_idles_stops_its_thread(tp2):
     assert isinstance(tp2.dead_error, TensorParallelError)
     assert f"rank 1 (pid {pid}) was killed by signal 9" in str(tp2.dead_error)
     tp2.shutdown()
+
+
+def _running(server: Server) -> float:
+    """vllm:num_requests_running on the server's /metrics."""
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+    assert found is not None
+    return float(found[1])
+
+
+@pytest.mark.slow
+def test_a_server_with_a_stopped_rank_answers_errors_naming_it_and_exits(tmp_path):
+    """`lora-server serve --tensor-parallel-size 3` on the embedded model, rank 1 SIGSTOPped while a streamed and a
+    whole completion run: within the heartbeat's bound (its default) both get errors in OpenAI's shape naming rank 1
+    and its pid, /health stops answering 200 (503 until the process exits), the server exits with status 1, and its
+    log names rank 1. (Before the heartbeat: 10 minutes of 200s, then rank 2, healthy, was blamed.)"""
+    server = Server(tmp_path, [tmp_path], ["--allow-anonymous", "--tensor-parallel-size", "3"])
+    started = re.search(r"tensor-parallel ranks started: rank 1 pid (\d+)", server.log_text())
+    assert started is not None
+    pid = int(started[1])
+    body = {"model": BASE, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    streamed: list[tuple[float, dict]] = []  # (when, the error event)
+    wholes: list[tuple[float, httpx.Response]] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                streaming.set()
+                if line.startswith("data: {") and '"error"' in line:
+                    streamed.append((time.monotonic(), json.loads(line[len("data: ") :])))
+
+    def whole() -> None:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        wholes.append((time.monotonic(), r))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while not (streaming.is_set() and _running(server) == 2):
+            assert time.monotonic() < deadline, "the two requests did not both run"
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        health: tuple[float, int | str] | None = None
+        while health is None and time.monotonic() - stopped_at < 60:
+            try:
+                status: int | str = httpx.get(server.url + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                status = "gone"  # exited already
+            if status != 200:
+                health = (time.monotonic() - stopped_at, status)
+            time.sleep(0.1)
+        assert server.proc.wait(timeout=60) == 1
+        for thread in threads:
+            thread.join(60)
+        named = rf"tensor-parallel rank 1 \(pid {pid}\) has not answered for [\d.]+ s \(process state T: stopped\)"
+        (streamed_at, event), (whole_at, response) = *streamed, *wholes
+        print(f"after the SIGSTOP: streamed error {streamed_at - stopped_at:.2f} s, whole {whole_at - stopped_at:.2f}")
+        print(f"/health {health}")
+        assert response.status_code == 503
+        for error in (event["error"], response.json()["error"]):
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "service_unavailable"
+            assert re.search(named, error["message"]), error
+        bound = workers.ANSWER_TIMEOUT_S + 20.0  # generous: the bound, not the step's 10 minutes
+        assert health is not None and health[0] < bound and health[1] in (503, "gone")
+        assert max(streamed_at, whole_at) - stopped_at < bound
+        assert re.search(rf"ERROR lora_server: {named}", server.log_text())
+    finally:
+        with contextlib.suppress(OSError):  # a failed test leaves no stopped worker behind
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
+        for thread in threads:
+            thread.join(60)

@@ -6,8 +6,10 @@ The group is torch.distributed's default group, gloo over TCP on 127.0.0.1 (one 
 and a second group of the same ranks for the step messages. The two have different timeouts: waiting for the next
 message has none in effect (an idle engine's workers wait in that broadcast for as long as the engine idles),
 while a step's own collectives (all-reduces, gathers) time out after STEP_TIMEOUT, so that a rank that is alive but
-no longer takes part (hung, stopped) stops the engine with an error instead of a hang. A rank that dies is found
-sooner, by the liveness watchdogs (distributed.workers)."""
+no longer takes part stops the engine with an error instead of a hang. That is the backstop: a rank that dies, or
+stops answering (stopped, or hung holding the GIL), is found within seconds by rank 0's watchdog (its exit code, its
+heartbeat: distributed.workers), which names it; the timeout is left for a rank whose heartbeat goes on while its
+step does not (a deadlock outside the GIL)."""
 
 from __future__ import annotations
 

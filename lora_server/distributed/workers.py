@@ -7,20 +7,27 @@ hands each a WorkerSetup on the ``setup`` queue (the arena's layout and the mess
 workers follow); then every rank joins the process group. No collective runs before every rank has loaded, so a
 worker that fails to load is an error naming it, never a hang.
 
-Faults: rank 0's watchdog thread polls the workers' exit codes; the first worker that exits unasked is recorded as
-the failure, and the others are killed, so that rank 0's pending or next collective fails at once (their sockets
-close) and the engine stops with an error naming that rank. A worker exits when rank 0's process goes (its
-collective fails, or its parent-watch thread sees the parent gone)."""
+Faults: rank 0's watchdog thread polls the workers' exit codes and their heartbeats. Each worker has a thread of its
+own that counts, every POLL_S, in memory shared with rank 0 (``beats``): the count moves while the worker computes
+or waits in a collective (both let go of the GIL), and stops when the process is stopped (SIGSTOP, a debugger),
+holds the GIL (a hang in Python, a long GC pause) or is not scheduled. The first worker that exits unasked, or whose
+count has not moved for ``answer_timeout_s`` since it loaded its shard, is recorded as the failure, naming it; all
+the workers are then killed (a stopped one too: a SIGCONT later finds it gone), so that rank 0's pending or next
+collective fails at once (their sockets close) and the engine stops with that error. A worker exits when rank 0's
+process goes (its collective fails, or its heartbeat thread sees the parent gone)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import queue
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -47,7 +54,11 @@ from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.lora import LoraBatch
 
-POLL_S = 0.1  # how often the watchdogs look
+POLL_S = 0.1  # how often the watchdogs look and the workers' heartbeats count
+# how long a loaded worker may go without a heartbeat before the engine stops: far beyond a scheduling delay or a GC
+# pause, far below the step's collective timeout (group.STEP_TIMEOUT); a step's compute never counts against it
+ANSWER_TIMEOUT_S = 10.0
+log = logging.getLogger("lora_server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +82,12 @@ class WorkerRanks:
         ctx = mp.get_context("spawn")
         world = config.tensor_parallel_size
         self._loaded, self._setup = ctx.Queue(), ctx.Queue()
+        self._beats = ctx.Array("q", world, lock=False)  # rank r's heartbeat count at r (rank 0's unused)
+        self.answer_timeout_s = ANSWER_TIMEOUT_S
         self.processes = [
             ctx.Process(
                 target=run_worker,
-                args=(config, rank, port, max_model_len, threads, self._loaded, self._setup),
+                args=(config, rank, port, max_model_len, threads, self._loaded, self._setup, self._beats),
                 name=f"tp-rank-{rank}",
                 daemon=True,
             )
@@ -82,8 +95,10 @@ class WorkerRanks:
         ]
         for p in self.processes:
             p.start()
-        self.failure: str | None = None  # the first unasked exit, as the error to report
+        log.info("tensor-parallel ranks started: %s", ", ".join(f"rank {r} pid {pid}" for r, pid in self.ranks()))
+        self.failure: str | None = None  # the first unasked exit or silence, as the error to report
         self._closing = threading.Event()
+        self._judged_since: float | None = None  # heartbeats count once every worker has loaded (wait_loaded)
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -91,6 +106,10 @@ class WorkerRanks:
     def pids(self) -> list[int | None]:
         """The workers' process ids, rank 1 first."""
         return [p.pid for p in self.processes]
+
+    def ranks(self) -> list[tuple[int, int | None]]:
+        """(rank, process id) of each worker."""
+        return list(enumerate(self.pids, start=1))
 
     def wait_loaded(self) -> None:
         """Block until every worker has loaded its shard; a worker's load error or death is a TensorParallelError
@@ -106,6 +125,7 @@ class WorkerRanks:
             if error is not None:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load its shard:\n{error}")
             pending.discard(rank)
+        self._judged_since = time.monotonic()  # loading holds the GIL for as long as it takes: from here, no more
 
     def hand_setup(self, setup: WorkerSetup) -> None:
         for _ in self.processes:
@@ -135,18 +155,36 @@ class WorkerRanks:
                 p.join()
 
     def _watch(self) -> None:
+        """Until closing: the first worker that exits, or whose heartbeat count stands still for answer_timeout_s
+        (judged from rank 0's own clock, so a watchdog that itself ran late blames no one), is the failure."""
+        counts = [-1] * len(self.processes)
+        heard = [0.0] * len(self.processes)  # when this thread last saw each count move
         while not self._closing.is_set():
-            for rank, p in enumerate(self.processes, start=1):
-                code = p.exitcode
-                if code is None or self._closing.is_set():
+            now = time.monotonic()
+            for i, p in enumerate(self.processes):
+                code, count = p.exitcode, self._beats[i + 1]
+                if self._closing.is_set():
+                    return
+                if code is not None:
+                    self._fail(i, f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+                    return
+                if count != counts[i]:
+                    counts[i], heard[i] = count, now
                     continue
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) {how}: the engine cannot go on"
-                for other in self.processes:
-                    if other.is_alive():
-                        other.kill()
-                return
+                silent_s = now - max(heard[i], self._judged_since or now)
+                if silent_s > self.answer_timeout_s:
+                    self._fail(i, f"has not answered for {silent_s:.1f} s ({_process_state(p.pid)})")
+                    return
             time.sleep(POLL_S)
+
+    def _fail(self, index: int, how: str) -> None:
+        """Record the failure of worker ``index`` (rank index + 1) and kill every worker."""
+        p = self.processes[index]
+        self.failure = f"tensor-parallel rank {index + 1} (pid {p.pid}) {how}: the engine cannot go on"
+        log.error("%s", self.failure)
+        for other in self.processes:
+            if other.is_alive():
+                other.kill()
 
 
 class WorkerBlockTables:
@@ -171,10 +209,11 @@ def run_worker(
     threads: int,
     loaded: mp.Queue,
     setup_queue: mp.Queue,
+    beats: ctypes.Array[ctypes.c_int64],
 ) -> None:
     """A worker rank's life: load its shard, report, take rank 0's setup, join the group, then run every step rank
-    0 broadcasts until it says stop."""
-    _exit_with_parent()
+    0 broadcasts until it says stop; its heartbeat counts at ``beats[rank]`` meanwhile."""
+    _beat_while_parent_lives(beats, rank)
     torch.set_grad_enabled(False)
     torch.set_num_threads(threads)
     world = config.tensor_parallel_size
@@ -269,13 +308,27 @@ def _copy(step: StepMessage, adapters: ResidentAdapters, host: torch.Tensor) -> 
             adapters.unload(op.pages[0])
 
 
-def _exit_with_parent() -> None:
-    """A thread that ends this process once its parent (rank 0's process) is gone."""
+def _beat_while_parent_lives(beats: ctypes.Array[ctypes.c_int64], rank: int) -> None:
+    """A thread that counts at ``beats[rank]`` every POLL_S (rank 0's watchdog reads it) and ends this process once
+    its parent (rank 0's process) is gone."""
     parent = os.getppid()
 
-    def watch() -> None:
+    def beat() -> None:
         while os.getppid() == parent:
-            time.sleep(POLL_S * 5)
+            beats[rank] += 1  # this thread alone writes it
+            time.sleep(POLL_S)
         os._exit(1)
 
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+    threading.Thread(target=beat, name="tp-heartbeat", daemon=True).start()
+
+
+STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "waiting on the disk", "R": "running", "S": "sleeping"}
+
+
+def _process_state(pid: int | None) -> str:
+    """A process's state as Linux's /proc tells it ("process state T: stopped"), for the error's reader."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "its process state unknown"
+    return f"process state {state}: {STATES.get(state, 'see man 5 proc')}"

@@ -327,6 +327,9 @@ def _rope_parameters(cfg: dict[str, Any], family: str) -> tuple[dict[str, Any], 
     scaling = dict(cfg.get("rope_scaling") or params)
     if "rope_theta" in cfg and "rope_theta" not in scaling:
         scaling["rope_theta"] = cfg["rope_theta"]
+    original = cfg.get("original_max_position_embeddings")  # Phi-3's config.json holds LongRoPE's at its top level
+    if scaling.get("rope_type", scaling.get("type")) == "longrope" and original is not None:
+        scaling.setdefault("original_max_position_embeddings", original)
     local = None
     if family == "gemma3":
         local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
