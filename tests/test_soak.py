@@ -22,7 +22,7 @@ import pytest
 from tests.servers import BASE, Server, write_adapter
 
 pytestmark = pytest.mark.slow
-DURATION_S = 75.0
+DURATION_S = 50.0
 ADAPTERS = [BASE, "upper", "pirate", "emoji", "reg-a"]
 PROMPTS = [
     "Name a large animal.",

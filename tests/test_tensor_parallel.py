@@ -41,7 +41,7 @@ from lora_server.model import sampler
 from lora_server.sampling_params import SamplingParams
 from tests import test_adapter_keys, test_architectures
 from tests.conftest import ADAPTERS
-from tests.servers import BASE, Server
+from tests.servers import BASE, Server, free_port
 from tests.test_adapter_keys import TINY
 from tests.test_lora_vs_peft import _peft_greedy
 from tests.test_model_vs_hf import _compare, _hf_logprobs
@@ -514,6 +514,45 @@ def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, m
     finally:
         runner.close()  # kills the stopped worker
     assert not any(p.is_alive() for p in runner.tp.workers.processes)
+
+
+def _take_no_message(port: int) -> None:
+    """Rank 1 of a two-rank group that joins it, then takes no message (as a rank stopped between two steps)."""
+    from lora_server.distributed import group
+
+    group.init_group(1, 2, port)
+    time.sleep(120)
+
+
+@pytest.mark.slow
+def test_a_message_no_rank_takes_times_out_on_rank_0(monkeypatch):
+    """gloo's sender waits until each receiver takes a broadcast or a scatter (4 bytes as well), and the message
+    group has no timeout: a rank that never took the next message (stopped, or deadlocked between two steps) held
+    rank 0 for ever, and the step timeout's backstop missed it. Rank 0's sends time out after STEP_TIMEOUT (2 s
+    here) as a step's collectives do."""
+    import torch.multiprocessing as mp
+
+    from lora_server.distributed import group
+
+    monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=2))
+    port = free_port()
+    peer = mp.get_context("spawn").Process(target=_take_no_message, args=(port,), daemon=True)
+    peer.start()
+    try:
+        comm = group.Comm(0, 2)
+        comm.messages = group.init_group(0, 2, port)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="timed out after 2 s: a rank is alive but no longer takes part"):
+            comm.broadcast(torch.zeros(1))
+        assert time.monotonic() - start < 8
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="timed out after 2 s"):
+            comm.scatter_from_first([torch.zeros(1), torch.zeros(1)], torch.zeros(1))
+        assert time.monotonic() - start < 8
+    finally:
+        peer.kill()  # its sockets close: the sends still pending in gloo fail, and the group can go
+        peer.join()
+        group.destroy_group()
 
 
 ANSWER_S = 2.0  # the heartbeat's bound in these tests

@@ -5,8 +5,9 @@ died.
 The group is torch.distributed's default group, gloo over TCP on 127.0.0.1 (one engine's ranks share a machine),
 and a second group of the same ranks for the step messages. The two have different timeouts: waiting for the next
 message has none in effect (an idle engine's workers wait in that broadcast for as long as the engine idles),
-while a step's own collectives (all-reduces, gathers) time out after STEP_TIMEOUT, so that a rank that is alive but
-no longer takes part stops the engine with an error instead of a hang. That is the backstop: a rank that dies, or
+while a step's own collectives (all-reduces, gathers), and rank 0's sending of a message (gloo's sender waits until
+each receiver takes it), time out after STEP_TIMEOUT, so that a rank that is alive but no longer takes part stops
+the engine with an error instead of a hang. That is the backstop: a rank that dies, or
 stops answering (stopped, or hung holding the GIL), is found within seconds by rank 0's watchdog (its exit code, its
 heartbeat: distributed.workers), which names it; the timeout is left for a rank whose heartbeat goes on while its
 step does not (a deadlock outside the GIL)."""
@@ -107,15 +108,25 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place: rank 0's ``tensor`` on every rank; returns it."""
         self.counter.add("broadcast", tensor)
-        self._run(lambda: dist.broadcast(tensor, src=0, group=self.messages))
+        self._run(lambda: self._message(dist.broadcast(tensor, src=0, group=self.messages, async_op=True)))
         return tensor
 
     def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``parts`` (one per rank, in rank order, equal shapes; None on the others): rank r's into its
         ``out``; returns it."""
         self.counter.add("scatter", out)
-        self._run(lambda: dist.scatter(out, parts, src=0, group=self.messages))
+        self._run(lambda: self._message(dist.scatter(out, parts, src=0, group=self.messages, async_op=True)))
         return out
+
+    def _message(self, work: dist.Work | None) -> None:
+        """Wait for a step message's collective: on rank 0, the sender, for at most STEP_TIMEOUT (gloo's sender
+        waits until each receiver takes the message, and a rank that never does would hold rank 0 for the message
+        group's year); on the others for as long as rank 0 takes to send the next one."""
+        assert work is not None
+        if self.rank == 0:
+            work.wait(timeout=STEP_TIMEOUT)
+        else:
+            work.wait()
 
     def _run(self, collective: Callable[[], object]) -> None:
         try:

@@ -103,9 +103,9 @@ class Tokenizer:
         Control tokens become special tokens (matched whole in text, skipped by
         `decode(skip_special_tokens=True)`); user-defined tokens become non-special added tokens.
         """
-        from gguf import GGUFReader  # a GGUF model only: a bare CUDA machine has no gguf
+        from lora_server.model.gguf_checkpoint import gguf_reader  # a GGUF model only: a bare CUDA machine has no gguf
 
-        fields = GGUFReader(os.fspath(path)).fields
+        fields = gguf_reader(Path(path)).fields
 
         def get(name: str, default: Any = None) -> Any:
             field = fields.get(f"tokenizer.{name}")

@@ -16,6 +16,8 @@ naming it: serving without it could be another model, silently."""
 from __future__ import annotations
 
 import functools
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +196,23 @@ def gguf_names(name: str) -> dict[str, str]:
     return {field: f"GGUF {name}.{key}" for field, key in keys.items()}
 
 
+RACY_S = 2.0  # a file changed this recently may change again within its mtime's tick
+
+
 def gguf_reader(path: Path):
-    """gguf's reader of a file whose layout checkpoint_checks.check_gguf_file passed."""
+    """gguf's reader of a file whose layout checkpoint_checks.check_gguf_file passed. The last two files' readers
+    are kept, each for one version of its file (device, inode, size, mtime): the tokenizer and the weights read the
+    same file, as does an engine built again in the same process, and building a reader parses every token of the
+    vocabulary one by one (about 2 s for SmolLM2's 49,152, a third of a server's start). A file changed within
+    the last 2 s is read again each time (git's racy-file rule: a rewrite within the clock's tick keeps its mtime)."""
+    stat = os.stat(path)
+    if time.time() - stat.st_mtime < RACY_S:
+        return _reader.__wrapped__(Path(path))
+    return _reader(Path(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: Path, *stamp: int):
     from gguf import GGUFReader
 
     check_gguf_file(path)
