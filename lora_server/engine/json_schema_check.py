@@ -29,6 +29,7 @@ from typing import Any
 import jsonschema
 
 from lora_server.errors import InvalidRequestError
+from lora_server.tools.spec import json_nesting
 
 _UNENFORCED = (
     "allOf",
@@ -61,7 +62,7 @@ def check_json_schema(schema: object, param: str, max_bytes: int, max_depth: int
     nests deeper than ``max_depth`` objects and arrays (measured first, without recursion), is larger than
     ``max_bytes`` as compact JSON, or is not a valid JSON schema (by its own $schema's rules, else 2020-12)."""
     where = where or param
-    depth = _nesting(schema)
+    depth = json_nesting(schema)
     if depth > max_depth:
         raise InvalidRequestError(
             f"{where} nests {depth} levels deep; the server's limit is {max_depth} (--max-json-schema-depth)",
@@ -119,21 +120,10 @@ def check_enforceable(schema: object, param: str) -> None:
         )
 
 
-def _nesting(document: object) -> int:
-    """How many objects and arrays deep ``document`` goes (iterative: any depth is measured)."""
-    deepest, stack = 0, [(document, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict | list):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return deepest
-
-
 def _subschemas(start: object, root: object, walked: set[int]) -> list[tuple[dict[str, Any], bool]]:
     """Every object subschema of ``start`` (a subschema of ``root``, or ``root``) not yet in ``walked`` (ids, which
     this adds to), each with whether it lies in a subschema other than ``root`` that has an ``$id`` of its own (a
-    resource within the document). The nesting is bounded: see ``_nesting``."""
+    resource within the document). The nesting is bounded: see ``json_nesting``."""
     found: list[tuple[dict[str, Any], bool]] = []
     stack = [(start, False)]
     while stack:

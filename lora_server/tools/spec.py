@@ -162,7 +162,7 @@ def history_tool_calls(tool_calls: Any) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"the arguments of tool call {call['id'][:40]!r} are not valid JSON", param="messages"
             ) from None
-        if _nesting(arguments) > MAX_ARGUMENTS_DEPTH:
+        if json_nesting(arguments) > MAX_ARGUMENTS_DEPTH:
             raise InvalidRequestError(
                 f"the arguments of tool call {call['id'][:40]!r} nest deeper than {MAX_ARGUMENTS_DEPTH} levels",
                 param="messages",
@@ -173,7 +173,7 @@ def history_tool_calls(tool_calls: Any) -> list[dict[str, Any]]:
     return calls
 
 
-def _nesting(value: Any) -> int:
+def json_nesting(value: Any) -> int:
     """How many objects and arrays deep a JSON value goes (iterative: any depth is measured)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
