@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -551,6 +552,51 @@ def test_a_message_no_rank_takes_times_out_on_rank_0(monkeypatch):
         assert time.monotonic() - start < 8
     finally:
         peer.kill()  # its sockets close: the sends still pending in gloo fail, and the group can go
+        peer.join()
+        group.destroy_group()
+
+
+def _join_late(port: int, delay: float) -> None:
+    """Rank 1 of a two-rank group that joins ``delay`` s late (a worker building a large host tier), takes one
+    broadcast and exits with its value."""
+    from lora_server.distributed import group
+
+    time.sleep(delay)
+    comm = group.Comm(1, 2)
+    comm.messages = group.init_group(1, 2, port)
+    value = int(comm.broadcast(torch.zeros(1)).item())
+    group.destroy_group()
+    sys.exit(value)
+
+
+@pytest.mark.slow
+def test_the_join_waits_its_own_timeout_and_a_failed_one_leaves_the_process_able_to_join(monkeypatch):
+    """The rendezvous waits JOIN_TIMEOUT, not a step's timeout: a rank that joins 4 s late, with steps timing out
+    after 1 s, joins. A join no rank comes to fails naming the wait (TensorParallelError) and leaves nothing behind:
+    the next group in this process joins its peer. (With the step timeout at the join, a loaded CI machine's worker
+    came late, and the failed join shifted torch's count of groups, which names their keys: every later engine of
+    the process waited out its timeout, 10 minutes each.)"""
+    import torch.multiprocessing as mp
+
+    from lora_server.distributed import group
+
+    monkeypatch.setattr(group, "JOIN_TIMEOUT", timedelta(seconds=1))
+    with pytest.raises(TensorParallelError, match=r"the tensor-parallel ranks did not all join within 1 s \(rank 0\)"):
+        group.init_group(0, 2, free_port())
+    assert not dist.is_initialized()
+    monkeypatch.setattr(group, "JOIN_TIMEOUT", timedelta(seconds=120))
+    monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=1))
+    port = free_port()
+    peer = mp.get_context("spawn").Process(target=_join_late, args=(port, 4.0), daemon=True)
+    peer.start()
+    try:
+        comm = group.Comm(0, 2)
+        comm.messages = group.init_group(0, 2, port)
+        comm.broadcast(torch.full((1,), 7.0))
+        peer.join(60)
+        assert peer.exitcode == 7
+    finally:
+        peer.kill()
         peer.join()
         group.destroy_group()
 

@@ -26,6 +26,7 @@ from lora_server.errors import TensorParallelError
 
 MESSAGE_TIMEOUT = timedelta(days=365)  # waiting for the next step's message: in effect none
 STEP_TIMEOUT = timedelta(minutes=10)  # a step's collectives: far beyond any step's compute on a rank
+JOIN_TIMEOUT = timedelta(minutes=10)  # every rank at the rendezvous: a worker builds its arena and host tier first
 KINDS = ("all_reduce", "gather", "broadcast", "scatter")
 
 
@@ -46,11 +47,23 @@ def refuse_second_group() -> None:
 
 
 def init_group(rank: int, world: int, port: int) -> dist.ProcessGroup:
-    """Join the default process group as ``rank`` of ``world`` (blocks until every rank has joined), its
-    collectives timing out after STEP_TIMEOUT; returns the group of the same ranks for the step messages."""
+    """Join the default process group as ``rank`` of ``world`` (blocks until every rank has joined, for at most
+    JOIN_TIMEOUT), its collectives timing out after STEP_TIMEOUT; returns the group of the same ranks for the step
+    messages.
+
+    The rendezvous has its own timeout: with init_method's, it would wait STEP_TIMEOUT for a worker still building
+    its arena. And it fails before init_process_group names a group: a failed join leaves torch's count of groups,
+    which names the next group's keys, where a worker process (which counts from 0) expects it."""
     refuse_second_group()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=JOIN_TIMEOUT)
+    except dist.DistStoreError as exc:
+        raise TensorParallelError(
+            f"the tensor-parallel ranks did not all join within {JOIN_TIMEOUT.total_seconds():g} s (rank {rank}): {exc}"
+        ) from exc
+    store.set_timeout(STEP_TIMEOUT)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=STEP_TIMEOUT
+        "gloo", store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world, timeout=STEP_TIMEOUT
     )
     messages = dist.new_group(backend="gloo", timeout=MESSAGE_TIMEOUT)
     assert messages is not None
