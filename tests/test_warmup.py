@@ -108,3 +108,26 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere(tmp_path):
         assert {"_lora_shrink_kernel", "_lora_expand_kernel", "_paged_attention_kernel"} <= kernels, kernels
         assert {"_decode_attention_kernel", "_int8_matmul_kernel", "_int4_matmul_kernel"} <= kernels, kernels
         assert all(c["warmup"] > 0 for c in part["coverage"].values())
+
+
+def test_the_parts_of_one_target_merge_into_one():
+    """kernel_aot runs a target's shapes in two processes side by side: their parts become one, a variant both met
+    once with both halves' shapes, every shape's coverage, the longer half's seconds; other targets as they were."""
+    from lora_server.bench.kernel_aot import merge_parts
+
+    def row(variant: str, *shapes: str) -> dict:
+        return dict(kernel=variant[0], variant=variant, shapes=list(shapes))
+
+    def part(target: str, rows: list[dict], coverage: dict, collect: float) -> dict:
+        return dict(target=target, variants=rows, coverage=coverage, seconds=dict(collect=collect, compile=1.0))
+
+    first = part("sm_90", [row("b1", "s1"), row("a1", "s1")], {"s1": {"warmup": 2}}, 5.0)
+    second = part("sm_90", [row("b1", "s2"), row("c1", "s2")], {"s2": {"warmup": 1}}, 7.0)
+    other = part("sm_80", [row("a1", "s1", "s2")], {"s1": {"warmup": 1}, "s2": {"warmup": 1}}, 3.0)
+    merged = merge_parts([first, second, other])
+    assert [p["target"] for p in merged] == ["sm_90", "sm_80"]
+    assert merged[0]["variants"] == [row("a1", "s1"), row("b1", "s1", "s2"), row("c1", "s2")]
+    assert merged[0]["coverage"] == {"s1": {"warmup": 2}, "s2": {"warmup": 1}}
+    assert merged[0]["seconds"] == {"collect": 7.0, "compile": 1.0}
+    assert merged[1] == other
+    assert first["variants"] == [row("b1", "s1"), row("a1", "s1")]  # the parts given are left as they were

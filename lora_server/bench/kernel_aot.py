@@ -476,6 +476,52 @@ def table(part: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_side_by_side(
+    targets: list[str], shapes: tuple[EngineShape, ...], requests: int, workers: int
+) -> list[dict[str, Any]]:
+    """Each target in processes of its own (Triton binds a kernel to the first target it meets), all at once: the
+    first target, whose shapes also serve ``requests``, in two processes of half its shapes each; the others
+    whole. Their parts, in target order (the first target's two halves one after the other)."""
+    jobs = [(targets[0], half, requests) for half in (shapes[0::2], shapes[1::2]) if half]
+    jobs += [(name, shapes, 0) for name in targets[1:]]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs, runs = [Path(tmp) / f"{i}.json" for i in range(len(jobs))], []
+        for (name, subset, n), out in zip(jobs, outs, strict=True):
+            cmd = [sys.executable, "-m", "lora_server.bench.kernel_aot", "--target", name, "--json", str(out)]
+            cmd += [f"--shape={s.label}" for s in subset] + ["--requests", str(n), "--workers", str(workers)]
+            with out.with_suffix(".txt").open("w") as log:
+                runs.append(subprocess.Popen(cmd, stdout=log))
+        parts = []
+        for run, out in zip(runs, outs, strict=True):
+            run.wait()  # its failures are in its JSON
+            print(out.with_suffix(".txt").read_text(), end="", flush=True)  # one table after the other
+            parts += json.loads(out.read_text())["parts"]
+    return parts
+
+
+def merge_parts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One part per target from parts of some of its shapes each: the variants of all (one row for a variant two
+    parts met, with both parts' shapes), every shape's coverage, the longest part's seconds (they ran side by
+    side)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        into = merged.get(part["target"])
+        if into is None:
+            copied = [dict(r) for r in part["variants"]]
+            merged[part["target"]] = {**part, "variants": copied, "coverage": dict(part["coverage"])}
+            continue
+        rows = {r["variant"]: r for r in into["variants"]}
+        for row in part["variants"]:
+            if row["variant"] in rows:
+                rows[row["variant"]]["shapes"] = sorted({*rows[row["variant"]]["shapes"], *row["shapes"]})
+            else:
+                into["variants"].append(dict(row))
+        into["variants"].sort(key=lambda r: (r["kernel"], r["variant"]))
+        into["coverage"].update(part["coverage"])
+        into["seconds"] = {k: max(v, part["seconds"][k]) for k, v in into["seconds"].items()}
+    return list(merged.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lora_server.bench.kernel_aot",
@@ -497,16 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("TRITON_INTERPRET is set: the interpreter replaces the compiler; unset it")
     shapes = tuple(s for s in SHAPES if args.shape is None or s.label in args.shape)
     targets = args.target or sorted(TARGETS, reverse=True)  # sm_90 first
-    if len(targets) > 1:  # one process per target: Triton binds a kernel to the first target it meets
-        parts = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for name in targets:
-                out = Path(tmp) / f"{name}.json"
-                cmd = [sys.executable, "-m", "lora_server.bench.kernel_aot", "--target", name, "--json", str(out)]
-                requests = args.requests if name == targets[0] else 0
-                cmd += [f"--shape={s.label}" for s in shapes] + ["--requests", str(requests)]
-                subprocess.run([*cmd, "--workers", str(args.workers)], check=False)  # its failures are in its JSON
-                parts += json.loads(out.read_text())["parts"]
+    if len(targets) > 1:
+        parts = merge_parts(run_side_by_side(targets, shapes, args.requests, args.workers))
     else:
         parts = [report(targets[0], shapes, args.requests, args.workers)]
         print(table(parts[0]), flush=True)
