@@ -57,9 +57,10 @@ def init_group(rank: int, world: int, port: int) -> dist.ProcessGroup:
     refuse_second_group()
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=JOIN_TIMEOUT)
-    except dist.DistStoreError as exc:
+    except dist.DistError as exc:  # DistStoreError: a rank never came; DistNetworkError: no master to reach
         raise TensorParallelError(
-            f"the tensor-parallel ranks did not all join within {JOIN_TIMEOUT.total_seconds():g} s (rank {rank}): {exc}"
+            f"the tensor-parallel ranks did not all meet at 127.0.0.1:{port} within "
+            f"{JOIN_TIMEOUT.total_seconds():g} s (rank {rank}): {exc}"
         ) from exc
     store.set_timeout(STEP_TIMEOUT)
     dist.init_process_group(
