@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Sequence
+from ctypes import CDLL
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from lora_server.kernels import lora_reference, quant_reference, reference
+from lora_server.kernels import cpu_decode, lora_reference, quant_reference, reference
 
 if TYPE_CHECKING:
     from lora_server.kernels.segment_lora import LoraTerm
@@ -158,13 +159,15 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     num_splits: int | None = None,
+    cpu: CDLL | None = None,
 ) -> torch.Tensor:
     """out [T, H, D]: causal grouped-query attention of each sequence's new queries over its paged KV, for decode steps
     and prefill chunks alike (window > 0: each query sees its last ``window`` keys only; softcap > 0: the scaled scores
     s become softcap * tanh(s / softcap)); an fp8 cache is read as stored.float() * k_scale / v_scale [KVH]; a decode
     row whose sequence has length 0 (padding) is zero. A step with one query per sequence takes the decode path: with
     the kernels, split-KV decode attention in ``num_splits`` chunks per sequence (kernels.decode_attention; None: its
-    default, from the shapes), without them one gather per layer (kernels.gathered_attention); other steps take
+    default, from the shapes), without them one gather per layer (kernels.gathered_attention), or with ``cpu`` (the
+    library of kernels.cpu_decode) its decode_attention where it takes the tensors; other steps take
     kernels.paged_attention, or its twin (which needs no max_query_len)."""
     decode = max_query_len == 1 and q.shape[0] == block_tables.shape[0]
     if use_kernels(q.device):
@@ -200,6 +203,8 @@ def paged_attention(
             window=window,
             softcap=softcap,
         )
+    if decode and cpu is not None and cpu_decode.takes_attention(q, k_cache, k_scale):
+        return cpu_decode.decode_attention(cpu, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     if decode:
         from lora_server.kernels.gathered_attention import gathered_decode_attention
 
@@ -221,22 +226,33 @@ def paged_attention(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cpu: CDLL | None = None) -> torch.Tensor:
     """[T, hidden] = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype), HF's LlamaRMSNorm
-    (kernels.rms_norm); a float32 weight with x of another dtype multiplies before the rounding (Gemma's norm)."""
+    (kernels.rms_norm); a float32 weight with x of another dtype multiplies before the rounding (Gemma's norm).
+    ``cpu``: kernels.cpu_decode's library, for float32 rows on the CPU."""
     if use_kernels(x.device):
         from lora_server.kernels.rms_norm import rms_norm as kernel
 
         return kernel(x, weight, eps)
+    if cpu is not None and x.dim() == 2 and cpu_decode.takes_norm(x, x, weight):
+        out = torch.empty_like(x)
+        cpu_decode.add_rms_norm_(cpu, out, x, weight, eps, add=False)
+        return out
     return reference.rms_norm(x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: residual += x, then x = rms_norm(residual, weight, eps) (kernels.rms_norm: one launch)."""
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, cpu: CDLL | None = None
+) -> None:
+    """In place: residual += x, then x = rms_norm(residual, weight, eps) (kernels.rms_norm: one launch; ``cpu``:
+    kernels.cpu_decode's library, for float32 rows on the CPU)."""
     if use_kernels(x.device):
         from lora_server.kernels.rms_norm import fused_add_rms_norm as kernel
 
         kernel(x, residual, weight, eps)
+        return
+    if cpu is not None and x.dim() == 2 and cpu_decode.takes_norm(x, residual, weight):
+        cpu_decode.add_rms_norm_(cpu, x, residual, weight, eps, add=True)
     else:
         reference.fused_add_rms_norm(x, residual, weight, eps)
 

@@ -31,3 +31,15 @@ def adapter_cache_dir() -> str:
 def hf_endpoint() -> str | None:
     """HF_ENDPOINT, read when asked (huggingface_hub reads it once, at its import): the Hub to download from."""
     return os.environ.get("HF_ENDPOINT") or None
+
+
+def kernel_cache_dir() -> str:
+    """Where the CPU kernels built on first use are kept (kernels.cpu_decode): $XDG_CACHE_HOME/lora-server/kernels,
+    by default ~/.cache/lora-server/kernels."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "lora-server" / "kernels")
+
+
+def cpu_kernels_enabled() -> bool:
+    """LORA_SERVER_CPU_KERNELS=0 keeps the CPU decode step on torch's kernels (else kernels.cpu_decode is built)."""
+    return os.environ.get("LORA_SERVER_CPU_KERNELS", "1") != "0"

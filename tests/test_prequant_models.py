@@ -265,6 +265,7 @@ def test_w8a8_int8_checkpoint_quantizes_its_activations(tmp_path, tied):
     _compare(_engine(tmp_path / "model", quantization="none"), reference, _prompts())
     engine = _engine(tmp_path / "model")
     assert "Int8TokenInput" in repr(engine.core.runner.model.layers[0].attn.qkv_proj.base)
+    assert engine.core.runner.model.layers[0].attn.cpu_kernels is None  # quantized codes: the twins' sums (quant.py)
     _close_to_hf(engine, hf, LOGPROB_TOL)  # the package's model, activations quantized per token
     with pytest.raises(AssertionError):
         _close_to_hf(engine, reference, LOGPROB_TOL)  # weight-only is measurably another function

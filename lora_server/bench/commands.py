@@ -501,6 +501,34 @@ def _bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_llamacpp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary (built from its source)")
+    p.add_argument("--model", default=None, help="the GGUF file both serve (default: the embedded model)")
+    p.add_argument("--streams", type=_ints, default=[1, 24], help="concurrent streams; takes commas (default: 1,24)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per stream (default: 64)")
+    p.add_argument("--passes", type=int, default=2, help="passes per point, the best counts (default: 2)")
+    p.add_argument("--threads", type=int, default=None, help="threads of each server (default: the cores)")
+    p.add_argument("--adapter", default=None, help="every stream with this adapter of this server (a demo's name)")
+    p.add_argument("--adapter-path", default=None, help="--adapter's PEFT directory, where it is not a demo's name")
+    p.add_argument("--llama-lora", default=None, help="--adapter converted for llama.cpp (convert_lora_to_gguf.py)")
+    p.add_argument("--mixed", action="store_true", help="with --adapter: streams alternate base and adapter")
+    _json_flags(p, "bench-llamacpp")
+
+
+@command(
+    "bench-llamacpp",
+    "this server and llama.cpp's llama-server on the same GGUF, each alone, through HTTP: tok/s and TPOT",
+    _bench_llamacpp_args,
+)
+def _bench_llamacpp(args: argparse.Namespace) -> int:
+    from lora_server.bench.llamacpp import bench
+
+    if args.adapter and not args.llama_lora:
+        raise SystemExit("error: --adapter needs --llama-lora (the adapter converted for llama.cpp)")
+    bench(args)
+    return 0
+
+
 def _bench_serve_args(p: argparse.ArgumentParser) -> None:
     from lora_server.bench.serve import add_args
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from ctypes import CDLL
 from typing import NamedTuple
 
 import torch
@@ -24,7 +25,16 @@ from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.lora import LoraBatch, LoraLinear, VocabTerms
-from lora_server.model.quant import QuantLinear, cat_linears, cpu_head, swap_for_cpu, swap_for_cuda, tensor_mode
+from lora_server.model.quant import (
+    QuantLinear,
+    cat_linears,
+    cpu_decode_library,
+    cpu_head,
+    quantizes_activations,
+    swap_for_cpu,
+    swap_for_cuda,
+    tensor_mode,
+)
 
 
 class RMSNorm(nn.Module):
@@ -35,9 +45,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.cpu_kernels: CDLL | None = None  # kernels.cpu_decode's library, where build_llama chose it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, cpu=self.cpu_kernels)
 
     def heads_(self, x: torch.Tensor) -> None:
         """In place: each head of x [T, heads, head_dim] normalized (the per-head q/k norms)."""
@@ -45,7 +56,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> None:
         """In place: residual += x; x = self(residual) (x, residual [T, hidden])."""
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps, cpu=self.cpu_kernels)
 
 
 def rope_inv_freq(arch: ModelArch, rope_freqs: torch.Tensor | None = None, local: bool = False) -> torch.Tensor:
@@ -149,6 +160,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale, self.softcap, self.window = arch.query_scale, arch.attn_softcap, arch.window(layer)
         self.rotary_dim = arch.rotary_dim
+        self.cpu_kernels: CDLL | None = None  # kernels.cpu_decode's library, where build_llama chose it
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV) -> torch.Tensor:
         qkv = self.qkv_proj(x, batch.lora)  # [T, q_size + 2 * kv_size]
@@ -184,6 +196,7 @@ class Attention(nn.Module):
             kv_cache.v_scale,
             window=self.window,
             softcap=self.softcap,
+            cpu=self.cpu_kernels,
         )  # [T, heads, head_dim]
         return self.o_proj(o.flatten(1), batch.lora)
 
@@ -361,6 +374,10 @@ def build_llama(
         swap_for_cpu(model, keep=("embed",))
         if model.lm_head is None and cpu_head_copy:  # a tied head multiplies: its own copy (see cpu_head)
             model.lm_head = cpu_head(model.embed, dtype)
+        lib = None if quantizes_activations(model) else cpu_decode_library()
+        for module in model.modules():  # the float32 norms and decode attention in kernels.cpu_decode
+            if isinstance(module, RMSNorm | Attention):
+                module.cpu_kernels = lib
     else:  # CUDA, or the meta device that stands for it (instrument.host_work)
         swap_for_cuda(model, dtype)
     return model

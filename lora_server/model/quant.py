@@ -19,13 +19,16 @@ Formats (rows = output features, columns = input features, groups run along the 
 
 from __future__ import annotations
 
+import functools
 import itertools
+from ctypes import CDLL
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from lora_server.kernels import ops
+from lora_server import envs
+from lora_server.kernels import cpu_decode, ops
 from lora_server.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
@@ -174,6 +177,17 @@ class Fp8Linear(nn.Module):
 # 96 rows 2.02 vs 1.97; down 576 x 1536 at 96 rows 1.01 vs 1.02; at 384 rows gate|up 8.2 vs 4.6 ms. In float32
 # the dequantized path is slower than the kernel up to 384 rows (9.2 ms there) but keeps the prefill in float32.
 CPU_DEQUANT_MIN_ROWS = 96
+# Up to this many rows (a decode step's sequences) the CPU linears take kernels.cpu_decode's kernels, which read the
+# weight once per pair (int4) or four (int8) of rows; from there torch's (docs/benchmarks.md, "The CPU decode step").
+CPU_GEMV_MAX_ROWS = 4
+CPU_GEMV_MAX_HEAD_ROWS = 8
+
+
+@functools.cache
+def cpu_decode_library() -> CDLL | None:
+    """kernels.cpu_decode's built library, or None where LORA_SERVER_CPU_KERNELS=0 turns it off or it cannot be built
+    (torch's CPU kernels serve then)."""
+    return cpu_decode.load(envs.kernel_cache_dir()) if envs.cpu_kernels_enabled() else None
 
 
 class DequantScratch:
@@ -220,8 +234,10 @@ def int4pack_cpu_block() -> int | None:
 
 class Int4CpuLinear(nn.Module):
     """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
-    module swap for Int4Linear, which would otherwise unpack every weight each step. Below CPU_DEQUANT_MIN_ROWS rows
-    (decode) activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
+    module swap for Int4Linear, which would otherwise unpack every weight each step. Up to CPU_GEMV_MAX_ROWS rows,
+    with a known layout and the CPU kernels built (cpu_decode_library), kernels.cpu_decode.int4_gemv multiplies in
+    float32 from the same bfloat16 scales and zeros. Below CPU_DEQUANT_MIN_ROWS rows
+    activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
     result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a known layout
     (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in its dtype, (q - 8) * scale + zero
     from the same bfloat16 scales and zeros as the kernel, and multiplied in that dtype: in float32, or in
@@ -245,6 +261,8 @@ class Int4CpuLinear(nn.Module):
         self.bias = source.bias
         usable = block is not None and scratch is not None and self.out_features % block == 0
         self.scratch, self.block = (scratch, block) if usable else (None, None)
+        gemv = block is not None and block <= cpu_decode.INT4_MAX_BLOCK and self.out_features % block == 0
+        self.gemv_block = block if gemv and self.group_size % 32 == 0 else None
 
     @staticmethod
     def available() -> bool:
@@ -255,7 +273,11 @@ class Int4CpuLinear(nn.Module):
         return self.cpu_packed.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        if x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.scratch is not None:
+        lib = cpu_decode_library() if self.gemv_block is not None and x.shape[0] <= CPU_GEMV_MAX_ROWS else None
+        if lib is not None and self.gemv_block is not None:
+            y = cpu_decode.int4_gemv(lib, x, self.cpu_packed, self.scales_and_zeros, self.gemv_block, self.group_size)
+            y = y.to(x.dtype)
+        elif x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.scratch is not None:
             y = self._dequantized_matmul(x.to(self.scratch.dtype)).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -377,8 +399,42 @@ class Int8TokenInput(InputTransform):
         return self.inner(int8_token_round_trip(x))
 
 
+class Int8CpuHead(nn.Module):
+    """A tied int8 head on the CPU: up to CPU_GEMV_MAX_HEAD_ROWS rows kernels.cpu_decode.int8_gemv multiplies the
+    embedding's own int8 weight and group scales (Q8_0 read at a quarter of float32's bytes, in float32), with the
+    CPU kernels built (cpu_decode_library); beyond, or without them, ``dense`` (the dequantized weight, cpu_head's
+    copy) and torch's matmul: the same numbers up to float32 rounding."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, embed: Int8Linear, dense: DenseLinear) -> None:
+        super().__init__()
+        self.qweight = embed.qweight  # the embedding's buffer, not this module's: counted, and moved, there
+        self.register_buffer("scales", embed.scales.float().contiguous())  # [out, in // group] float32
+        self.dense = dense
+        self.bias = None
+
+    @property
+    def out_features(self) -> int:
+        return self.dense.out_features
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dense.dequantize(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.dense.rows(ids, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        lib = cpu_decode_library() if x.shape[0] <= CPU_GEMV_MAX_HEAD_ROWS else None
+        if lib is None:
+            return self.dense(x)
+        return cpu_decode.int8_gemv(lib, x, self.qweight, self.scales).to(x.dtype)
+
+
 QuantLinear = (
     DenseLinear
+    | Int8CpuHead
     | Int8Linear
     | Int4Linear
     | Int4CpuLinear
@@ -409,6 +465,12 @@ def swap_for_cpu(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
     swap(module)
 
 
+def quantizes_activations(module: nn.Module) -> bool:
+    """Whether a linear below ``module`` rounds its activations to codes (W8A8-int8, fp8): a float32 sum computed in
+    another order than HF's can move such a code by one step, so these models keep the torch twins' order."""
+    return any(isinstance(m, Int8TokenInput | Fp8Linear) for m in module.modules())
+
+
 def swap_for_cuda(module: nn.Module, dtype: torch.dtype) -> None:
     """The CUDA module swap: every Int4Linear below ``module`` repacked to the GPU kernel's pack width for ``dtype``
     activations (kernels.quant_tiles.int4_pack_width: each K step's activations load as two contiguous runs), where
@@ -432,6 +494,10 @@ def cpu_head(embed: QuantLinear, dtype: torch.dtype) -> QuantLinear | None:
     never fp8: tensor_mode.)"""
     if isinstance(embed, Int4Linear) and Int4CpuLinear.available() and embed.out_features % 16 == 0:
         return Int4CpuLinear(embed)
+    if isinstance(embed, Int8Linear) and embed.qweight.shape[1] % 32 == 0 and embed.scales.shape[1] > 0:
+        group = embed.qweight.shape[1] // embed.scales.shape[1]
+        if group % 32 == 0 and embed.qweight.is_contiguous():
+            return Int8CpuHead(embed, DenseLinear(embed.dequantize(dtype)))
     if isinstance(embed, Int4Linear | Int8Linear | GGUFBlockLinear):
         return DenseLinear(embed.dequantize(dtype))
     return None

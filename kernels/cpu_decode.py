@@ -1,0 +1,195 @@
+"""The CPU decode step's kernels: kernels/cpu_decode.c, built with the machine's C compiler on first use (``-O3
+-ffp-contract=off -fopenmp -march=native``, cached by the source's, the flags', the compiler's and the CPU's
+fingerprint) and called through ctypes, which lets go of the interpreter lock for the call.
+
+- int4_gemv, int8_gemv: y [M, N] float32 = x [M, K] float32 @ W.T with W decoded in registers and every product
+  and sum in float32: no rounding of the activations (torch's CPU int4 kernel rounds them to bfloat16) and no
+  dequantized copy of the weight. A call reads the weight once per INT4_TILE (int4) or INT8_TILE (int8) rows of x,
+  so the callers use them for a few rows (decode) and torch's kernels beyond. Twins: int4pack_reference here (torch's
+  CPU int4 layout, which kernels.quant_reference does not know) and kernels.quant_reference.int8_matmul.
+- decode_attention: kernels.gathered_attention's result for a float32 cache, one pass per (sequence, head).
+- add_rms_norm_: kernels.reference.fused_add_rms_norm (and rms_norm) for float32 rows.
+
+Where there is no compiler, or the build fails, ``load`` returns None and says why once; the callers keep torch's
+paths. kernels.ops takes the library where its caller passes it (``cpu=``: the model's norms and attention, where
+the model's loader chose it)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # each product and sum rounded as written
+INT4_TILE = 2  # rows of x per pass over the weight: cpu_decode.c's INT4_TILE and MAX_TILE
+INT8_TILE = 4
+INT4_MAX_BLOCK = 64  # the widest row block of torch's CPU int4 layout the kernel takes
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _fingerprint(compiler: str, flags: tuple[str, ...]) -> str:
+    """What the built library depends on: the source, the flags, the compiler's version and the CPU's features
+    (-march=native builds for this CPU)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    cpu = ""
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), platform.machine().encode(), cpu.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _build(cache_dir: Path, march: str) -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or "cc"
+    flags = (*FLAGS, f"-march={march}")
+    target = cache_dir / f"cpu_decode-{_fingerprint(compiler, flags)}.so"
+    if not target.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # built aside, then renamed: other processes too
+            built = Path(tmp) / target.name
+            subprocess.run(
+                [compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True, check=True
+            )
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the one the library runs on
+    lib.int4_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _P]
+    lib.int4_gemv.restype = None
+    lib.int8_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P]
+    lib.int8_gemv.restype = None
+    lib.decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P]
+    lib.decode_attention.restype = None
+    lib.add_rms_norm.argtypes = [_P, _P, _P, _I, _I, _F, _I]
+    lib.add_rms_norm.restype = None
+    return lib
+
+
+def load(cache_dir: str | Path, march: str = "native") -> ctypes.CDLL | None:
+    """The library built for ``march`` (native: this CPU's vector units; x86-64: the portable loops, which the
+    tests check too) into ``cache_dir`` on first use, or None where it cannot be built: logged once."""
+    key = f"{cache_dir}:{march}"
+    if key not in _loaded:
+        try:
+            _loaded[key] = _build(Path(cache_dir), march)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+            log.warning("the CPU decode kernels could not be built (%s): torch's CPU kernels serve", detail[:500])
+            _loaded[key] = None
+    return _loaded[key]
+
+
+def int4_gemv(
+    lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block: int, group: int
+) -> torch.Tensor:
+    """y [M, N] float32 = x [M, K] @ W.T, W [N, K] in torch's CPU int4 layout: packed [N / block, K, block / 2]
+    uint8 (flattened to [N, K / 2]; byte (b, k, d) holds row b * block + d's code at column k in its low nibble and
+    row b * block + block / 2 + d's in its high one), scales_and_zeros [K / group, N, 2] bfloat16; W = (code - 8) *
+    scale + zero."""
+    m, k = x.shape
+    n = scales_and_zeros.shape[1]
+    assert n % block == 0 and block <= INT4_MAX_BLOCK and block % 2 == 0, (n, block)
+    assert k % group == 0 and group % 32 == 0 and packed.numel() == n * k // 2, (k, group, packed.shape)
+    assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
+    x = x.float().contiguous()
+    y = torch.empty(m, n)
+    xsum = torch.empty(m, k // group)
+    lib.int4_gemv(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), n, block, group,
+                  xsum.data_ptr(), y.data_ptr())  # fmt: skip
+    return y
+
+
+def int8_gemv(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y [M, N] float32 = x [M, K] @ W.T, W = qweight [N, K] int8 * scales [N, K / group] float32 (each scale over
+    its group of columns; Q8_0 at group 32)."""
+    m, k = x.shape
+    n, groups = scales.shape
+    group = k // groups
+    assert qweight.shape == (n, k) and qweight.dtype == torch.int8 and qweight.is_contiguous()
+    assert scales.dtype == torch.float32 and scales.is_contiguous() and group % 32 == 0, (scales.dtype, group)
+    x = x.float().contiguous()
+    y = torch.empty(m, n)
+    lib.int8_gemv(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group, y.data_ptr())
+    return y
+
+
+def int4pack_reference(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block: int, group: int
+) -> torch.Tensor:
+    """int4_gemv's twin: the layout decoded in torch, the product in x's dtype (float64 for the sweep tests)."""
+    k = x.shape[1]
+    n = scales_and_zeros.shape[1]
+    by_block = packed.reshape(n // block, k, block // 2)
+    codes = torch.cat([by_block & 0xF, by_block >> 4], dim=-1)  # [N / B, K, B]: row b * B + r at r
+    codes = codes.permute(0, 2, 1).reshape(n, k).to(x.dtype)
+    scales = scales_and_zeros[..., 0].to(x.dtype).t().repeat_interleave(group, dim=1)  # [N, K]
+    zeros = scales_and_zeros[..., 1].to(x.dtype).t().repeat_interleave(group, dim=1)
+    return x @ ((codes - 8) * scales + zeros).T
+
+
+def takes_attention(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether decode_attention computes this step's decode attention: float32 queries and cache, no fp8 scales,
+    each head's values contiguous."""
+    return (
+        q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and k_scale is None
+        and q.shape[-1] <= 512
+        and k_cache.stride(-1) == 1
+    )
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """out [B, H, D] float32: kernels.gathered_attention.gathered_decode_attention's result (its docstring) for a
+    float32 cache (takes_attention), computed per (sequence, head) with a one-pass softmax."""
+    b, h, d = q.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape == v_cache.shape, (k_cache.stride(), v_cache.stride())
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    strides = torch.tensor(k_cache.stride()[:3], dtype=torch.int64)
+    out = torch.empty(b, h, d)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    lib.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), strides.data_ptr(), tables.data_ptr(),
+                         lens.data_ptr(), b, h, kv_heads, d, block_size, tables.shape[1], scale, window, softcap,
+                         out.data_ptr())  # fmt: skip
+    return out
+
+
+def takes_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether add_rms_norm_ computes this norm: float32 rows, contiguous, a float32 weight."""
+    return (
+        x.dtype == residual.dtype == weight.dtype == torch.float32
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and weight.is_contiguous()
+        and x.shape == residual.shape
+    )
+
+
+def add_rms_norm_(
+    lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, add: bool
+) -> None:
+    """In place on float32 rows [T, hidden] (takes_norm): residual += x where ``add``, then x = weight *
+    (residual * rsqrt(mean(residual^2) + eps)) (without ``add``: x = rms_norm(residual), residual unchanged)."""
+    t, hidden = x.shape
+    lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), t, hidden, eps, int(add))
