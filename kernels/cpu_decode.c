@@ -242,3 +242,34 @@ void add_rms_norm(float *x, float *residual, const float *weight, int T, int hid
         for (int i = 0; i < hidden; i++) xr[i] = weight[i] * (rr[i] * inv);
     }
 }
+
+/* In place: the query and key heads qk [T, HK, D] (row stride qk_row, heads D apart) rotated as
+ * kernels.reference.apply_rotary_ does, x * cos + partner(x) * sin_signed with each product rounded and then the
+ * sum (the file is built with -ffp-contract=off), partner(d) = (d + R / 2) % R below the rotary width R, d itself
+ * above it; cos, sin_signed [T, D] rows. Then the rotated keys (heads HK - KVH ..) and v [T, KVH, D] (row stride
+ * v_row) go to their slots of k_cache, v_cache [blocks, block_size, KVH, D] (strides cache_strides[0..2]); a
+ * negative slot writes nothing. D <= 512. */
+void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const float *cos, const float *sin_signed,
+                     float *k_cache, float *v_cache, const long *cache_strides, const int64_t *slots, int T, int HK,
+                     int KVH, int D, int R, int block_size) {
+    int half = R / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * D, *s = sin_signed + (size_t)t * D;
+        for (int h = 0; h < HK; h++) {
+            float *x = qk + (size_t)t * qk_row + (size_t)h * D, old[512];
+            memcpy(old, x, sizeof(float) * D);
+            for (int d = 0; d < D; d++) {
+                int partner = d < R ? (d + half) % R : d;
+                float kept = old[d] * c[d], turned = old[partner] * s[d];
+                x[d] = kept + turned;
+            }
+        }
+        if (slots[t] < 0) continue;
+        long at = (slots[t] / block_size) * cache_strides[0] + (slots[t] % block_size) * cache_strides[1];
+        for (int h = 0; h < KVH; h++) {
+            memcpy(k_cache + at + h * cache_strides[2], qk + (size_t)t * qk_row + (size_t)(HK - KVH + h) * D,
+                   sizeof(float) * D);
+            memcpy(v_cache + at + h * cache_strides[2], v + (size_t)t * v_row + (size_t)h * D, sizeof(float) * D);
+        }
+    }
+}

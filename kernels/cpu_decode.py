@@ -9,6 +9,7 @@ fingerprint) and called through ctypes, which lets go of the interpreter lock fo
   CPU int4 layout, which kernels.quant_reference does not know) and kernels.quant_reference.int8_matmul.
 - decode_attention: kernels.gathered_attention's result for a float32 cache, one pass per (sequence, head).
 - add_rms_norm_: kernels.reference.fused_add_rms_norm (and rms_norm) for float32 rows.
+- rotary_write_kv_: kernels.reference.rotary_write_kv for float32 heads and cache, bit for bit.
 
 Where there is no compiler, or the build fails, ``load`` returns None and says why once; the callers keep torch's
 paths. kernels.ops takes the library where its caller passes it (``cpu=``: the model's norms and attention, where
@@ -35,7 +36,7 @@ INT4_TILE = 2  # rows of x per pass over the weight: cpu_decode.c's INT4_TILE an
 INT8_TILE = 4
 INT4_MAX_BLOCK = 64  # the widest row block of torch's CPU int4 layout the kernel takes
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -71,6 +72,8 @@ def _build(cache_dir: Path, march: str) -> ctypes.CDLL:
     lib.decode_attention.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, _I, _I, _F, _I]
     lib.add_rms_norm.restype = None
+    lib.rotary_write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    lib.rotary_write_kv.restype = None
     return lib
 
 
@@ -193,3 +196,43 @@ def add_rms_norm_(
     (residual * rsqrt(mean(residual^2) + eps)) (without ``add``: x = rms_norm(residual), residual unchanged)."""
     t, hidden = x.shape
     lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), t, hidden, eps, int(add))
+
+
+def takes_rotary(
+    qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None
+) -> bool:
+    """Whether rotary_write_kv_ computes this step's rotary and KV write: float32 throughout, no fp8 scales, each
+    token's heads side by side, the tables' rows contiguous."""
+    d = qk.shape[-1]
+    return (
+        qk.dtype == v.dtype == cos.dtype == k_cache.dtype == torch.float32
+        and k_scale is None
+        and d <= 512
+        and qk.stride()[1:] == (d, 1)
+        and v.stride()[1:] == (d, 1)
+        and k_cache.stride(-1) == 1
+        and cos.is_contiguous()
+    )
+
+
+def rotary_write_kv_(
+    lib: ctypes.CDLL,
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rotary_dim: int,
+) -> None:
+    """In place, as kernels.reference.rotary_write_kv (takes_rotary): qk [T, H + KVH, D] rotated with cos,
+    sin_signed [T, 1, D], its last KVH heads and v [T, KVH, D] written to their slots (negative: none)."""
+    t, heads, d = qk.shape
+    assert k_cache.stride() == v_cache.stride() and sin_signed.is_contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    strides = torch.tensor(k_cache.stride()[:3], dtype=torch.int64)
+    width = rotary_dim if 0 < rotary_dim < d else d
+    lib.rotary_write_kv(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), sin_signed.data_ptr(),
+                        k_cache.data_ptr(), v_cache.data_ptr(), strides.data_ptr(), slots.data_ptr(), t, heads,
+                        k_cache.shape[2], d, width, k_cache.shape[1])  # fmt: skip

@@ -131,15 +131,19 @@ def rotary_write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     rotary_dim: int = 0,
+    cpu: CDLL | None = None,
 ) -> None:
     """In place: the query and key heads qk [T, H + KVH, D] rotated with HF's two roundings (qk * cos +
     qk.roll(D // 2, -1) * sin_signed, cos and sin_signed [T, 1, D]; rotary_dim R in (0, D): the roll within the
     first R dimensions, partial rotary), then the rotated keys qk[:, H:] and v written to their slots as
-    write_kv_cache does (kernels.rotary_write_kv: one launch)."""
+    write_kv_cache does (kernels.rotary_write_kv: one launch; ``cpu``: kernels.cpu_decode's library, for float32
+    tensors on the CPU)."""
     if use_kernels(qk.device):
         from lora_server.kernels.rotary_write_kv import rotary_write_kv as kernel
 
         kernel(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale, rotary_dim)
+    elif cpu is not None and cpu_decode.takes_rotary(qk, v, cos, k_cache, k_scale):
+        cpu_decode.rotary_write_kv_(cpu, qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, rotary_dim)
     else:
         reference.rotary_write_kv(qk, v, cos, sin_signed, k_cache, v_cache, slot_mapping, k_scale, v_scale, rotary_dim)
 

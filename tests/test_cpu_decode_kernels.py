@@ -18,7 +18,7 @@ import torch
 from lora_server.kernels import cpu_decode
 from lora_server.kernels.gathered_attention import gathered_decode_attention
 from lora_server.kernels.quant_reference import dequantize_int8
-from lora_server.kernels.reference import fused_add_rms_norm
+from lora_server.kernels.reference import fused_add_rms_norm, rotary_write_kv
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 BUILDS = ["native"] + (["x86-64"] if platform.machine() == "x86_64" else [])
@@ -142,6 +142,33 @@ def test_a_compiler_that_fails_leaves_torchs_kernels_and_says_why(
         assert cpu_decode.load(tmp_path, march="no-such-cpu") is None
     assert "could not be built" in caplog.text and "no-such-cpu" in caplog.text
     assert list(tmp_path.glob("*.so")) == []
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 8])
+def test_rotary_write_kv_is_the_reference_bit_for_bit(lib: ctypes.CDLL, rotary_dim: int) -> None:
+    """Full and partial rotary over heads that are views of a wider q|k|v row, keys and values written to a
+    strided cache, a negative slot writing nothing: the same bits as the reference (products rounded, then the
+    sum)."""
+    g = torch.Generator().manual_seed(rotary_dim)
+    tokens, heads, kv_heads, dim, block_size = 3, 4, 2, 16, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    cos, sin = torch.randn(tokens, 1, dim, generator=g), torch.randn(tokens, 1, dim, generator=g)
+    caches = torch.randn(2, 5, block_size, kv_heads, dim + 4, generator=g)[..., :dim]  # strided pages
+    slots = torch.tensor([6, -1, 17])
+    expected_qkv, expected_caches = qkv.clone(), caches.clone()
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = t[:, : (heads + kv_heads) * dim].unflatten(1, (heads + kv_heads, dim))
+        return qk, t[:, (heads + kv_heads) * dim :].unflatten(1, (kv_heads, dim))
+
+    rotary_write_kv(
+        *views(expected_qkv), cos, sin, expected_caches[0], expected_caches[1], slots, rotary_dim=rotary_dim
+    )
+    qk, v = views(qkv)
+    assert cpu_decode.takes_rotary(qk, v, cos, caches[0], None)
+    cpu_decode.rotary_write_kv_(lib, qk, v, cos, sin, caches[0], caches[1], slots, rotary_dim)
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(caches, expected_caches)
 
 
 def test_the_ops_take_the_library_they_are_given_for_float32_cpu_tensors(lib: ctypes.CDLL) -> None:

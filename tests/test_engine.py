@@ -10,7 +10,7 @@ import pytest
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import ContextLengthExceededError, InvalidRequestError
-from lora_server.model.quant import DenseLinear, resident_bytes
+from lora_server.model.quant import DenseLinear, Int8CpuHead, resident_bytes
 from lora_server.sampling_params import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 
@@ -263,14 +263,17 @@ def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
 @pytest.mark.slow
 def test_cpu_head_copy(engine_fp32):
     """SmolLM2 ties its head to the embedding. On the CPU a quantized tied head gets its own copy (float32 for the
-    GGUF's Q8_0 embedding: 49152 x 576 x 4 bytes) unless --no-cpu-head-copy; a float32 model needs none. The copy
-    gives the same greedy tokens as the embedding it copies."""
+    GGUF's Q8_0 embedding: 49152 x 576 x 4 bytes, beside the Q8_0 scales in float32 that the C kernel reads with
+    the embedding's own int8 weight: 49152 x 18 x 4) unless --no-cpu-head-copy; a float32 model needs none. The
+    copy gives the same greedy tokens as the embedding it copies."""
     assert engine_fp32.core.runner.model.lm_head is None
     with_copy, without = _engine(quantization="auto"), _engine(quantization="auto", cpu_head_copy=False)
     head = with_copy.core.runner.model.lm_head
-    assert without.core.runner.model.lm_head is None and isinstance(head, DenseLinear)
+    assert without.core.runner.model.lm_head is None
+    dense = head.dense if isinstance(head, Int8CpuHead) else head
+    assert isinstance(dense, DenseLinear)
     extra = resident_bytes(with_copy.core.runner.model) - resident_bytes(without.core.runner.model)
-    assert extra == 49152 * 576 * 4
+    assert extra == 49152 * 576 * 4 + (49152 * 18 * 4 if isinstance(head, Int8CpuHead) else 0)
     prompt = [with_copy.chat_prompt([{"role": "user", "content": "Name a color."}])]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert with_copy.generate(prompt, params)[0].token_ids == without.generate(prompt, params)[0].token_ids

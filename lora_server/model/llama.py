@@ -182,6 +182,7 @@ class Attention(nn.Module):
             kv_cache.k_scale,
             kv_cache.v_scale,
             self.rotary_dim,
+            cpu=self.cpu_kernels,
         )
         o = ops.paged_attention(
             qk[:, : self.num_heads],
