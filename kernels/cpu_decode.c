@@ -273,3 +273,13 @@ void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const f
         }
     }
 }
+
+/* 1 where the matrix-vector products run on AVX-512 (this build's target has it), 0 where they run the portable
+ * loops, which are correct but slower than torch's own kernels. */
+int vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}

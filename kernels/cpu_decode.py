@@ -74,6 +74,8 @@ def _build(cache_dir: Path, march: str) -> ctypes.CDLL:
     lib.add_rms_norm.restype = None
     lib.rotary_write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
     lib.rotary_write_kv.restype = None
+    lib.vectorized.argtypes = []
+    lib.vectorized.restype = _I
     return lib
 
 
@@ -89,6 +91,12 @@ def load(cache_dir: str | Path, march: str = "native") -> ctypes.CDLL | None:
             log.warning("the CPU decode kernels could not be built (%s): torch's CPU kernels serve", detail[:500])
             _loaded[key] = None
     return _loaded[key]
+
+
+def vectorized(lib: ctypes.CDLL) -> bool:
+    """Whether the library's matrix-vector products run on AVX-512 (the int4 one for torch's 64-row layout only);
+    the portable loops are checked by the tests but slower than torch's kernels, so the model does not use them."""
+    return bool(lib.vectorized())
 
 
 def int4_gemv(

@@ -134,6 +134,17 @@ def test_add_rms_norm_matches_the_reference_norm(lib: ctypes.CDLL, add: bool) ->
     torch.testing.assert_close(x.double(), x64, rtol=1e-5, atol=1e-5)
 
 
+def test_the_builds_say_whether_their_products_are_vectorized(tmp_path: Path) -> None:
+    """The native build says yes exactly where the CPU has AVX-512; the portable one says no."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    native = cpu_decode.load(tmp_path, march="native")
+    assert native is not None and cpu_decode.vectorized(native) == ("avx512f" in flags)
+    if platform.machine() == "x86_64":
+        portable = cpu_decode.load(tmp_path, march="x86-64")
+        assert portable is not None and not cpu_decode.vectorized(portable)
+
+
 def test_a_compiler_that_fails_leaves_torchs_kernels_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

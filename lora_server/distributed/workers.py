@@ -48,6 +48,7 @@ from lora_server.distributed.step_message import (
     decode_copy_ops,
 )
 from lora_server.errors import TensorParallelError
+from lora_server.kernels.reference import FP8_KV_DTYPE
 from lora_server.model.arena import Arena, ResidentAdapters, attach_arena, page_geometry
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
@@ -228,6 +229,7 @@ def run_worker(
             max_model_len,
             show_progress=False,
             cpu_head_copy=config.cpu_head_copy,
+            exact_kv=config.torch_kv_cache_dtype != FP8_KV_DTYPE,
         )
         del checkpoint
     except Exception:  # noqa: BLE001 (reported to rank 0, which raises it)

@@ -327,9 +327,13 @@ def build_llama(
     max_positions: int,
     show_progress: bool = True,
     cpu_head_copy: bool = True,
+    exact_kv: bool = True,
 ) -> LlamaModel:
     """The offline transform: read each checkpoint tensor, quantize it to ``quantization`` ("auto" keeps a GGUF's
-    own blocks), fuse q|k|v and gate|up, and place everything on ``device``; on the CPU, int4 linears in torch's
+    own blocks), fuse q|k|v and gate|up, and place everything on ``device``; on the CPU, the norms and decode
+    attention in kernels.cpu_decode unless a linear quantizes its activations or the KV cache is stored rounded
+    (``exact_kv`` False: fp8), where a float32 sum in another order than HF's can move a stored code by one step
+    (the twins keep HF's order there); int4 linears in torch's
     CPU layout and, with ``cpu_head_copy``, a tied head's own copy (quant.cpu_head); on CUDA, int4 linears in the
     GPU kernel's pack width (quant.swap_for_cuda)."""
     arch, w = ckpt.arch, ckpt.weights
@@ -375,7 +379,7 @@ def build_llama(
         swap_for_cpu(model, keep=("embed",))
         if model.lm_head is None and cpu_head_copy:  # a tied head multiplies: its own copy (see cpu_head)
             model.lm_head = cpu_head(model.embed, dtype)
-        lib = None if quantizes_activations(model) else cpu_decode_library()
+        lib = cpu_decode_library() if exact_kv and not quantizes_activations(model) else None
         for module in model.modules():  # the float32 norms and decode attention in kernels.cpu_decode
             if isinstance(module, RMSNorm | Attention):
                 module.cpu_kernels = lib

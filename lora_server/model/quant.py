@@ -190,6 +190,14 @@ def cpu_decode_library() -> CDLL | None:
     return cpu_decode.load(envs.kernel_cache_dir()) if envs.cpu_kernels_enabled() else None
 
 
+@functools.cache
+def cpu_gemv_library() -> CDLL | None:
+    """cpu_decode_library where its matrix-vector products are vectorized (AVX-512), else None: the linears keep
+    torch's kernels."""
+    lib = cpu_decode_library()
+    return lib if lib is not None and cpu_decode.vectorized(lib) else None
+
+
 class DequantScratch:
     """Working memory for Int4CpuLinear's dequantized weights, shared by every module of one model (the engine
     runs one forward pass at a time): one weight's uint8 codes and ``dtype`` values at a time, at most ``cap``
@@ -235,7 +243,7 @@ def int4pack_cpu_block() -> int | None:
 class Int4CpuLinear(nn.Module):
     """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
     module swap for Int4Linear, which would otherwise unpack every weight each step. Up to CPU_GEMV_MAX_ROWS rows,
-    with a known layout and the CPU kernels built (cpu_decode_library), kernels.cpu_decode.int4_gemv multiplies in
+    with torch's AVX-512 layout and the CPU kernels built (cpu_gemv_library), kernels.cpu_decode.int4_gemv multiplies in
     float32 from the same bfloat16 scales and zeros. Below CPU_DEQUANT_MIN_ROWS rows
     activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
     result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a known layout
@@ -261,7 +269,7 @@ class Int4CpuLinear(nn.Module):
         self.bias = source.bias
         usable = block is not None and scratch is not None and self.out_features % block == 0
         self.scratch, self.block = (scratch, block) if usable else (None, None)
-        gemv = block is not None and block <= cpu_decode.INT4_MAX_BLOCK and self.out_features % block == 0
+        gemv = block == cpu_decode.INT4_MAX_BLOCK and self.out_features % block == 0  # the AVX-512 layout
         self.gemv_block = block if gemv and self.group_size % 32 == 0 else None
 
     @staticmethod
@@ -273,7 +281,7 @@ class Int4CpuLinear(nn.Module):
         return self.cpu_packed.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        lib = cpu_decode_library() if self.gemv_block is not None and x.shape[0] <= CPU_GEMV_MAX_ROWS else None
+        lib = cpu_gemv_library() if self.gemv_block is not None and x.shape[0] <= CPU_GEMV_MAX_ROWS else None
         if lib is not None and self.gemv_block is not None:
             y = cpu_decode.int4_gemv(lib, x, self.cpu_packed, self.scales_and_zeros, self.gemv_block, self.group_size)
             y = y.to(x.dtype)
@@ -402,7 +410,7 @@ class Int8TokenInput(InputTransform):
 class Int8CpuHead(nn.Module):
     """A tied int8 head on the CPU: up to CPU_GEMV_MAX_HEAD_ROWS rows kernels.cpu_decode.int8_gemv multiplies the
     embedding's own int8 weight and group scales (Q8_0 read at a quarter of float32's bytes, in float32), with the
-    CPU kernels built (cpu_decode_library); beyond, or without them, ``dense`` (the dequantized weight, cpu_head's
+    CPU kernels built (cpu_gemv_library); beyond, or without them, ``dense`` (the dequantized weight, cpu_head's
     copy) and torch's matmul: the same numbers up to float32 rounding."""
 
     qweight: torch.Tensor
@@ -426,7 +434,7 @@ class Int8CpuHead(nn.Module):
         return self.dense.rows(ids, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        lib = cpu_decode_library() if x.shape[0] <= CPU_GEMV_MAX_HEAD_ROWS else None
+        lib = cpu_gemv_library() if x.shape[0] <= CPU_GEMV_MAX_HEAD_ROWS else None
         if lib is None:
             return self.dense(x)
         return cpu_decode.int8_gemv(lib, x, self.qweight, self.scales).to(x.dtype)

@@ -109,6 +109,7 @@ class ModelRunner:
                 max_model_len,
                 config.show_progress,
                 config.cpu_head_copy,
+                exact_kv=self.kv_dtype != FP8_KV_DTYPE,
             )
             if self.tp is not None:
                 self.tp.parallelize(self.model)
