@@ -184,13 +184,14 @@ void int8_gemv(const float *x, int M, int K, const int8_t *q, const float *scale
 
 /* Decode attention over a paged float32 cache, one query per sequence (paged_attention's decode rows, as
  * kernels.gathered_attention computes them): q [B, H, D] contiguous, out [B, H, D]; k_cache, v_cache [blocks,
- * block_size, KVH, D] with strides (in floats) kv_strides[0..2] and D contiguous; block_tables [B, max_blocks]
+ * block_size, KVH, D] with strides (in floats) block_stride, slot_stride, head_stride and D contiguous; block_tables [B, max_blocks]
  * int32, seq_lens [B] int32. Query head h reads KV head h / (H / KVH) over keys max(0, L - window) .. L - 1 (all
  * of them where window <= 0), scores scale * q . k, soft-capped where softcap > 0 (softcap * tanh(s / softcap));
  * softmax in one pass with a running maximum; a sequence of length 0 gives zeros. D <= 512. */
 #include <math.h>
 
-void decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *kv_strides,
+void decode_attention(const float *q, const float *k_cache, const float *v_cache, long block_stride, long slot_stride,
+                      long head_stride,
                       const int32_t *block_tables, const int32_t *seq_lens, int B, int H, int KVH, int D,
                       int block_size, int max_blocks, float scale, int window, float softcap, float *out) {
     int group = H / KVH;
@@ -205,7 +206,7 @@ void decode_attention(const float *q, const float *k_cache, const float *v_cache
         float running_max = -INFINITY, denom = 0.0f;
         for (int t = first; t < len; t++) {
             long block = block_tables[(size_t)b * max_blocks + t / block_size];
-            long at = block * kv_strides[0] + (long)(t % block_size) * kv_strides[1] + (long)kvh * kv_strides[2];
+            long at = block * block_stride + (long)(t % block_size) * slot_stride + (long)kvh * head_stride;
             const float *kv = k_cache + at, *vv = v_cache + at;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -247,10 +248,12 @@ void add_rms_norm(float *x, float *residual, const float *weight, int T, int hid
  * kernels.reference.apply_rotary_ does, x * cos + partner(x) * sin_signed with each product rounded and then the
  * sum (the file is built with -ffp-contract=off), partner(d) = (d + R / 2) % R below the rotary width R, d itself
  * above it; cos, sin_signed [T, D] rows. Then the rotated keys (heads HK - KVH ..) and v [T, KVH, D] (row stride
- * v_row) go to their slots of k_cache, v_cache [blocks, block_size, KVH, D] (strides cache_strides[0..2]); a
+ * v_row) go to their slots of k_cache, v_cache [blocks, block_size, KVH, D] (strides block_stride, slot_stride,
+ * head_stride); a
  * negative slot writes nothing. D <= 512. */
 void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const float *cos, const float *sin_signed,
-                     float *k_cache, float *v_cache, const long *cache_strides, const int64_t *slots, int T, int HK,
+                     float *k_cache, float *v_cache, long block_stride, long slot_stride, long head_stride,
+                     const int64_t *slots, int T, int HK,
                      int KVH, int D, int R, int block_size) {
     int half = R / 2;
     for (int t = 0; t < T; t++) {
@@ -265,11 +268,11 @@ void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const f
             }
         }
         if (slots[t] < 0) continue;
-        long at = (slots[t] / block_size) * cache_strides[0] + (slots[t] % block_size) * cache_strides[1];
+        long at = (slots[t] / block_size) * block_stride + (slots[t] % block_size) * slot_stride;
         for (int h = 0; h < KVH; h++) {
-            memcpy(k_cache + at + h * cache_strides[2], qk + (size_t)t * qk_row + (size_t)(HK - KVH + h) * D,
+            memcpy(k_cache + at + h * head_stride, qk + (size_t)t * qk_row + (size_t)(HK - KVH + h) * D,
                    sizeof(float) * D);
-            memcpy(v_cache + at + h * cache_strides[2], v + (size_t)t * v_row + (size_t)h * D, sizeof(float) * D);
+            memcpy(v_cache + at + h * head_stride, v + (size_t)t * v_row + (size_t)h * D, sizeof(float) * D);
         }
     }
 }

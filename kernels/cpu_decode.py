@@ -4,9 +4,9 @@ fingerprint) and called through ctypes, which lets go of the interpreter lock fo
 
 - int4_gemv, int8_gemv: y [M, N] float32 = x [M, K] float32 @ W.T with W decoded in registers and every product
   and sum in float32: no rounding of the activations (torch's CPU int4 kernel rounds them to bfloat16) and no
-  dequantized copy of the weight. A call reads the weight once per INT4_TILE (int4) or INT8_TILE (int8) rows of x,
-  so the callers use them for a few rows (decode) and torch's kernels beyond. Twins: int4pack_reference here (torch's
-  CPU int4 layout, which kernels.quant_reference does not know) and kernels.quant_reference.int8_matmul.
+  dequantized copy of the weight. A call reads the weight once per 2 (int4) or 4 (int8) rows of x (cpu_decode.c's
+  tiles), so the callers use them for a few rows (decode) and torch's kernels beyond. Twins: int4pack_reference
+  here (torch's CPU int4 layout, which kernels.quant_reference does not know) and kernels.quant_reference.int8_matmul.
 - decode_attention: kernels.gathered_attention's result for a float32 cache, one pass per (sequence, head).
 - add_rms_norm_: kernels.reference.fused_add_rms_norm (and rms_norm) for float32 rows.
 - rotary_write_kv_: kernels.reference.rotary_write_kv for float32 heads and cache, bit for bit.
@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # each product and sum rounded as written
-INT4_TILE = 2  # rows of x per pass over the weight: cpu_decode.c's INT4_TILE and MAX_TILE
-INT8_TILE = 4
 INT4_MAX_BLOCK = 64  # the widest row block of torch's CPU int4 layout the kernel takes
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -68,11 +66,11 @@ def _build(cache_dir: Path, march: str) -> ctypes.CDLL:
     lib.int4_gemv.restype = None
     lib.int8_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P]
     lib.int8_gemv.restype = None
-    lib.decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P]
+    lib.decode_attention.argtypes = [_P, _P, _P, _L, _L, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P]
     lib.decode_attention.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, _I, _I, _F, _I]
     lib.add_rms_norm.restype = None
-    lib.rotary_write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    lib.rotary_write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _I, _I, _I, _I, _I, _I]
     lib.rotary_write_kv.restype = None
     lib.vectorized.argtypes = []
     lib.vectorized.restype = _I
@@ -177,12 +175,11 @@ def decode_attention(
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    strides = torch.tensor(k_cache.stride()[:3], dtype=torch.int64)
     out = torch.empty(b, h, d)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    lib.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), strides.data_ptr(), tables.data_ptr(),
-                         lens.data_ptr(), b, h, kv_heads, d, block_size, tables.shape[1], scale, window, softcap,
-                         out.data_ptr())  # fmt: skip
+    lib.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+                         tables.data_ptr(), lens.data_ptr(), b, h, kv_heads, d, block_size, tables.shape[1], scale,
+                         window, softcap, out.data_ptr())  # fmt: skip
     return out
 
 
@@ -239,8 +236,7 @@ def rotary_write_kv_(
     t, heads, d = qk.shape
     assert k_cache.stride() == v_cache.stride() and sin_signed.is_contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    strides = torch.tensor(k_cache.stride()[:3], dtype=torch.int64)
     width = rotary_dim if 0 < rotary_dim < d else d
     lib.rotary_write_kv(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), sin_signed.data_ptr(),
-                        k_cache.data_ptr(), v_cache.data_ptr(), strides.data_ptr(), slots.data_ptr(), t, heads,
+                        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3], slots.data_ptr(), t, heads,
                         k_cache.shape[2], d, width, k_cache.shape[1])  # fmt: skip
