@@ -1,17 +1,17 @@
 /* Quantized weights times a few rows of activations on the CPU, the weights decoded in registers (the decode
- * step's matmuls and the head): kernels/cpu_decode.py builds this file with the machine's C compiler and calls it.
+ * step's matmuls and the head), and the float32 decode step's attention, norms and rotary: kernels/cpu_decode.py
+ * builds this file with the machine's C compiler and calls it.
  *
- * Both take x [M, K] float32 row-major and write y [M, N] float32 row-major, y = x @ W.T, with every product and
- * sum in float32 (a fused multiply-add per weight; the group's sum scaled once), so y equals the float64 product
- * of x and the dequantized weight up to float32 rounding. The output rows are split among the OpenMP threads
- * (torch's own runtime: the library is loaded after torch, and both name libgomp.so.1). K is a multiple of 32 and
- * of group; group a multiple of 32.
+ * The products take x [M, K] float32 row-major and write y [M, N] float32 row-major, y = x @ W.T. The output rows
+ * are split among the OpenMP threads (torch's own runtime: the library is loaded after torch, and both name
+ * libgomp.so.1). K is a multiple of 32 and of group; group a multiple of 32.
  *
- * int4: packed [N, K / 2] uint8, nibbles paired within each block of 32 columns (Q4_1's layout: byte j of a block
- *       holds column j in its low nibble and column j + 16 in its high one); scales, mins [N, K / group] float32;
- *       W[n, k] = code * scale + min, so y = sum over groups of scale * (codes . x) + min * sum(x over the group).
- * int8: q [N, K] int8; scales [N, K / group] float32; W[n, k] = q * scale (Q8_0 at group 32). */
+ * int4: torch's CPU int4 layout at row block 64 (int4_gemv); x in 16-bit fixed point per block of 32 columns, the
+ *       dot products exact in int32 (int4_quantize_row), scaled and summed in float32.
+ * int8: q [N, K] int8; scales [N, K / group] float32; W[n, k] = q * scale (Q8_0 at group 32); every product and sum
+ *       in float32 (a fused multiply-add per weight; the group's sum scaled once). */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -28,71 +28,138 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-#define INT4_TILE 2 /* rows of x per pass over an int4 row block (its accumulators fill the registers) */
+/* int4 activations: each row's blocks of 32 columns in 16-bit fixed point, x ~ xs[b] * (256 * hi + lo) with hi, lo
+ * int8 (hi = floor((q + 128) / 256), lo = q - 256 * hi, q = rint(x / xs[b]) within +-INT4_XQ_MAX), xs[b] = the
+ * block's largest |x| / INT4_XQ_MAX: 2^-16 of the block's largest value at worst, where torch's int4 kernel rounds
+ * each activation to bfloat16 (2^-9 of itself). The weight's codes (0..15) times hi and lo are exact integer dot
+ * products (AVX512-VNNI's vpdpbusd: unsigned bytes times signed bytes, summed in int32). A block with a
+ * non-finite value gets xs = NaN, so its rows' outputs are NaN as the float product's would be. */
+#define INT4_XQ_MAX 32639 /* 127 * 256 + 127: hi stays within int8 */
 
-static inline __attribute__((always_inline)) void int4_tile(const float *x, int mt, int K, const uint8_t *blk, int B,
-                                                            const uint16_t *sz, size_t sz_stride, int group,
-                                                            const float *xsum, int groups, float *out) {
-    /* out[m, r] = W[r] . x[m] for the B rows r of one row block: blk [K, B / 2] bytes, sz its rows' (scale, zero)
-     * bfloat16 pairs of group 0 (group g at sz + g * sz_stride); W = (code - 8) * scale + zero, so a group adds
-     * scale * (codes . x) + (zero - 8 * scale) * sum(x over the group); xsum [mt, groups] */
+static void int4_quantize_row(const float *x, int K, int8_t *hi, int8_t *lo, float *xs) {
+    /* q = rint(x * (1 / scale)) in float32, as int4_activations computes it */
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + (size_t)b * 32;
+        float amax = 0.0f;
+        int finite = 1;
+        for (int k = 0; k < 32; k++) {
+            finite &= isfinite(xb[k]) != 0;
+            amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
+        }
+        float scale = finite ? amax / (float)INT4_XQ_MAX : NAN;
+        xs[b] = scale;
+        float inv = scale > 0.0f ? 1.0f / scale : 0.0f; /* 0: a block of zeros, or NaN's row */
 #ifdef __AVX512F__
-    if (B == 64) {
-        __m512 total[INT4_TILE][4];
-        for (int m = 0; m < mt; m++)
-            for (int j = 0; j < 4; j++) total[m][j] = _mm512_setzero_ps();
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        for (int g = 0; g < groups; g++) {
-            __m512 acc[INT4_TILE][4];
-            for (int m = 0; m < mt; m++)
-                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
-            for (int k = g * group; k < (g + 1) * group; k++) {
-                if ((k & 1) == 0) _mm_prefetch((const char *)(blk + (size_t)(k + 64) * 32), _MM_HINT_T0);
-                __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + (size_t)k * 32));
-                __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-                __m512 w[4] = {
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))),
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))),
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))),
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))),
+        for (int half = 0; half < 2; half++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * half), _mm512_set1_ps(inv)));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(INT4_XQ_MAX)), _mm512_set1_epi32(-INT4_XQ_MAX));
+            __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+            __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8));
+            _mm_storeu_si128((__m128i *)(hi + (size_t)b * 32 + 16 * half), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i *)(lo + (size_t)b * 32 + 16 * half), _mm512_cvtepi32_epi8(l));
+        }
+#else
+        for (int k = 0; k < 32; k++) {
+            int q = (int)lrintf(xb[k] * inv);
+            q = q > INT4_XQ_MAX ? INT4_XQ_MAX : (q < -INT4_XQ_MAX ? -INT4_XQ_MAX : q);
+            int h = (q + 128) >> 8;
+            hi[(size_t)b * 32 + k] = (int8_t)h;
+            lo[(size_t)b * 32 + k] = (int8_t)(q - 256 * h);
+        }
+#endif
+    }
+}
+
+static inline __attribute__((always_inline)) void int4_block_row(const int8_t *hi, const int8_t *lo, const float *xs,
+                                                                 int K, const uint8_t *blk, const uint16_t *sz,
+                                                                 size_t sz_stride, int group, const float *xsum,
+                                                                 float *out) {
+    /* out[r] = W[r] . x for the 64 rows r of one row block (torch's layout at B = 64): blk [K, 32] bytes, byte d of
+     * column k holding row d's code (low nibble) and row d + 32's (high nibble); sz the rows' (scale, zero) bfloat16
+     * pairs of group 0 (group g at sz + g * sz_stride); W = (code - 8) * scale + zero, so a group adds scale *
+     * (codes . x) + (zero - 8 * scale) * sum(x over the group), xsum [K / group] the exact sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    /* vpermt2b indices: lane j of a 16-row quarter gathers its row's codes at columns k .. k + 3 from two registers
+     * holding columns (k, k + 1) and (k + 2, k + 3), 32 rows each */
+    uint8_t idx_lo_bytes[64], idx_hi_bytes[64];
+    for (int j = 0; j < 16; j++)
+        for (int c = 0; c < 4; c++) {
+            idx_lo_bytes[4 * j + c] = (uint8_t)(32 * c + j);
+            idx_hi_bytes[4 * j + c] = (uint8_t)(32 * c + 16 + j);
+        }
+    const __m512i idx0 = _mm512_loadu_si512(idx_lo_bytes), idx1 = _mm512_loadu_si512(idx_hi_bytes);
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int g = 0; g < K / group; g++) {
+        const uint32_t *pairs = (const uint32_t *)(sz + (size_t)g * sz_stride);
+        if (g + 2 < K / group) /* the scales lie N * 4 bytes apart by group: a stride no prefetcher follows */
+            for (int line = 0; line < 4; line++)
+                _mm_prefetch((const char *)(sz + (size_t)(g + 2) * sz_stride) + 64 * line, _MM_HINT_T0);
+        __m512 gacc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int b = g * group; b < (g + 1) * group; b += 32) {
+            __m512i ahi[4], alo[4];
+            for (int j = 0; j < 4; j++) ahi[j] = alo[j] = _mm512_setzero_si512();
+            for (int k = b; k < b + 32; k += 4) {
+                _mm_prefetch((const char *)(blk + (size_t)(k + 64) * 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(blk + (size_t)(k + 66) * 32), _MM_HINT_T0);
+                __m512i z0 = _mm512_loadu_si512((const void *)(blk + (size_t)k * 32));
+                __m512i z1 = _mm512_loadu_si512((const void *)(blk + (size_t)(k + 2) * 32));
+                __m512i l0 = _mm512_and_si512(z0, low4), l1 = _mm512_and_si512(z1, low4);
+                __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(z0, 4), low4);
+                __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(z1, 4), low4);
+                __m512i w[4] = {
+                    _mm512_permutex2var_epi8(l0, idx0, l1), _mm512_permutex2var_epi8(l0, idx1, l1),
+                    _mm512_permutex2var_epi8(h0, idx0, h1), _mm512_permutex2var_epi8(h0, idx1, h1),
                 };
-                for (int m = 0; m < mt; m++) {
-                    __m512 xk = _mm512_set1_ps(x[(size_t)m * K + k]);
-                    for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(w[j], xk, acc[m][j]);
+                int32_t xh, xl;
+                memcpy(&xh, hi + k, 4);
+                memcpy(&xl, lo + k, 4);
+                __m512i vh = _mm512_set1_epi32(xh), vl = _mm512_set1_epi32(xl);
+                for (int j = 0; j < 4; j++) {
+                    ahi[j] = _mm512_dpbusd_epi32(ahi[j], w[j], vh);
+                    alo[j] = _mm512_dpbusd_epi32(alo[j], w[j], vl);
                 }
             }
-            const uint32_t *pairs = (const uint32_t *)(sz + (size_t)g * sz_stride);
+            __m512 scale = _mm512_set1_ps(xs[b / 32]);
             for (int j = 0; j < 4; j++) {
-                __m512i pair = _mm512_loadu_si512((const void *)(pairs + 16 * j));
-                __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-                __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
-                __m512 shift = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);
-                for (int m = 0; m < mt; m++) {
-                    total[m][j] = _mm512_fmadd_ps(s, acc[m][j], total[m][j]);
-                    total[m][j] = _mm512_fmadd_ps(shift, _mm512_set1_ps(xsum[m * groups + g]), total[m][j]);
-                }
+                __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(ahi[j], 8), alo[j]); /* |dot| < 2^24: exact */
+                gacc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, gacc[j]);
             }
         }
-        for (int m = 0; m < mt; m++)
-            for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + m * 64 + 16 * j, total[m][j]);
-        return;
+        __m512 xg = _mm512_set1_ps(xsum[g]);
+        for (int j = 0; j < 4; j++) {
+            __m512i pair = _mm512_loadu_si512((const void *)(pairs + 16 * j));
+            __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
+            __m512 shift = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);
+            total[j] = _mm512_fmadd_ps(s, gacc[j], total[j]);
+            total[j] = _mm512_fmadd_ps(shift, xg, total[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + 16 * j, total[j]);
+#else
+    for (int r = 0; r < 64; r++) {
+        int d = r % 32, nibble = r < 32 ? 0 : 4;
+        float total = 0.0f;
+        for (int g = 0; g < K / group; g++) {
+            float s = bf16_to_float(sz[(size_t)g * sz_stride + 2 * r]);
+            float z = bf16_to_float(sz[(size_t)g * sz_stride + 2 * r + 1]);
+            float gacc = 0.0f;
+            for (int b = g * group; b < (g + 1) * group; b += 32) {
+                int32_t dot_hi = 0, dot_lo = 0;
+                for (int k = b; k < b + 32; k++) {
+                    int code = (blk[(size_t)k * 32 + d] >> nibble) & 0x0F;
+                    dot_hi += code * hi[k];
+                    dot_lo += code * lo[k];
+                }
+                gacc = fmaf((float)(dot_hi * 256 + dot_lo), xs[b / 32], gacc);
+            }
+            total = fmaf(s, gacc, total);
+            total = fmaf(fmaf(-8.0f, s, z), xsum[g], total);
+        }
+        out[r] = total;
     }
 #endif
-    for (int r = 0; r < B; r++) {
-        int d = r % (B / 2), shift = r < B / 2 ? 0 : 4;
-        for (int m = 0; m < mt; m++) {
-            float total = 0.0f;
-            for (int g = 0; g < groups; g++) {
-                float acc = 0.0f;
-                for (int k = g * group; k < (g + 1) * group; k++)
-                    acc += (float)((blk[(size_t)k * (B / 2) + d] >> shift) & 0x0F) * x[(size_t)m * K + k];
-                float s = bf16_to_float(sz[(size_t)g * sz_stride + 2 * r]);
-                float z = bf16_to_float(sz[(size_t)g * sz_stride + 2 * r + 1]);
-                total += s * acc + (z - 8.0f * s) * xsum[m * groups + g];
-            }
-            out[m * B + r] = total;
-        }
-    }
 }
 
 static inline __attribute__((always_inline)) void int8_tile(const float *x, int mt, int K, const int8_t *row,
@@ -137,32 +204,31 @@ static inline __attribute__((always_inline)) void int8_tile(const float *x, int 
     default: CALL(4); break; \
     }
 
-void int4_gemv(const float *x, int M, int K, const uint8_t *packed, const uint16_t *scales_and_zeros, int N, int B,
-               int group, float *xsum, float *y) {
-    /* packed: torch's CPU int4 layout [N / B, K, B / 2] (byte (b, k, d) = code of row b * B + d at column k in its
-     * low nibble, of row b * B + B / 2 + d in its high one); scales_and_zeros [K / group, N, 2] bfloat16;
-     * xsum: scratch [M, K / group] float32, filled here */
+void int4_gemv(const float *x, int M, int K, const uint8_t *packed, const uint16_t *scales_and_zeros, int N,
+               int group, void *scratch, float *y) {
+    /* packed: torch's CPU int4 layout at row block 64, [N / 64, K, 32] (byte (b, k, d) = code of row b * 64 + d at
+     * column k in its low nibble, of row b * 64 + 32 + d in its high one); scales_and_zeros [K / group, N, 2]
+     * bfloat16; scratch: M * (2 * K + 4 * (K / 32 + K / group)) bytes, filled here (the rows' int8 parts, block
+     * scales and group sums) */
     int groups = K / group;
-    for (int m = 0; m < M; m++)
+    int8_t *hi = (int8_t *)scratch, *lo = hi + (size_t)M * K;
+    float *xs = (float *)(lo + (size_t)M * K), *xsum = xs + (size_t)M * (K / 32);
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (size_t)m * K;
+        int4_quantize_row(row, K, hi + (size_t)m * K, lo + (size_t)m * K, xs + (size_t)m * (K / 32));
         for (int g = 0; g < groups; g++) {
             float s = 0.0f;
-            for (int k = g * group; k < (g + 1) * group; k++) s += x[(size_t)m * K + k];
+            for (int k = g * group; k < (g + 1) * group; k++) s += row[k];
             xsum[m * groups + g] = s;
         }
+    }
 #pragma omp parallel for schedule(static)
-    for (int b = 0; b < N / B; b++) {
-        const uint8_t *blk = packed + (size_t)b * K * (B / 2);
-        const uint16_t *sz = scales_and_zeros + (size_t)b * B * 2;
-        float out[INT4_TILE * 64];
-        for (int m0 = 0; m0 < M; m0 += INT4_TILE) {
-            int mt = M - m0 < INT4_TILE ? M - m0 : INT4_TILE;
-            if (mt == 1)
-                int4_tile(x + (size_t)m0 * K, 1, K, blk, B, sz, (size_t)N * 2, group, xsum + m0 * groups, groups, out);
-            else
-                int4_tile(x + (size_t)m0 * K, 2, K, blk, B, sz, (size_t)N * 2, group, xsum + m0 * groups, groups, out);
-            for (int m = 0; m < mt; m++)
-                for (int r = 0; r < B; r++) y[(size_t)(m0 + m) * N + (size_t)b * B + r] = out[m * B + r];
-        }
+    for (int b = 0; b < N / 64; b++) {
+        const uint8_t *blk = packed + (size_t)b * K * 32;
+        const uint16_t *sz = scales_and_zeros + (size_t)b * 64 * 2;
+        for (int m = 0; m < M; m++) /* the block (K * 32 bytes) stays in cache for the next rows */
+            int4_block_row(hi + (size_t)m * K, lo + (size_t)m * K, xs + (size_t)m * (K / 32), K, blk, sz,
+                           (size_t)N * 2, group, xsum + m * groups, y + (size_t)m * N + (size_t)b * 64);
     }
 }
 
@@ -188,7 +254,6 @@ void int8_gemv(const float *x, int M, int K, const int8_t *q, const float *scale
  * int32, seq_lens [B] int32. Query head h reads KV head h / (H / KVH) over keys max(0, L - window) .. L - 1 (all
  * of them where window <= 0), scores scale * q . k, soft-capped where softcap > 0 (softcap * tanh(s / softcap));
  * softmax in one pass with a running maximum; a sequence of length 0 gives zeros. D <= 512. */
-#include <math.h>
 
 void decode_attention(const float *q, const float *k_cache, const float *v_cache, long block_stride, long slot_stride,
                       long head_stride,
@@ -277,10 +342,10 @@ void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const f
     }
 }
 
-/* 1 where the matrix-vector products run on AVX-512 (this build's target has it), 0 where they run the portable
- * loops, which are correct but slower than torch's own kernels. */
+/* 1 where the matrix-vector products run on AVX-512 with VNNI and VBMI (this build's target has them), 0 where they
+ * run the portable loops, which compute the same but slower than torch's own kernels. */
 int vectorized(void) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
     return 1;
 #else
     return 0;

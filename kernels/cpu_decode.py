@@ -2,11 +2,13 @@
 -ffp-contract=off -fopenmp -march=native``, cached by the source's, the flags', the compiler's and the CPU's
 fingerprint) and called through ctypes, which lets go of the interpreter lock for the call.
 
-- int4_gemv, int8_gemv: y [M, N] float32 = x [M, K] float32 @ W.T with W decoded in registers and every product
-  and sum in float32: no rounding of the activations (torch's CPU int4 kernel rounds them to bfloat16) and no
-  dequantized copy of the weight. A call reads the weight once per 2 (int4) or 4 (int8) rows of x (cpu_decode.c's
-  tiles), so the callers use them for a few rows (decode) and torch's kernels beyond. Twins: int4pack_reference
-  here (torch's CPU int4 layout, which kernels.quant_reference does not know) and kernels.quant_reference.int8_matmul.
+- int4_gemv, int8_gemv: y [M, N] float32 = x [M, K] float32 @ W.T with W decoded in registers, no dequantized copy
+  of the weight. int4: x in 16-bit fixed point per block of 32 columns (2^-16 of the block's largest value; torch's
+  CPU int4 kernel rounds each activation to bfloat16, 2^-9 of itself), its products with the codes exact integer
+  sums (AVX512-VNNI); int8: every product and sum in float32. They serve a few rows (decode; the int4 one reads a
+  weight block from cache for each further row, the int8 one once per 4 rows) and torch's kernels beyond. Twins:
+  int4pack_reference here (torch's CPU int4 layout, which kernels.quant_reference does not know) and
+  kernels.quant_reference.int8_matmul.
 - decode_attention: kernels.gathered_attention's result for a float32 cache, one pass per (sequence, head).
 - add_rms_norm_: kernels.reference.fused_add_rms_norm (and rms_norm) for float32 rows.
 - rotary_write_kv_: kernels.reference.rotary_write_kv for float32 heads and cache, bit for bit.
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # each product and sum rounded as written
-INT4_MAX_BLOCK = 64  # the widest row block of torch's CPU int4 layout the kernel takes
+INT4_BLOCK = 64  # the row block of torch's CPU int4 layout (on AVX-512) that int4_gemv reads
+INT4_XQ_MAX = 32639  # cpu_decode.c's fixed-point activations: 127 * 256 + 127, two int8 parts
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -62,7 +65,7 @@ def _build(cache_dir: Path, march: str) -> ctypes.CDLL:
             )
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))  # after torch: its libgomp.so.1 is the one the library runs on
-    lib.int4_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _P]
+    lib.int4_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _P]
     lib.int4_gemv.restype = None
     lib.int8_gemv.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P]
     lib.int8_gemv.restype = None
@@ -92,29 +95,41 @@ def load(cache_dir: str | Path, march: str = "native") -> ctypes.CDLL | None:
 
 
 def vectorized(lib: ctypes.CDLL) -> bool:
-    """Whether the library's matrix-vector products run on AVX-512 (the int4 one for torch's 64-row layout only);
-    the portable loops are checked by the tests but slower than torch's kernels, so the model does not use them."""
+    """Whether the library's matrix-vector products run on AVX-512 with VNNI and VBMI (the int4 one for torch's
+    64-row layout only); the portable loops are checked by the tests but slower than torch's kernels, so the model
+    does not use them."""
     return bool(lib.vectorized())
 
 
 def int4_gemv(
-    lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block: int, group: int
+    lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
-    """y [M, N] float32 = x [M, K] @ W.T, W [N, K] in torch's CPU int4 layout: packed [N / block, K, block / 2]
-    uint8 (flattened to [N, K / 2]; byte (b, k, d) holds row b * block + d's code at column k in its low nibble and
-    row b * block + block / 2 + d's in its high one), scales_and_zeros [K / group, N, 2] bfloat16; W = (code - 8) *
-    scale + zero."""
+    """y [M, N] float32 = x [M, K] @ W.T, W [N, K] in torch's CPU int4 layout at row block 64: packed [N / 64, K, 32]
+    uint8 (flattened to [N, K / 2]; byte (b, k, d) holds row 64 b + d's code at column k in its low nibble and row
+    64 b + 32 + d's in its high one), scales_and_zeros [K / group, N, 2] bfloat16; W = (code - 8) * scale + zero.
+    x enters the codes' products in 16-bit fixed point per block of 32 columns (int4_activations); its exact sums
+    carry the zeros. Twin: int4pack_reference."""
     m, k = x.shape
     n = scales_and_zeros.shape[1]
-    assert n % block == 0 and block <= INT4_MAX_BLOCK and block % 2 == 0, (n, block)
-    assert k % group == 0 and group % 32 == 0 and packed.numel() == n * k // 2, (k, group, packed.shape)
+    assert n % INT4_BLOCK == 0 and k % group == 0 and group % 32 == 0, (n, k, group)
+    assert packed.numel() == n * k // 2, (k, packed.shape)
     assert scales_and_zeros.dtype == torch.bfloat16 and scales_and_zeros.is_contiguous()
     x = x.float().contiguous()
     y = torch.empty(m, n)
-    xsum = torch.empty(m, k // group)
-    lib.int4_gemv(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), n, block, group,
-                  xsum.data_ptr(), y.data_ptr())  # fmt: skip
+    scratch = torch.empty(m * (2 * k + 4 * (k // 32 + k // group)), dtype=torch.uint8)
+    lib.int4_gemv(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), n, group, scratch.data_ptr(),
+                  y.data_ptr())  # fmt: skip
     return y
+
+
+def int4_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 as int4_gemv's products take it, in float64: per block of 32 columns, scale = the block's
+    largest |x| / 32639 and x = scale * rint(x * (1 / scale)) (in float32, as cpu_decode.c computes them)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / INT4_XQ_MAX
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round(blocks * inverse).clamp(-INT4_XQ_MAX, INT4_XQ_MAX)
+    return (codes.double() * scale.double()).reshape(x.shape)
 
 
 def int8_gemv(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -132,9 +147,11 @@ def int8_gemv(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scales: 
 
 
 def int4pack_reference(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block: int, group: int
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, block: int, group: int, exact: bool = True
 ) -> torch.Tensor:
-    """int4_gemv's twin: the layout decoded in torch, the product in x's dtype (float64 for the sweep tests)."""
+    """x @ W.T for torch's CPU int4 layout at row block ``block``, decoded in torch, the product in x's dtype (float64
+    for the sweep tests). ``exact=False`` is int4_gemv's twin: the codes' products take int4_activations(x) and the
+    zeros the exact sums, as the kernel does."""
     k = x.shape[1]
     n = scales_and_zeros.shape[1]
     by_block = packed.reshape(n // block, k, block // 2)
@@ -142,7 +159,9 @@ def int4pack_reference(
     codes = codes.permute(0, 2, 1).reshape(n, k).to(x.dtype)
     scales = scales_and_zeros[..., 0].to(x.dtype).t().repeat_interleave(group, dim=1)  # [N, K]
     zeros = scales_and_zeros[..., 1].to(x.dtype).t().repeat_interleave(group, dim=1)
-    return x @ ((codes - 8) * scales + zeros).T
+    if exact:
+        return x @ ((codes - 8) * scales + zeros).T
+    return int4_activations(x).to(x.dtype) @ (codes * scales).T + x @ (zeros - 8 * scales).T
 
 
 def takes_attention(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:

@@ -45,23 +45,49 @@ def dequantized_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group:
     return (codes.double() - 8) * s + z
 
 
-@pytest.mark.parametrize("block", [32, 64])
 @pytest.mark.parametrize(
     ("m", "n", "k", "group"), [(1, 64, 64, 32), (2, 128, 96, 32), (3, 192, 128, 64), (5, 64, 576, 32)]
 )
-def test_int4_gemv_matches_the_float64_product(
-    lib: ctypes.CDLL, block: int, m: int, n: int, k: int, group: int
-) -> None:
+def test_int4_gemv_matches_its_float64_twin(lib: ctypes.CDLL, m: int, n: int, k: int, group: int) -> None:
     g = torch.Generator().manual_seed(m * n + k)
     codes = torch.randint(0, 16, (n, k), generator=g)
     sz = (torch.rand(k // group, n, 2, generator=g) - 0.5).to(torch.bfloat16)
-    packed = torch_layout(codes, block)
-    x = torch.randn(m, k, generator=g)
+    packed = torch_layout(codes, 64)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k)  # blocks of very different sizes
+    got = cpu_decode.int4_gemv(lib, x, packed, sz, group)
+    twin = cpu_decode.int4pack_reference(x.double(), packed, sz, 64, group, exact=False)
+    torch.testing.assert_close(got.double(), twin, rtol=1e-5, atol=1e-4)  # float32 sums over K
+    # the twin is the float64 product within the fixed point's bound: half a step of each block, times |W| there
     expected = x.double() @ dequantized_int4(codes, sz, group).T
-    got = cpu_decode.int4_gemv(lib, x, packed, sz, block, group)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)  # float32 sums over K
-    twin = cpu_decode.int4pack_reference(x.double(), packed, sz, block, group)
-    torch.testing.assert_close(twin, expected, rtol=1e-12, atol=1e-12)
+    steps = x.abs().reshape(m, -1, 32).amax(dim=-1).double() / cpu_decode.INT4_XQ_MAX  # [M, K / 32]
+    codes_times_scales = (codes.double() * sz[..., 0].double().t().repeat_interleave(group, dim=1)).abs()  # [N, K]
+    bound = (steps.repeat_interleave(32, dim=1) / 2) @ codes_times_scales.T
+    assert ((twin - expected).abs() <= bound * (1 + 1e-9) + 1e-12).all()
+
+
+def test_int4_activations_round_each_block_to_16_bits() -> None:
+    """Hand-computed: a block whose largest value is 32639 takes its integers as they are; every value of a block
+    is within half a step of its fixed point; zeros stay zeros; a non-finite value makes its row's outputs NaN."""
+    x = torch.zeros(1, 64)
+    x[0, :32] = torch.arange(32) * 1000.0 - 15000.0
+    x[0, 0] = 32639.0
+    assert torch.equal(cpu_decode.int4_activations(x), x.double())
+    y = torch.randn(3, 64)
+    step = y.abs().reshape(3, 2, 32).amax(dim=-1).repeat_interleave(32, dim=1).double() / cpu_decode.INT4_XQ_MAX
+    assert ((cpu_decode.int4_activations(y) - y.double()).abs() <= step / 2 * (1 + 1e-6)).all()
+
+
+def test_int4_gemv_takes_zeros_and_propagates_non_finite_values(lib: ctypes.CDLL) -> None:
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64, 64), generator=g)
+    sz = (torch.rand(2, 64, 2, generator=g) - 0.5).to(torch.bfloat16)
+    packed = torch_layout(codes, 64)
+    x = torch.zeros(3, 64)
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    y = cpu_decode.int4_gemv(lib, x, packed, sz, 32)
+    assert torch.equal(y[0], torch.zeros(64))
+    assert y[1].isnan().all() and not y[2].isfinite().any()
 
 
 def test_the_twin_reads_the_layout_torch_writes() -> None:

@@ -243,13 +243,14 @@ def int4pack_cpu_block() -> int | None:
 class Int4CpuLinear(nn.Module):
     """int4 weights in torch's CPU int4 matmul layout (the same bits as Int4Linear, tiled differently): the CPU
     module swap for Int4Linear, which would otherwise unpack every weight each step. Up to CPU_GEMV_MAX_ROWS rows,
-    with torch's AVX-512 layout and the CPU kernels built (cpu_gemv_library), kernels.cpu_decode.int4_gemv multiplies in
-    float32 from the same bfloat16 scales and zeros. Below CPU_DEQUANT_MIN_ROWS rows
-    activations are rounded to bfloat16 for torch's int4 kernel (fast only in bf16) and its bfloat16
-    result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a known layout
-    (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in its dtype, (q - 8) * scale + zero
-    from the same bfloat16 scales and zeros as the kernel, and multiplied in that dtype: in float32, or in
-    bfloat16 (activations, weight and result rounded to it, as in the kernel) where the CPU has bfloat16 matmuls."""
+    with torch's AVX-512 layout and the CPU kernels built (cpu_gemv_library), kernels.cpu_decode.int4_gemv
+    multiplies (activations in 16-bit fixed point per 32 columns, sums in float32) from the same bfloat16 scales and
+    zeros. Below CPU_DEQUANT_MIN_ROWS rows activations are rounded to bfloat16 for torch's int4 kernel (fast only in
+    bf16) and its bfloat16 result is cast back to the input dtype. From there (prefill), with a ``scratch`` and a
+    known layout (``block``, int4pack_cpu_block), the weight is dequantized into the scratch in its dtype, (q - 8) *
+    scale + zero from the same bfloat16 scales and zeros as the kernel, and multiplied in that dtype: in float32,
+    or in bfloat16 (activations, weight and result rounded to it, as in the kernel) where the CPU has bfloat16
+    matmuls."""
 
     cpu_packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -269,8 +270,8 @@ class Int4CpuLinear(nn.Module):
         self.bias = source.bias
         usable = block is not None and scratch is not None and self.out_features % block == 0
         self.scratch, self.block = (scratch, block) if usable else (None, None)
-        gemv = block == cpu_decode.INT4_MAX_BLOCK and self.out_features % block == 0  # the AVX-512 layout
-        self.gemv_block = block if gemv and self.group_size % 32 == 0 else None
+        # the AVX-512 layout, which int4_gemv reads
+        self.gemv = block == cpu_decode.INT4_BLOCK and self.out_features % block == 0 and self.group_size % 32 == 0
 
     @staticmethod
     def available() -> bool:
@@ -281,9 +282,9 @@ class Int4CpuLinear(nn.Module):
         return self.cpu_packed.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        lib = cpu_gemv_library() if self.gemv_block is not None and x.shape[0] <= CPU_GEMV_MAX_ROWS else None
-        if lib is not None and self.gemv_block is not None:
-            y = cpu_decode.int4_gemv(lib, x, self.cpu_packed, self.scales_and_zeros, self.gemv_block, self.group_size)
+        lib = cpu_gemv_library() if self.gemv and x.shape[0] <= CPU_GEMV_MAX_ROWS else None
+        if lib is not None:
+            y = cpu_decode.int4_gemv(lib, x, self.cpu_packed, self.scales_and_zeros, self.group_size)
             y = y.to(x.dtype)
         elif x.shape[0] >= CPU_DEQUANT_MIN_ROWS and self.scratch is not None:
             y = self._dequantized_matmul(x.to(self.scratch.dtype)).to(x.dtype)
