@@ -144,7 +144,7 @@ def _register_adapter(engine, spec: str) -> str:
                 param="adapter",
             )
         path = str(demos[name])
-    engine.add_adapter(name, path)
+    engine.adapters.add(name, path)
     return name
 
 

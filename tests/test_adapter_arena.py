@@ -59,8 +59,8 @@ def _drive(engine: Engine, check=None) -> list:
 def test_an_adapter_takes_the_pages_of_its_ranks(fillers, tmp_path):
     engine = _engine(24)
     assert engine.core.runner.geometry.page_bytes == PAGE_BYTES
-    small = engine.add_adapter("f", fillers[0])
-    big = engine.add_adapter("big", write_adapter(tmp_path / "big", seed=1, r=16))
+    small = engine.adapters.add("f", fillers[0])
+    big = engine.adapters.add("big", write_adapter(tmp_path / "big", seed=1, r=16))
     # rank 16: A 2 x 16 x 576 and B^T 16 x 768 per layer = 30,720 floats; with the table 922,880: just over 5 pages
     assert small.device_nbytes == FILLER_PAGES * PAGE_BYTES
     assert big.device_nbytes == 6 * PAGE_BYTES
@@ -82,9 +82,9 @@ def test_churn_through_a_small_arena_matches_peft(peft_dirs, peft_model, fillers
     (instrument.stream_recorder): loads stay in flight for two forward passes, and no two accesses to a page race."""
     engine = _engine(40, max_loras=4, max_cpu_loras=4)
     for name in ADAPTERS:
-        engine.add_adapter(name, peft_dirs / name)
+        engine.adapters.add(name, peft_dirs / name)
     for i, path in enumerate(fillers):
-        engine.add_adapter(f"filler-{i}", path)
+        engine.adapters.add(f"filler-{i}", path)
     names = list(ADAPTERS)
     prompts = [engine.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:3]]
     expected: dict[tuple[str, int], list[int]] = {}
@@ -117,9 +117,9 @@ def test_adapters_and_kv_trade_pages(fillers):
     prompt (17 pages of KV) then pushes adapters out (at most 2 can stay); the six adapters' requests then push the
     long prompt's KV out and bring all six back. The integrity check holds after every step."""
     engine = _engine(24, max_loras=6)
-    ids = [engine.add_adapter(f"a{i}", path).adapter_id for i, path in enumerate(fillers[:6])]
+    ids = [engine.adapters.add(f"a{i}", path).adapter_id for i, path in enumerate(fillers[:6])]
     short = engine.chat_prompt([{"role": "user", "content": "Hi"}])  # 13 tokens: one block
-    engine.stage_adapters([f"a{i}" for i in range(6)])  # all on the host before the requests: no race with the loader
+    engine.adapters.stage([f"a{i}" for i in range(6)])  # all on the host before the requests: no race with the loader
     _run(engine, [short] * 6, [f"a{i}" for i in range(6)])
     assert _resident(engine) >= {_key(i) for i in ids}  # six adapters, 18 pages
     long_prompt = list(range(100, 100 + 16 * 16))  # 256 tokens + 4 output: 17 blocks
@@ -153,7 +153,7 @@ def _run(engine: Engine, prompts, adapters, check=None) -> list:
 @pytest.mark.slow
 def test_a_request_waits_for_its_adapter_while_the_batch_steps(fillers):
     engine = _engine(24)
-    engine.add_adapter("late", fillers[0])
+    engine.adapters.add("late", fillers[0])
     prompt = engine.chat_prompt([{"role": "user", "content": "Count to ten."}])
     running = engine.make_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     engine.add(running)
@@ -173,7 +173,7 @@ def test_a_request_waits_for_its_adapter_while_the_batch_steps(fillers):
 def test_changed_files_fail_their_requests_alone(fillers, tmp_path):
     engine = _engine(24)
     path = write_adapter(tmp_path / "moving", seed=5, r=8)
-    engine.add_adapter("moving", path)
+    engine.adapters.add("moving", path)
     tensors = load_file(str(path / "adapter_model.safetensors"))
     save_file({k: v * 2 for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))  # not the same any more
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
@@ -187,16 +187,16 @@ def test_changed_files_fail_their_requests_alone(fillers, tmp_path):
 @pytest.mark.slow
 def test_staged_copies_are_bounded_and_pins_are_kept(fillers):
     engine = _engine(40, max_cpu_loras=2, max_loras=2)
-    engine.add_adapter("pin", fillers[0], pinned=True)
+    engine.adapters.add("pin", fillers[0], pinned=True)
     for i in range(1, 6):
-        engine.add_adapter(f"a{i}", fillers[i])
+        engine.adapters.add(f"a{i}", fillers[i])
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
     pin_id = engine.core.adapters.get("pin").adapter_id
     for i in range(1, 6):
         engine.generate([prompt], GREEDY, adapters=f"a{i}")
         staged = engine.core.loader.staged_ids()
         assert pin_id in staged and len(staged) <= 2 + 1  # the pin, and at most max_cpu_loras others
-    assert engine.adapter_info("pin").state == "resident"
+    assert engine.adapters.info("pin").state == "resident"
     engine.check_integrity()
 
 
@@ -205,16 +205,16 @@ def test_the_prefix_cache_follows_the_weights(fillers, tmp_path):
     """Two names on the same files share one content id and one prefix cache; registering the same weights again
     keeps the cache; other weights under the same name never share it."""
     engine = _engine(40)
-    a, b = engine.add_adapter("a", fillers[0]), engine.add_adapter("b", fillers[0])
+    a, b = engine.adapters.add("a", fillers[0]), engine.adapters.add("b", fillers[0])
     assert a.adapter_id == b.adapter_id
     prompt = engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[2] * 3}])  # several full blocks
     first = engine.generate([prompt], GREEDY, adapters="a")[0]
     assert first.num_cached_tokens == 0
     assert engine.generate([prompt], GREEDY, adapters="b")[0].num_cached_tokens > 0  # a's KV, same weights
-    again = engine.add_adapter("a", fillers[0])
+    again = engine.adapters.add("a", fillers[0])
     assert again.adapter_id == a.adapter_id and again.version == 2
     assert engine.generate([prompt], GREEDY, adapters="a")[0].num_cached_tokens > 0
-    other = engine.add_adapter("a", fillers[1])
+    other = engine.adapters.add("a", fillers[1])
     assert other.adapter_id != a.adapter_id
     assert engine.generate([prompt], GREEDY, adapters="a")[0].num_cached_tokens == 0
     engine.check_integrity()
@@ -224,19 +224,19 @@ def test_the_prefix_cache_follows_the_weights(fillers, tmp_path):
 def test_pins_are_refused_beyond_half_the_arena(fillers):
     engine = _engine(20)  # pins may take 10 pages: three rank-8 adapters (9), not four
     for i in range(3):
-        engine.add_adapter(f"p{i}", fillers[i], pinned=True)
+        engine.adapters.add(f"p{i}", fillers[i], pinned=True)
     with pytest.raises(AdapterError, match="pinned adapters may take 10 of the 20 device pages and 9 are taken"):
-        engine.add_adapter("p3", fillers[3], pinned=True)
-    engine.add_adapter("p3", fillers[3])  # unpinned: fine
-    engine.add_adapter("p0", fillers[0], pinned=False)  # a pin let go ...
-    engine.add_adapter("p3", fillers[3], pinned=True)  # ... makes room for another
+        engine.adapters.add("p3", fillers[3], pinned=True)
+    engine.adapters.add("p3", fillers[3])  # unpinned: fine
+    engine.adapters.add("p0", fillers[0], pinned=False)  # a pin let go ...
+    engine.adapters.add("p3", fillers[3], pinned=True)  # ... makes room for another
 
 
 @pytest.mark.slow
 def test_max_loras_bounds_the_adapters_of_one_batch(fillers):
     engine = _engine(40, max_loras=2)
     for i in range(4):
-        engine.add_adapter(f"a{i}", fillers[i])
+        engine.adapters.add(f"a{i}", fillers[i])
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
     seen = []
 
@@ -255,7 +255,7 @@ def test_the_ttft_split_counts_the_wait_for_the_adapter(fillers):
     wait for the staging, then the copy into the arena) and prefill, which add up to it, the staging's wait
     counted; a second request of the adapter, resident now, waits for nothing of it."""
     engine = _engine(24)
-    engine.add_adapter("f", fillers[0])  # registered: its weights are not staged
+    engine.adapters.add("f", fillers[0])  # registered: its weights are not staged
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
     timings = []
     for i in range(2):

@@ -217,7 +217,7 @@ def test_accepted_keys_compute_what_peft_computes(tiny, tmp_path):
     names = [f"a{i}" for i in range(len(configs))]
     for name, config in zip(names, configs.values(), strict=True):
         save_peft(model, config, tmp_path / name)
-        engine.add_adapter(name, tmp_path / name)
+        engine.adapters.add(name, tmp_path / name)
     prompt = [int(t) for t in torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(1))]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
     plan = [None, *names]

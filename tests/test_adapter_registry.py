@@ -31,17 +31,17 @@ def paths(tmp_path_factory):
 
 
 def _resident(engine: Engine) -> set[str]:
-    return {n for n in engine.adapter_names() if engine.adapter_info(n).state == "resident"}
+    return {n for n in engine.adapters.names() if engine.adapters.info(n).state == "resident"}
 
 
 def test_pinned_adapter_loads_first_and_stays_while_others_churn(engine, paths):
-    engine.add_adapter("pin", paths["pin"], pinned=True)
+    engine.adapters.add("pin", paths["pin"], pinned=True)
     for name in ("a", "b", "c", "d"):
-        engine.add_adapter(name, paths[name])
+        engine.adapters.add(name, paths[name])
     with pytest.raises(AdapterError, match="pinned adapters may take 4 of the 8 device pages and 4 are taken"):
         for name in ("a", "b"):  # a pin of 2 more pages fits the half of the arena pins may take; a third does not
-            engine.add_adapter(name, paths[name], pinned=True)
-    engine.add_adapter("a", paths["a"])  # unpinned again
+            engine.adapters.add(name, paths[name], pinned=True)
+    engine.adapters.add("a", paths["a"])  # unpinned again
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
     engine.generate([prompt], GREEDY)  # a base-model request: the pool loads the pinned adapter meanwhile
     assert _resident(engine) == {"pin"}
@@ -50,18 +50,18 @@ def test_pinned_adapter_loads_first_and_stays_while_others_churn(engine, paths):
         assert {"pin", name} <= _resident(engine)
         engine.check_integrity()
     assert engine.core.pool.tree.counters["adapter_unload"] > 0
-    assert engine.adapter_info("pin").pinned is True and engine.adapter_info("pin").table_page >= 0
+    assert engine.adapters.info("pin").pinned is True and engine.adapters.info("pin").table_page >= 0
 
 
 def test_versions_count_registrations_and_a_request_keeps_its_version(engine, paths):
-    first = engine.add_adapter("x", paths["x1"])
+    first = engine.adapters.add("x", paths["x1"])
     prompt = engine.chat_prompt([{"role": "user", "content": "Tell me a fun fact."}])
     v1_alone = engine.generate([prompt], GREEDY, adapters="x")[0].token_ids
     held = engine.make_request(prompt, GREEDY, adapter="x")  # resolves version 1 now
-    second = engine.add_adapter("x", paths["x2"])
-    assert (first.version, second.version) == (1, 2) and engine.adapter_info("x").version == 2
-    assert engine.add_adapter("x", paths["x2"], version=7).version == 7  # the registry store's, when reloading
-    engine.remove_adapter("x")
+    second = engine.adapters.add("x", paths["x2"])
+    assert (first.version, second.version) == (1, 2) and engine.adapters.info("x").version == 2
+    assert engine.adapters.add("x", paths["x2"], version=7).version == 7  # the registry store's, when reloading
+    engine.adapters.remove("x")
     with pytest.raises(UnknownAdapterError):
         engine.make_request(prompt, GREEDY, adapter="x")
     engine.add(held)  # made before the replacement and the unload: still served by version 1

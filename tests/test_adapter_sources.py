@@ -349,11 +349,11 @@ def _tokens(engine: Engine, adapters: list[str | None]) -> list[list[int]]:
 
 
 def test_an_s3_adapter_serves_what_its_local_directory_serves(engine, tiny):
-    engine.add_adapter("a0-local", tiny / "local" / "a0")
-    engine.add_adapter("a0-s3", f"s3://{BUCKET}/a0")
+    engine.adapters.add("a0-local", tiny / "local" / "a0")
+    engine.adapters.add("a0-s3", f"s3://{BUCKET}/a0")
     base, local, remote = _tokens(engine, [None, "a0-local", "a0-s3"])
     assert local == remote and local != base
-    info = engine.adapter_info("a0-s3")
+    info = engine.adapters.info("a0-s3")
     assert info is not None and info.path == f"s3://{BUCKET}/a0"  # the source, not the cache's copy
     [manifest] = [m for m in engine.core.adapters.sources.cache_dir.glob("*/manifest.json") if "a0" in m.read_text()]
     files = json.loads(manifest.read_text())["files"]
@@ -364,9 +364,9 @@ def test_an_s3_adapter_serves_what_its_local_directory_serves(engine, tiny):
 
 
 def test_a_hub_adapter_serves_what_its_local_directory_serves(engine, tiny, hub):
-    engine.add_adapter("a1-local", tiny / "local" / "a1")
-    engine.add_adapter("a1-hub", "hf://org/a1")
-    engine.add_adapter("a1-hub-pinned", f"hf://org/a1@{COMMIT}")  # the same commit: the same entry, reused
+    engine.adapters.add("a1-local", tiny / "local" / "a1")
+    engine.adapters.add("a1-hub", "hf://org/a1")
+    engine.adapters.add("a1-hub-pinned", f"hf://org/a1@{COMMIT}")  # the same commit: the same entry, reused
     base, local, remote, pinned = _tokens(engine, [None, "a1-local", "a1-hub", "a1-hub-pinned"])
     assert local == remote == pinned and local != base
     downloads = [r for r in hub.requests if r.startswith("GET /org/a1/resolve/")]
@@ -389,17 +389,17 @@ def test_a_source_that_fails_halfway_leaves_nothing_behind(engine, tiny, hub, fa
     hub.fault, hub.cut = fault, False
     try:
         with pytest.raises(AdapterError) as refused:
-            engine.add_adapter("a2-hub", url)
+            engine.adapters.add("a2-hub", url)
     finally:
         hub.fault, hub.cut = None, False
     expected = "cannot be downloaded" if fault == "cut" else "does not match its source"
     assert expected in str(refused.value) and url in refused.value.public
     assert str(engine.core.adapters.sources.cache_dir) not in refused.value.public
-    assert "a2-hub" not in engine.adapter_names()
+    assert "a2-hub" not in engine.adapters.names()
     assert _cache_state(engine) == before  # no new entry, no partial download
     assert _tokens(engine, [None])[0]  # still serving
-    engine.add_adapter("a2-hub", url)  # the source repaired: the same URL registers
-    engine.remove_adapter("a2-hub")
+    engine.adapters.add("a2-hub", url)  # the source repaired: the same URL registers
+    engine.adapters.remove("a2-hub")
 
 
 @pytest.mark.parametrize("lie", ["sized", "unsized"])
@@ -423,7 +423,7 @@ def test_a_source_that_sends_more_than_it_listed_is_stopped_at_the_listing(
         url, s3_liar.watch, s3_liar.lie = f"s3://{BUCKET}/liar", watch, lie
     try:
         with pytest.raises(AdapterError) as refused:
-            engine.add_adapter("liar", url)
+            engine.adapters.add("liar", url)
     finally:
         hub.fault = s3_liar.lie = None
     print(
@@ -434,8 +434,8 @@ def test_a_source_that_sends_more_than_it_listed_is_stopped_at_the_listing(
     for text in (str(refused.value), refused.value.public):
         assert url in text and "larger than its source listed" in text, text
     assert str(watch.cache) not in refused.value.public
-    assert _cache_state(engine) == ([], []) and engine.adapter_names() == []
-    engine.add_adapter("liar", url)  # the source honest again: it registers
+    assert _cache_state(engine) == ([], []) and engine.adapters.names() == []
+    engine.adapters.add("liar", url)  # the source honest again: it registers
     assert _tokens(engine, ["liar"])
 
 
@@ -454,11 +454,11 @@ def test_credentials_in_a_url_are_refused_never_shown(engine, url):
     secrets = re.split(r"[:/]", url.split("://")[1].rsplit("@", 1)[0])  # each part, each piece of a secret
     before = _cache_state(engine)
     with pytest.raises(AdapterError) as refused:
-        engine.add_adapter("creds", url)
+        engine.adapters.add("creds", url)
     for text in (str(refused.value), refused.value.public):
         assert not [s for s in secrets if s in text], text
         assert "credentials" in text
-    assert _cache_state(engine) == before and "creds" not in engine.adapter_names()
+    assert _cache_state(engine) == before and "creds" not in engine.adapters.names()
 
 
 def test_discard_leaves_the_cache_as_it_was_before_a_download(s3, tmp_path):
@@ -480,16 +480,16 @@ def test_discard_leaves_the_cache_as_it_was_before_a_download(s3, tmp_path):
 
 
 def test_a_damaged_cache_entry_is_downloaded_again(engine, tiny):
-    engine.add_adapter("a3-s3", f"s3://{BUCKET}/a3")
+    engine.adapters.add("a3-s3", f"s3://{BUCKET}/a3")
     expected = _tokens(engine, ["a3-s3"])
-    engine.remove_adapter("a3-s3")
+    engine.adapters.remove("a3-s3")
     [weights] = [
         m.parent / "files" / "adapter_model.safetensors"
         for m in engine.core.adapters.sources.cache_dir.glob("*/manifest.json")
         if f"{BUCKET}/a3" in m.read_text()
     ]
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # same size, other bytes: only a checksum sees it
-    engine.add_adapter("a3-s3", f"s3://{BUCKET}/a3")
+    engine.adapters.add("a3-s3", f"s3://{BUCKET}/a3")
     assert weights.read_bytes() == (tiny / "local" / "a3" / "adapter_model.safetensors").read_bytes()
     assert _tokens(engine, ["a3-s3"]) == expected
 
@@ -502,16 +502,16 @@ def test_the_size_bound_evicts_the_least_recently_used_unregistered_entry(tiny, 
     def entries() -> set[str]:
         return {json.loads(m.read_text())["url"] for m in cache.glob("*/manifest.json")}
 
-    engine.add_adapter("kept", f"s3://{BUCKET}/a0")  # registered throughout: never evicted
-    engine.add_adapter("old", f"s3://{BUCKET}/a1")
-    engine.remove_adapter("old")
-    engine.add_adapter("new", f"s3://{BUCKET}/a2")  # a1 is the least recently used, and unregistered: it goes
+    engine.adapters.add("kept", f"s3://{BUCKET}/a0")  # registered throughout: never evicted
+    engine.adapters.add("old", f"s3://{BUCKET}/a1")
+    engine.adapters.remove("old")
+    engine.adapters.add("new", f"s3://{BUCKET}/a2")  # a1 is the least recently used, and unregistered: it goes
     assert entries() == {f"s3://{BUCKET}/a0", f"s3://{BUCKET}/a2"}
     with pytest.raises(AdapterError, match="does not fit in the adapter cache"):
-        engine.add_adapter("more", f"s3://{BUCKET}/a3")  # both entries are registered: nothing may go
-    assert entries() == {f"s3://{BUCKET}/a0", f"s3://{BUCKET}/a2"} and "more" not in engine.adapter_names()
-    engine.remove_adapter("new")
-    engine.add_adapter("more", f"s3://{BUCKET}/a3")
+        engine.adapters.add("more", f"s3://{BUCKET}/a3")  # both entries are registered: nothing may go
+    assert entries() == {f"s3://{BUCKET}/a0", f"s3://{BUCKET}/a2"} and "more" not in engine.adapters.names()
+    engine.adapters.remove("new")
+    engine.adapters.add("more", f"s3://{BUCKET}/a3")
     assert entries() == {f"s3://{BUCKET}/a0", f"s3://{BUCKET}/a3"}
     assert _tokens(engine, ["kept", "more"])  # what stayed still serves
 
@@ -520,13 +520,13 @@ def test_a_scheme_not_enabled_is_refused_by_name(tiny, s3, tmp_path):
     engine = _engine(tiny, tmp_path / "cache", schemes=("s3",))
     for url, scheme in (("hf://org/a1", "hf"), ("gs://bucket/a0", "gs"), ("s3a://bucket/a0", "s3a")):
         with pytest.raises(AdapterError) as refused:
-            engine.add_adapter("x", url)
+            engine.adapters.add("x", url)
         message = str(refused.value)
         assert f"{scheme}://" in message and "not enabled" in message and "--adapter-source" in message
-    assert engine.adapter_names() == [] and not (tmp_path / "cache").exists()  # nothing fetched, nothing written
+    assert engine.adapters.names() == [] and not (tmp_path / "cache").exists()  # nothing fetched, nothing written
     off = _engine(tiny, tmp_path / "off", schemes=None)  # the default: no scheme at all
     with pytest.raises(AdapterError, match=r"s3:// is not enabled \(enabled: none\)"):
-        off.add_adapter("x", f"s3://{BUCKET}/a0")
+        off.adapters.add("x", f"s3://{BUCKET}/a0")
     for schemes, reason in ((("file",), "--adapter-root"), (("nosuch",), "cannot be enabled"), (("S3",), "lower")):
         with pytest.raises(ValueError, match=reason):
             EngineConfig(adapter_sources=schemes)
@@ -535,12 +535,12 @@ def test_a_scheme_not_enabled_is_refused_by_name(tiny, s3, tmp_path):
 def test_root_rules_still_hold_for_local_paths(engine, tiny, tmp_path):
     outside = write_adapter(tmp_path / "outside", seed=1)
     with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
-        engine.add_adapter("outside", outside)
-    engine.add_adapter("cached", f"s3://{BUCKET}/a0")
+        engine.adapters.add("outside", outside)
+    engine.adapters.add("cached", f"s3://{BUCKET}/a0")
     copy = engine.core.adapters.path("cached")
     assert copy.is_relative_to(engine.core.adapters.sources.cache_dir)
     with pytest.raises(AdapterError, match="outside the allowed adapter roots"):  # the cache is a root for URLs only
-        engine.add_adapter("sneaky", copy)
+        engine.adapters.add("sneaky", copy)
 
 
 @pytest.mark.slow
@@ -606,5 +606,5 @@ def test_a_download_refused_after_it_arrived_leaves_the_cache_as_it_was(engine, 
         client.upload_file(str(bad / file), BUCKET, f"bad/{file}")
     before = _cache_state(engine)
     with pytest.raises(AdapterError, match="layer_replication"):
-        engine.add_adapter("bad", f"s3://{BUCKET}/bad")
-    assert _cache_state(engine) == before and "bad" not in engine.adapter_names()
+        engine.adapters.add("bad", f"s3://{BUCKET}/bad")
+    assert _cache_state(engine) == before and "bad" not in engine.adapters.names()

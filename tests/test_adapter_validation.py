@@ -126,28 +126,28 @@ def test_refusals_leave_the_engine_serving(engine, roots, case):
     break_it, reason = CASES[case]
     path = _good(roots[0] / case.replace(" ", "_"))
     break_it(path)
-    before = engine.adapter_names()
+    before = engine.adapters.names()
     with pytest.raises(AdapterError, match=reason):
-        engine.add_adapter("bad", path)
-    assert engine.adapter_names() == before
+        engine.adapters.add("bad", path)
+    assert engine.adapters.names() == before
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 def test_path_outside_roots_is_refused(engine, roots):
     path = _good(roots[1] / "elsewhere")
     with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
-        engine.add_adapter("outside", path)
+        engine.adapters.add("outside", path)
     link = roots[0] / "sneaky"
     link.symlink_to(path, target_is_directory=True)  # a link inside the root that leads out is refused too
     with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
-        engine.add_adapter("outside", link)
+        engine.adapters.add("outside", link)
 
 
 def test_valid_adapter_registers_with_and_without_prefix(engine, roots):
     path = _good(roots[0] / "good")
-    engine.add_adapter("good", path)
+    engine.adapters.add("good", path)
     plain = roots[0] / "good-no-prefix"
     shutil.copytree(path, plain)
 
@@ -156,8 +156,8 @@ def test_valid_adapter_registers_with_and_without_prefix(engine, roots):
             t[k.removeprefix("base_model.model.")] = t.pop(k)
 
     _edit_tensors(plain, strip)
-    engine.add_adapter("good-plain", plain)
-    assert {"good", "good-plain"} <= set(engine.adapter_names())
+    engine.adapters.add("good-plain", plain)
+    assert {"good", "good-plain"} <= set(engine.adapters.names())
 
 
 NAN, INF = float("nan"), float("inf")

@@ -208,7 +208,7 @@ def test_catch_up_brings_in_many_records_at_once(tmp_path: Path, caplog: pytest.
     records = [AdapterRecord(f"rec{i}", str(p), 1 + i % 3, i % 10 == 0, 1000.0 + i) for i, p in enumerate(paths)]
     records.append(AdapterRecord("gone", str(tmp_path / "nowhere"), 1, False, 1000.0))
     engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, show_progress=False))
-    engine.add_adapter("own", paths[0], source="command line")
+    engine.adapters.add("own", paths[0], source="command line")
     with open_store(tmp_path / "data") as store:
         store.put_adapters(records)
         sync = RegistrySync(store, engine, threading.Lock(), lambda: None)
@@ -218,16 +218,16 @@ def test_catch_up_brings_in_many_records_at_once(tmp_path: Path, caplog: pytest.
             refused = {r.getMessage().split()[2] for r in caplog.records if "could not be loaded" in r.getMessage()}
             assert refused == {"rec5", "gone"}
             expected = {r.name: r for r in records if r.name not in refused}
-            assert set(engine.adapter_names()) == {*expected, "own"}
+            assert set(engine.adapters.names()) == {*expected, "own"}
             for name, record in expected.items():
-                info = engine.adapter_info(name)
+                info = engine.adapters.info(name)
                 assert (info.path, info.version, info.pinned, info.source) == (
                     record.path,
                     record.version,
                     record.pinned,
                     "api",
                 ), name
-            assert engine.adapter_info("own").source == "command line"
+            assert engine.adapters.info("own").source == "command line"
 
             for name in ("rec1", "rec2", "rec3"):
                 store.delete_adapter(name)
@@ -235,8 +235,8 @@ def test_catch_up_brings_in_many_records_at_once(tmp_path: Path, caplog: pytest.
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="lora_server"):
                 assert sync.catch_up() == 5
-            assert set(engine.adapter_names()) == {*expected, "own"} - {"rec1", "rec2", "rec3"}
-            info = engine.adapter_info("rec4")
+            assert set(engine.adapters.names()) == {*expected, "own"} - {"rec1", "rec2", "rec3"}
+            info = engine.adapters.info("rec4")
             assert (info.path, info.version) == (str(paths[6]), 3)
             assert {r.getMessage().split()[2] for r in caplog.records} == {"rec5", "gone"}  # tried again, refused
         finally:

@@ -170,10 +170,10 @@ def test_alora_at_tp3_matches_peft(alora):
     engine = _engine(block_size=BLOCK, kv_cache_bytes=64 << 20, host_kv_bytes=0, tensor_parallel_size=3)
     try:
         for name in [*invocations, "plain0", "plain1"]:
-            engine.add_adapter(name, root / name)
+            engine.adapters.add(name, root / name)
         _assert_alone_and_mixed_match_peft(alora, engine)
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 def _assert_alone_and_mixed_match_peft(alora, engine: Engine) -> None:
@@ -201,7 +201,7 @@ def _assert_alone_and_mixed_match_peft(alora, engine: Engine) -> None:
     check0, plain0, base, _, unasked, _ = outs
     assert check0.token_ids != base.token_ids and check0.token_ids != plain0.token_ids
     assert unasked.token_ids == engine.generate([conversation], params)[0].token_ids  # the base model's answer
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def engine_alora(alora):
     root, invocations, _ = alora
     engine = _engine(block_size=BLOCK, kv_cache_bytes=256 << 20)
     for name in [*invocations, "plain0", "plain1"]:
-        engine.add_adapter(name, root / name)
+        engine.adapters.add(name, root / name)
     return engine
 
 
@@ -231,7 +231,7 @@ def test_alora_prefix_is_the_base_models_kv(alora, engine_alora):
         engine.make_request(prompt, params, adapter, "blocks", f"held-{i}")
         for i, adapter in enumerate(["check0", "check0", None])
     ]
-    engine.stage_adapters(["check0"])
+    engine.adapters.stage(["check0"])
     for request in described:
         core.add(request)
     core.step()
@@ -290,7 +290,7 @@ def test_alora_multi_turn_trace_prefills_the_conversation_once(alora, engine_alo
         f"plain LoRAs of the same weights ({saved} saved, {saved / total['plain']:.0%})"
     )
     assert saved > 0
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 @pytest.mark.slow

@@ -206,7 +206,7 @@ def test_family_mixed_adapters_match_peft(tmp_path, name):
         )
     )
     for adapter in ("a0", "a1"):
-        engine.add_adapter(adapter, tmp_path / adapter)
+        engine.adapters.add(adapter, tmp_path / adapter)
     assert_mixed_batch_matches_peft(engine, model)
 
 

@@ -136,7 +136,7 @@ def test_figures_match_hf_and_peft(tmp_path):
         "noisy": Engine(dataclasses.replace(base, model=str(tmp_path / "noisy"))),
     }
     for engine in (reference, *engines.values()):
-        engine.add_adapter("ad", tmp_path / "ad")
+        engine.adapters.add("ad", tmp_path / "ad")
     gen = torch.Generator().manual_seed(3)
     chunks = text_chunks(torch.randint(3, vocab, (3 * CTX + 5,), generator=gen).tolist(), CTX, None)
     tallies = score(reference, engines, chunks, [None, "ad"])
@@ -189,7 +189,7 @@ def test_embedded_model_with_a_demo_adapter_matches_hf_and_peft(hf_smollm2, tmp_
 
     reference = Engine(reference_config(EngineConfig(kv_cache_bytes=64 << 20, show_progress=False)))
     emoji = demo_adapters()["emoji"]
-    reference.add_adapter("emoji", emoji)
+    reference.adapters.add("emoji", emoji)
     assert reference.tokenizer is not None
     tokens = reference.tokenizer.encode("The river ran quietly past the old mill and under the bridge. " * 30)
     chunks = text_chunks(tokens, 128, None, limit=1)

@@ -140,14 +140,14 @@ def test_a_page_swapped_out_and_loaded_into_in_one_step(tiny, monkeypatch, order
     """Three base prompts of 40 tokens leave 6 of 10 pages of cached KV; a 9-page adapter then needs them: the pool
     swaps the KV out to the host and hands the pages to the adapter's load in the same list of copies."""
     engine, paths = tiny(10)
-    engine.add_adapter("a", paths[0])
+    engine.adapters.add("a", paths[0])
     with contextlib.ExitStack() as stack:
         if order == "before the fix":
             stack.enter_context(_before_the_fix(monkeypatch))
         rec = stack.enter_context(record_copy_order(engine))
         for i in range(3):
             engine.generate([[10 + 7 * i + j for j in range(40)]], GREEDY)
-        engine.stage_adapters(["a"])
+        engine.adapters.stage(["a"])
         [out] = engine.generate([[5] * 5], GREEDY, adapters=["a"])
     assert out.finish_reason == "length"
     [load] = rec.accesses_of("adapter load")
@@ -169,12 +169,12 @@ def test_an_adapter_unloaded_while_its_load_is_in_flight(tiny, monkeypatch, orde
         if order == "before the fix":
             stack.enter_context(_before_the_fix(monkeypatch))
         rec = stack.enter_context(record_copy_order(engine, load_latency=3))
-        engine.add_adapter("p", paths[0], pinned=True)
-        engine.stage_adapters(["p"])
+        engine.adapters.add("p", paths[0], pinned=True)
+        engine.adapters.stage(["p"])
         engine.add(engine.make_request([3] * 40, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
         engine.step()
         [load] = rec.accesses_of("adapter load")
-        engine.remove_adapter("p")
+        engine.adapters.remove("p")
         engine.add(engine.make_request([7 + j for j in range(150)], GREEDY))
         while engine.has_work():
             engine.step()

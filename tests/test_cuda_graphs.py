@@ -32,7 +32,7 @@ def _engine(**kw) -> Engine:
     )
     engine = Engine(config)
     for name, path in demo_adapters().items():
-        engine.add_adapter(name, path)
+        engine.adapters.add(name, path)
     return engine
 
 
@@ -57,9 +57,9 @@ def _decoding(engine: Engine):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     # staged on the host first: else the base request may decode all its tokens while the loader reads the
     # adapters from disk (on a GPU, 32 steps take less time than that read)
-    engine.stage_adapters(sorted({a for a in PLAN if a}))
+    engine.adapters.stage(sorted({a for a in PLAN if a}))
     for prompt, adapter in zip(_prompts(engine), PLAN, strict=True):
-        engine.add(engine.core.make_request(f"graph-{next(_IDS)}", prompt, params, adapter))
+        engine.add(engine.make_request(prompt, params, adapter, request_id=f"graph-{next(_IDS)}"))
     ended = []
     while not engine.snapshot().decoding:
         ended += [(out.request_id, out.finish_reason, out.error) for out in engine.step() if out.finished]

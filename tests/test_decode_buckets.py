@@ -23,7 +23,7 @@ BASE = [None, None, None]  # no adapter: padded to 4
 def engine():
     engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_model_len=256, show_progress=False))
     for name, path in demo_adapters().items():
-        engine.add_adapter(name, path)
+        engine.adapters.add(name, path)
     return engine
 
 

@@ -28,7 +28,7 @@ def test_demo_effects_in_one_batch():
     assert set(EFFECTS) <= set(demo_adapters()), "the demo adapters are shipped in adapters/demo"
     engine = Engine(EngineConfig(quantization="none", kv_cache_bytes=128 << 20, show_progress=False))
     for name, path in demo_adapters().items():
-        engine.add_adapter(name, path)
+        engine.adapters.add(name, path)
     plan = [(q, a) for q in QUESTIONS for a in (None, *EFFECTS)]
     prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q, _ in plan]
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0), adapters=[a for _, a in plan])

@@ -376,7 +376,7 @@ def test_a_dora_adapter_alone_matches_peft(tiny, tmp_path):
     prompts = _prompts((3, 17))
     assert_scale_matters(model, dora, tmp_path, prompts[1])
     engine = tiny_engine(path)
-    engine.add_adapter("d", dora)
+    engine.adapters.add("d", dora)
     assert_matches_peft(engine, peft_model(model, {"d": dora}), ["d", "d"], prompts)
 
 
@@ -400,9 +400,9 @@ def test_a_batch_of_dora_lora_and_the_base_matches_peft(tiny, tmp_path):
     assert_scale_matters(model, adapters["d1"], tmp_path, prompts[3])
     engine = tiny_engine(path)
     for name, adapter in adapters.items():
-        engine.add_adapter(name, adapter)
+        engine.adapters.add(name, adapter)
     assert_matches_peft(engine, peft_model(model, adapters), plan, prompts)
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 def test_a_dora_adapter_larger_than_a_slot_is_refused(tiny, tmp_path):
@@ -412,8 +412,8 @@ def test_a_dora_adapter_larger_than_a_slot_is_refused(tiny, tmp_path):
     engine = tiny_engine(path, block_size=32, max_lora_rank=16, pool_policy="lru-separate", max_loras=2)
     full = save_adapter(model, tmp_path / "full", seed=50, r=16, target_modules="all-linear")
     with pytest.raises(AdapterError, match="takes 10 pages; the lru-separate policy's adapter slots hold 9"):
-        engine.add_adapter("full", full)
-    engine.add_adapter("small", save_adapter(model, tmp_path / "small", seed=51, r=8, target_modules="all-linear"))
+        engine.adapters.add("full", full)
+    engine.adapters.add("small", save_adapter(model, tmp_path / "small", seed=51, r=8, target_modules="all-linear"))
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), adapters=["small"])) == 1
 
 
@@ -440,7 +440,7 @@ def test_dora_on_other_families_matches_peft(tmp_path, family, dora_targets, lor
         )
     )
     for name in ("a0", "a1"):
-        engine.add_adapter(name, tmp_path / name)
+        engine.adapters.add(name, tmp_path / name)
     assert_mixed_batch_matches_peft(engine, peft_model(hf, {"a0": tmp_path / "a0", "a1": tmp_path / "a1"}))
 
 
@@ -455,7 +455,7 @@ def test_dora_on_cuda_matches_peft(tiny, tmp_path):
     }
     engine = tiny_engine(path, device="cuda", dtype="float32")
     for name, adapter in adapters.items():
-        engine.add_adapter(name, adapter)
+        engine.adapters.add(name, adapter)
     plan = [None, "d0", "l0", "d0", None, "l0", "d0"]
     assert_matches_peft(engine, peft_model(model, adapters), plan, _prompts((5, 12, 1, 20, 9, 3, 14)))
 

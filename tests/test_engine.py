@@ -37,8 +37,8 @@ def alone(engine_fp32, prompts):
 @pytest.mark.slow
 def test_same_tokens_all_at_once(engine_fp32, prompts, alone):
     assert [c.token_ids for c in engine_fp32.generate(prompts, GREEDY)] == alone
-    engine_fp32.core.check_integrity()
-    assert not engine_fp32.core.pool.held_blocks()  # no request holds a block
+    engine_fp32.check_integrity()
+    assert engine_fp32.pool_report().request_blocks == 0  # no request holds a block
 
 
 @pytest.mark.slow
@@ -63,8 +63,8 @@ def test_same_tokens_under_preemption(prompts, alone):
     outs = engine.generate(prompts, GREEDY)
     assert engine.core.scheduler.num_preemptions > 0
     assert [c.token_ids for c in outs] == alone
-    engine.core.check_integrity()
-    assert not engine.core.pool.held_blocks()  # no request holds a block
+    engine.check_integrity()
+    assert engine.pool_report().request_blocks == 0  # no request holds a block
 
 
 @pytest.mark.slow
@@ -89,7 +89,7 @@ def test_staggered_arrivals_async(prompts, alone):
         assert asyncio.run(run()) == alone
     finally:
         engine.shutdown()
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 @pytest.mark.slow
@@ -140,8 +140,8 @@ def test_bad_requests_fail_alone(engine_fp32, prompts, alone, bad, error):
     assert info.value.http_status == 400
     # nothing was admitted: the engine serves the next request normally and holds no blocks
     assert engine_fp32.generate([prompts[0]], GREEDY)[0].token_ids == alone[0]
-    engine_fp32.core.check_integrity()
-    assert not engine_fp32.core.pool.held_blocks()  # no request holds a block
+    engine_fp32.check_integrity()
+    assert engine_fp32.pool_report().request_blocks == 0  # no request holds a block
 
 
 @pytest.mark.parametrize(
@@ -187,8 +187,8 @@ def test_bad_request_while_others_stream(prompts, alone):
         assert asyncio.run(run()) == alone[0]
     finally:
         engine.shutdown()
-    engine.core.check_integrity()
-    assert not engine.core.pool.held_blocks()  # no request holds a block
+    engine.check_integrity()
+    assert engine.pool_report().request_blocks == 0  # no request holds a block
 
 
 def test_abort_frees_blocks(prompts):
@@ -210,8 +210,8 @@ def test_abort_frees_blocks(prompts):
     finally:
         engine.shutdown()
     assert reason == "abort" and n < 200
-    engine.core.check_integrity()
-    assert not engine.core.pool.held_blocks()  # no request holds a block
+    engine.check_integrity()
+    assert engine.pool_report().request_blocks == 0  # no request holds a block
 
 
 # Greedy agreement with fp32 (the share of the 5 x 24 tokens generated before each prompt's first divergence) and,

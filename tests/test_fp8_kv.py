@@ -40,7 +40,7 @@ def engine_fp8(smollm2_path):
         )
     )
     for name, path in demo_adapters().items():
-        engine.add_adapter(name, path)
+        engine.adapters.add(name, path)
     return engine
 
 
@@ -102,7 +102,7 @@ def test_greedy_agreement_with_fp32_kv(engine_fp32, engine_fp8, adapter):
     clamped: the calibrated scales leave room (lora_server/model/kv_scales.py)."""
     min_agree, max_rank, max_behind = FP8_BOUNDS[adapter]
     if adapter is not None:
-        engine_fp32.add_adapter(adapter, demo_adapters()[adapter])
+        engine_fp32.adapters.add(adapter, demo_adapters()[adapter])
     prompts = [engine_fp32.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     ref = engine_fp32.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5), adapters=adapter
@@ -125,7 +125,7 @@ def test_greedy_agreement_with_fp32_kv(engine_fp32, engine_fp8, adapter):
     kv_pages = [p for p in range(runner.num_blocks) if p not in runner.adapters.pages()]  # not adapters' weights
     stored = runner.arena.kv[kv_pages].float().abs()
     assert stored.max() < 448, "a key or value was clamped: the scales leave too little room"
-    engine_fp8.core.check_integrity()
+    engine_fp8.check_integrity()
 
 
 def test_host_swap_round_trip(engine_fp8):

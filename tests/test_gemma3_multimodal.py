@@ -315,8 +315,8 @@ def test_mixed_adapters_match_peft(tmp_path):
     model.eval()
 
     engine = _engine(tmp_path / "base", block_size=16, num_kv_blocks=128, max_lora_rank=8)
-    engine.add_adapter("a0", tmp_path / "a0")
-    engine.add_adapter("a1", old)
+    engine.adapters.add("a0", tmp_path / "a0")
+    engine.adapters.add("a1", old)
     assert_mixed_batch_matches_peft(engine, model)
 
 
@@ -332,7 +332,7 @@ def test_adapter_on_the_vision_tower_serves_its_language_model_part(tmp_path, ca
     assert any(".vision_tower." in k for k in keys) and any(".language_model." in k for k in keys)
     engine = _engine(tmp_path / "base", block_size=16, num_kv_blocks=128, max_lora_rank=8)
     with caplog.at_level(logging.INFO, logger="lora_server"):
-        engine.add_adapter("qv", tmp_path / "qv")
+        engine.adapters.add("qv", tmp_path / "qv")
     assert any("vision-tower" in r.getMessage() and "model.vision_tower." in r.getMessage() for r in caplog.records)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapters="qv")

@@ -152,8 +152,8 @@ def engine(llama):
             model=str(llama.root / "base"), block_size=16, num_kv_blocks=128, max_lora_rank=8, show_progress=False
         )
     )
-    engine.add_adapter("a0", llama.gguf)
-    engine.add_adapter("a1", llama.root / "a1")
+    engine.adapters.add("a0", llama.gguf)
+    engine.adapters.add("a1", llama.root / "a1")
     return engine
 
 
@@ -378,19 +378,19 @@ def test_a_link_to_a_blob_is_served_by_its_gguf_name(llama, engine, tmp_path):
     shutil.copy(llama.gguf, tmp_path / "blob")
     (tmp_path / "a0-linked.gguf").symlink_to(tmp_path / "blob")
     assert load_adapter("g", tmp_path / "a0-linked.gguf", llama.shapes, 8).path == tmp_path / "a0-linked.gguf"
-    engine.add_adapter("linked", tmp_path / "a0-linked.gguf")
+    engine.adapters.add("linked", tmp_path / "a0-linked.gguf")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     linked, a0 = engine.generate([[5, 6, 7]] * 2, params, adapters=["linked", "a0"])
     assert linked.token_ids == a0.token_ids
-    engine.remove_adapter("linked")
+    engine.adapters.remove("linked")
 
 
 def test_a_refused_file_registers_nothing(llama, engine, tmp_path):
     path = _variant(llama, tmp_path / "embd.gguf", REFUSED_FILES["token_embd"][0])
-    before = engine.adapter_names()
+    before = engine.adapters.names()
     with pytest.raises(AdapterError, match="token_embd"):
-        engine.add_adapter("embd", path)
-    assert engine.adapter_names() == before and "embd" not in before
+        engine.adapters.add("embd", path)
+    assert engine.adapters.names() == before and "embd" not in before
 
 
 # ---- against llama.cpp's own converter, where its sources are -------------------------------------------------

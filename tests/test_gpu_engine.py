@@ -108,7 +108,7 @@ def test_cuda_fp32_matches_hf(hf_smollm2, quantization):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     for prompt, completion in zip(prompts, engine.generate(prompts, params), strict=True):  # one batch
         _follows(completion, prompt, reference, LOGPROB_TOL, NEAR_TIE)
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 def test_cuda_bf16_within_bf16_error_of_hf(hf_smollm2):
@@ -127,7 +127,7 @@ def test_cuda_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
     request as HF + PEFT with only its own adapter active."""
     engine = _cuda_engine(quantization="none", max_lora_rank=16, max_loras=4)
     for name in ADAPTERS:
-        engine.add_adapter(name, peft_dirs / name)
+        engine.adapters.add(name, peft_dirs / name)
     plan = [None, *ADAPTERS, None, "qv-r4"]
     prompts = [
         engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}]) for i in range(len(plan))
@@ -136,7 +136,7 @@ def test_cuda_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
     outs = engine.generate(prompts, params, adapters=plan)
     for prompt, adapter, out in zip(prompts, plan, outs, strict=True):
         _follows(out, prompt, functools.partial(peft_log_softmax, peft_model, adapter), LOGPROB_TOL, NEAR_TIE)
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 def test_cuda_swaps_keep_kv_exact(hf_smollm2):
@@ -157,6 +157,6 @@ def test_cuda_swaps_keep_kv_exact(hf_smollm2):
             _follows(out, prompt, reference, LOGPROB_TOL, NEAR_TIE)
             chat.append({"role": "assistant", "content": out.text})
         engine.generate([list(range(100, 100 + 40 * 16))], SamplingParams(max_tokens=1))  # the filler: 41 blocks
-        engine.core.check_integrity()
+        engine.check_integrity()
     counters = engine.core.pool.tree.counters
     assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)

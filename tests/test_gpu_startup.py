@@ -41,7 +41,7 @@ def _engine(tmp_path, **kw) -> Engine:
     engine = Engine(EngineConfig(**{**base, "max_num_seqs": 16, "max_lora_rank": 16, "block_size": 32, **kw}))
     root = tmp_path / "adapters"
     for name in write_random_adapters(root, 2, [8, 16], engine):
-        engine.add_adapter(name, root / name)
+        engine.adapters.add(name, root / name)
     return engine
 
 
@@ -77,7 +77,7 @@ def test_the_arena_is_sized_from_what_start_up_measured(tmp_path):
     assert runner.memory.activations > 0 and runner.memory.graphs > 0
     total = torch.cuda.mem_get_info()[1]
     # the largest step the engine can take: the token budget over every sequence, each with an adapter
-    names = engine.adapter_names()
+    names = engine.adapters.names()
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     engine.generate([[5] * 32] * 16, params, adapters=[names[i % 2] for i in range(16)])
     free, _ = torch.cuda.mem_get_info()

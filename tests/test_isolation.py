@@ -80,7 +80,7 @@ def _inject(monkeypatch, engine, prompts, site: str, exc: Exception) -> None:
 
 def _assert_clean(engine) -> None:
     engine.check_integrity()
-    assert not engine.core.pool.held_blocks()  # no request holds a block
+    assert engine.pool_report().request_blocks == 0  # no request holds a block
     assert not engine.core.scheduler.has_work()
 
 
@@ -141,13 +141,13 @@ def _overflowing_adapter(path) -> None:
 @pytest.mark.slow
 def test_overflowing_adapter_fails_its_request_alone(tmp_path, engine, prompts, alone):
     _overflowing_adapter(tmp_path / "overflow")
-    engine.add_adapter("overflow", tmp_path / "overflow")
+    engine.adapters.add("overflow", tmp_path / "overflow")
     try:
         adapters = [None] * len(prompts)
         adapters[VICTIM] = "overflow"
         out = engine.generate(prompts, GREEDY, adapters=adapters)
     finally:
-        engine.remove_adapter("overflow")
+        engine.adapters.remove("overflow")
     assert out[VICTIM].finish_reason == "error" and "non-finite logits" in out[VICTIM].error
     assert [c.token_ids for i, c in enumerate(out) if i != VICTIM] == [a for i, a in enumerate(alone) if i != VICTIM]
     _assert_clean(engine)

@@ -37,7 +37,7 @@ def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
         EngineConfig(quantization="none", kv_cache_bytes=64 << 20, max_lora_rank=16, max_loras=5, show_progress=False)
     )
     for name in ADAPTERS:
-        engine.add_adapter(name, peft_dirs / name)
+        engine.adapters.add(name, peft_dirs / name)
     plan = [None, *ADAPTERS, None, "qv-r4"]  # five adapters of different ranks and targets, base rows, one batch
     prompts = [
         engine.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}]) for i in range(len(plan))
@@ -55,7 +55,7 @@ def test_mixed_adapter_batch_matches_peft(peft_dirs, peft_model):
         for step, lp in enumerate(out.logprobs):
             assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL, adapter
     # the adapters change the answers (otherwise the comparison above proves little)
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 @pytest.mark.slow
@@ -69,7 +69,7 @@ def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
     )
     plan = [None, "qv-r4", "all-r8-rslora"]
     for name in plan[1:]:
-        engine.add_adapter(name, peft_dirs / name)
+        engine.adapters.add(name, peft_dirs / name)
     chats: list[list[dict[str, str]]] = [[] for _ in plan]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     for turn in range(3):
@@ -85,6 +85,6 @@ def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
                 assert abs(lp.logprob - ref[len(prompt) - 1 + step, lp.token_id].item()) <= LOGPROB_TOL
             chat.append({"role": "assistant", "content": out.text})
         engine.generate([list(range(100, 100 + 30 * 16))], SamplingParams(max_tokens=1))  # the filler: 31 blocks
-        engine.core.check_integrity()
+        engine.check_integrity()
     counters = engine.core.pool.tree.counters
     assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)

@@ -48,8 +48,8 @@ def test_the_loader_thread_ends_when_idle(tmp_path):
     from tests.servers import write_adapter
 
     engine = _engine(24)
-    engine.add_adapter("a", write_adapter(tmp_path / "a", seed=5, r=8))
-    engine.stage_adapters(["a"], timeout_s=30)
+    engine.adapters.add("a", write_adapter(tmp_path / "a", seed=5, r=8))
+    engine.adapters.stage(["a"], timeout_s=30)
     deadline = threading.Event()
     for _ in range(50):  # it ends right after publishing its last staging
         if not any(t.name == "adapter-loader" for t in threading.enumerate()):
@@ -57,7 +57,7 @@ def test_the_loader_thread_ends_when_idle(tmp_path):
         deadline.wait(0.1)
     assert not any(t.name == "adapter-loader" for t in threading.enumerate())
     assert engine.core.loader.num_staged == 1
-    engine.add_adapter("b", write_adapter(tmp_path / "b", seed=6, r=8))
-    engine.stage_adapters(["b"], timeout_s=30)  # a new thread stages the next one
+    engine.adapters.add("b", write_adapter(tmp_path / "b", seed=6, r=8))
+    engine.adapters.stage(["b"], timeout_s=30)  # a new thread stages the next one
     assert engine.core.loader.num_staged == 2
     engine.shutdown()

@@ -44,7 +44,7 @@ def test_hits_only_under_the_same_adapter_weights_and_salt():
     demos = demo_adapters()
     engine = _engine()
     for name in ("upper", "pirate"):
-        engine.add_adapter(name, demos[name])
+        engine.adapters.add(name, demos[name])
     prompt = engine.chat_prompt([{"role": "user", "content": "Describe the water cycle in a few sentences."}])
     assert len(prompt) > 2 * BLOCK
     assert _cached(engine, prompt) == 0
@@ -56,12 +56,12 @@ def test_hits_only_under_the_same_adapter_weights_and_salt():
     assert _cached(engine, prompt, "pirate") == 0  # nor another adapter's
     assert _cached(engine, prompt, "upper") == _hit(prompt)
     assert _cached(engine, prompt, "upper", salt="tenant:a") == 0
-    engine.add_adapter("upper", demos["upper"])  # a new version of the same weights: the cache is the weights'
+    engine.adapters.add("upper", demos["upper"])  # a new version of the same weights: the cache is the weights'
     assert _cached(engine, prompt, "upper") == _hit(prompt)
-    engine.add_adapter("upper", demos["emoji"])  # other weights under the same name never share it
+    engine.adapters.add("upper", demos["emoji"])  # other weights under the same name never share it
     assert _cached(engine, prompt, "upper") == 0
     assert _cached(engine, prompt, "upper") == _hit(prompt)
-    engine.core.check_integrity()
+    engine.check_integrity()
     figures = engine.pool_report().as_json()
     p = len(prompt)
     assert figures["kv_tokens_by_salt"] == {
@@ -85,7 +85,7 @@ def test_clients_own_salts_count_under_their_tenant_and_add_no_entry():
     assert _cached(engine, prompt, salt="tenant:a") == 0  # the tenant's own KV is not any client salt's
     figures = engine.pool_report().as_json()["kv_tokens_by_salt"]
     assert figures == {"tenant:a": {"prompt_tokens": 14 * len(prompt), "cached_tokens": _hit(prompt)}}
-    engine.core.check_integrity()
+    engine.check_integrity()
 
 
 @pytest.mark.slow
@@ -102,11 +102,11 @@ def test_invalid_kv_after_adapter_churn(policy, invalid, resident):
     size = {"kv_cache_bytes": 256 << 20} if policy == "lru-separate" else {"num_kv_blocks": 38}
     engine = _engine(max_loras=2, pool_policy=policy, **size)
     for name in ("upper", "pirate", "emoji"):
-        engine.add_adapter(name, demos[name])
+        engine.adapters.add(name, demos[name])
     prompt = engine.chat_prompt([{"role": "user", "content": "Name three colours of the rainbow."}])
     for name in ("upper", "pirate", "emoji"):
         _cached(engine, prompt, name)
-    engine.core.check_integrity()
+    engine.check_integrity()
     stats = engine.core.pool.stats()
     assert stats.invalid_kv_ratio == pytest.approx(invalid)
     assert stats.resident_adapters == resident
@@ -120,9 +120,9 @@ def test_an_adapter_request_too_big_for_the_pool_is_refused():
     from lora_server.errors import ContextLengthExceededError
 
     engine = _engine(num_kv_blocks=20)
-    engine.add_adapter("upper", demo_adapters()["upper"])  # 4.9 MB fp16 -> 14 blocks of 737 kB in fp32
+    engine.adapters.add("upper", demo_adapters()["upper"])  # 4.9 MB fp16 -> 14 blocks of 737 kB in fp32
     prompt = engine.chat_prompt([{"role": "user", "content": "Hello there, how are you today?"}])
     with pytest.raises(ContextLengthExceededError, match="adapter"):
         engine.generate([prompt], SamplingParams(max_tokens=8 * BLOCK), adapters="upper")
     assert engine.generate([prompt], SamplingParams(max_tokens=8 * BLOCK, ignore_eos=True))[0].token_ids
-    engine.core.check_integrity()
+    engine.check_integrity()

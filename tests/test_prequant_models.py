@@ -228,7 +228,7 @@ def test_qlora_adapter_on_a_gptq_base_matches_peft(tmp_path):
     peft.save_pretrained(tmp_path / "qlora")
     model = PeftModel.from_pretrained(peft.unload(), tmp_path / "qlora", adapter_name="qlora").eval()
     engine = _engine(tmp_path / "model", max_lora_rank=8, quantization="none")
-    engine.add_adapter("qlora", tmp_path / "qlora")
+    engine.adapters.add("qlora", tmp_path / "qlora")
     plan = [None, "qlora", "qlora", None]
     prompts = _prompts() + [[5, 6, 7]]
     outs = engine.generate(

@@ -45,7 +45,7 @@ def engine(peft_dirs):
         )
     )
     for name in ("qv-r4", "all-r8-rslora"):
-        e.add_adapter(name, peft_dirs / name)
+        e.adapters.add(name, peft_dirs / name)
     return e
 
 
@@ -78,8 +78,8 @@ def test_prompt_logprobs_match_peft_in_a_mixed_chunked_batch(few_rows_at_a_time,
         _check(out.prompt_logprobs, prompts[p], ref, params.prompt_logprobs)
         for step, lp in enumerate(out.logprobs or []):  # generated tokens still get theirs
             assert abs(lp.logprob - ref[len(prompts[p]) - 1 + step, lp.token_id].item()) <= TOL
-    engine.core.check_integrity()
-    assert not engine.core.pool.held_blocks()
+    engine.check_integrity()
+    assert engine.pool_report().request_blocks == 0
 
 
 @pytest.mark.slow

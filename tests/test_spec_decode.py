@@ -224,8 +224,8 @@ def test_greedy_verification_accepts_exactly_the_argmax_chain():
 @pytest.fixture(scope="module")
 def plain(engine_fp32):
     """The reference: the shared fp32 engine, without speculation, with the demo adapter "upper"."""
-    if "upper" not in engine_fp32.adapter_names():
-        engine_fp32.add_adapter("upper", demo_adapters()["upper"])
+    if "upper" not in engine_fp32.adapters.names():
+        engine_fp32.adapters.add("upper", demo_adapters()["upper"])
     return engine_fp32
 
 
@@ -240,7 +240,7 @@ def spec():
             speculative_max_batch=MAX_BATCH,
         )
     )
-    engine.add_adapter("upper", demo_adapters()["upper"])
+    engine.adapters.add("upper", demo_adapters()["upper"])
     return engine
 
 
@@ -267,8 +267,8 @@ def test_greedy_copy_is_identical_and_mostly_accepted(plain, spec, copy_prompt):
     assert want[0].token_ids != want[1].token_ids  # the adapter changes the answer
     drafts, accepted = drafts - drafts0, accepted - accepted0
     assert drafts >= 10 and accepted >= 0.5 * drafts, (drafts, accepted)
-    spec.core.check_integrity()
-    assert not spec.core.pool.held_blocks()
+    spec.check_integrity()
+    assert spec.pool_report().request_blocks == 0
 
 
 @pytest.mark.slow
@@ -311,8 +311,8 @@ def test_mixed_batch_matches_no_speculation(plain, spec, copy_prompt):
                 assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert got[0].stop_reason == stop_token and got[4].stop_reason == stop_text
-    spec.core.check_integrity()
-    assert not spec.core.pool.held_blocks()
+    spec.check_integrity()
+    assert spec.pool_report().request_blocks == 0
 
 
 @pytest.mark.slow
@@ -335,11 +335,11 @@ def test_integrity_every_step_and_speculation_off_for_a_large_batch(spec, copy_p
             drafted_while_large += drafted
         else:
             drafted_while_small += drafted
-        spec.core.check_integrity()
+        spec.check_integrity()
         for r in scheduler.running:
             assert len(r.block_table) <= -(-r.num_tokens // bs) and r.num_uncomputed_tokens >= 1
     assert drafted_while_large == 0 and drafted_while_small > 0
-    assert not spec.core.pool.held_blocks()
+    assert spec.pool_report().request_blocks == 0
 
 
 @pytest.mark.slow
@@ -363,4 +363,4 @@ def test_tool_calls_are_the_same_with_speculation(plain, spec):
     assert read(got[0].text, auto.mode)[1] == [("get_weather", '{"city": "Berlin"}')]
     assert len(read(got[1].text, forced.mode)[1]) == 1 and got[1].finish_reason == "stop"
     assert drafts > drafts0 and accepted > accepted0  # the auto request was speculated, and drafts were kept
-    spec.core.check_integrity()
+    spec.check_integrity()

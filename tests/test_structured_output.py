@@ -93,9 +93,9 @@ FREE = SamplingParams(max_tokens=12, temperature=0)  # the unconstrained request
 
 @pytest.fixture(scope="module")
 def engine(engine_fp32):
-    engine_fp32.add_adapter(ADAPTER, demo_adapters()["upper"])
+    engine_fp32.adapters.add(ADAPTER, demo_adapters()["upper"])
     yield engine_fp32
-    engine_fp32.remove_adapter(ADAPTER)
+    engine_fp32.adapters.remove(ADAPTER)
 
 
 def _prompt(engine, text):
@@ -129,7 +129,7 @@ def _run_batch(engine, keys):
     params.append(FREE)
     adapters.append(None)
     outputs = engine.generate(prompts, params, adapters)
-    engine.core.check_integrity()
+    engine.check_integrity()
     return dict(zip([*keys, ("free", "base-greedy")], outputs, strict=True))
 
 
@@ -197,7 +197,7 @@ def test_grammar_ends_the_request_even_with_ignore_eos(engine):
 
 
 def test_grammars_are_compiled_once_per_constraint(engine):
-    structured = engine.core.structured_outputs()
+    structured = engine.admission.structured_outputs()
     schema = {"type": "object", "properties": {"only": {"type": "boolean"}}, "required": ["only"]}
     before = structured.num_compiled
     for _ in range(3):

@@ -35,6 +35,7 @@ from lora_server.distributed.step_message import (
     decode_copy_ops,
     encode_copy_ops,
 )
+from lora_server.distributed.tensor_parallel import TensorParallel
 from lora_server.engine import Engine
 from lora_server.errors import ConfigError, EngineDeadError, TensorParallelError
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
@@ -52,6 +53,13 @@ tiny = test_adapter_keys.tiny  # a random tiny Llama in HF's format and the mode
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 NUM_PAGES_TP3 = 40
+
+
+def workers_of(engine: Engine) -> workers.WorkerRanks:
+    """Rank 0's handle on the worker processes (a test of tensor parallelism's own fault handling)."""
+    ranks = engine.core.runner.ranks
+    assert isinstance(ranks, TensorParallel)
+    return ranks.workers
 
 
 def tiny_engine(path, tp: int, **kw) -> Engine:
@@ -78,7 +86,7 @@ def tp2(tiny):
     tensor-parallel engine a process), closed after it."""
     engine = tiny_engine(tiny[0], 2, max_num_batched_tokens=32)
     yield engine
-    engine.core.runner.close()
+    engine.close()
 
 
 @pytest.mark.slow
@@ -102,7 +110,7 @@ def test_tp2_speculative_decoding_keeps_the_greedy_tokens(tiny):
         assert [o.token_ids for o in engine.generate(batch, params)] == [hf_greedy(model, p, 16) for p in batch]
         assert engine.snapshot().spec_draft_tokens > 0
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 def test_the_copy_operations_stream_by_hand():
@@ -135,7 +143,7 @@ def test_the_copy_operations_stream_by_hand():
 
 def test_tp1_runs_without_a_process_group(tiny):
     before = dist.is_initialized()
-    assert tiny_engine(tiny[0], 1).core.runner.tp is None
+    assert tiny_engine(tiny[0], 1).collectives() is None  # a single rank: no collective, no group
     assert dist.is_initialized() == before
 
 
@@ -180,7 +188,7 @@ def _drive(engine: Engine, plan: list[tuple[str | None, list[int]]], params: Sam
     each step (each rank's arena holds the adapters the pool placed, in the same pages, and the same block tables);
     returns each request's tokens."""
     for i, (adapter, prompt) in enumerate(plan):
-        engine.add(engine.core.make_request(f"q{i}", prompt, params, adapter))
+        engine.add(engine.make_request(prompt, params, adapter, request_id=f"q{i}"))
     tokens: dict[str, list[int]] = {}
     while engine.has_work():
         for out in engine.step():
@@ -208,7 +216,7 @@ def test_tp2_mixed_adapters_under_churn_match_tp1_and_peft(tiny, tiny_peft):
     for tp in (1, 2):
         engine = tiny_engine(path, tp, **config)
         try:
-            handles = [engine.add_adapter(name, root / name) for name in TINY_ADAPTERS]
+            handles = [engine.adapters.add(name, root / name) for name in TINY_ADAPTERS]
             for plan, want in zip(plans, expected, strict=True):
                 assert _drive(engine, plan, params) == want
             counters = engine.core.pool.tree.counters
@@ -217,7 +225,7 @@ def test_tp2_mixed_adapters_under_churn_match_tp1_and_peft(tiny, tiny_peft):
             assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
             assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)
         finally:
-            engine.core.runner.close()
+            engine.close()
 
 
 def test_dora_adapters_are_refused(tiny, tmp_path):
@@ -229,10 +237,10 @@ def test_dora_adapters_are_refused(tiny, tmp_path):
     engine = tiny_engine(path, 2, block_size=64)
     try:
         with pytest.raises(AdapterError, match="DoRA adapters are not served with --tensor-parallel-size 2"):
-            engine.add_adapter("dora", tmp_path / "dora")
+            engine.adapters.add("dora", tmp_path / "dora")
         assert engine.core.adapters.names() == []
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -260,7 +268,8 @@ def test_the_collectives_of_each_step(tp2):
     """Two prompts of 5 and 7 tokens (under the long-prefill cap, 32 // 4), 3 tokens each: one prefill step (12
     tokens) and two decode steps (2 tokens). Per step: the embedding's all-reduce and two per layer (o, down), each
     of [T, hidden] float32; one gather of each rank's [S, ceil(V/2)] logits; one broadcast of the step message."""
-    counter = tp2.core.runner.tp.comm.counter
+    counter = tp2.collectives()
+    assert counter is not None
     counter.reset()
     tp2.generate(prompts([5, 7]), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     hidden, layers, vocab_half = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"] // 2
@@ -282,8 +291,9 @@ def test_lora_adds_no_collective_and_an_adapter_load_one_scatter(tiny, tiny_peft
     root, peft = tiny_peft
     engine = tiny_engine(tiny[0], 2, block_size=64, max_num_batched_tokens=32)
     try:
-        handle = engine.add_adapter("all-r4", root / "all-r4")
-        counter = engine.core.runner.tp.comm.counter
+        handle = engine.adapters.add("all-r4", root / "all-r4")
+        counter = engine.collectives()
+        assert counter is not None
         counter.reset()
         batch = prompts([5, 7])
         outs = engine.generate(batch, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), adapters="all-r4")
@@ -295,7 +305,7 @@ def test_lora_adds_no_collective_and_an_adapter_load_one_scatter(tiny, tiny_peft
         # rank 0 counts the part it gets of the scatter: the size of a worker's share, as many pages as its own
         assert counter.bytes["scatter"] == handle.device_nbytes
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -305,7 +315,7 @@ def test_the_integrity_check_finds_a_rank_out_of_step(tiny, tiny_peft):
     root, _ = tiny_peft
     engine = tiny_engine(tiny[0], 2, block_size=64)
     try:
-        engine.add_adapter("qv-r2", root / "qv-r2")
+        engine.adapters.add("qv-r2", root / "qv-r2")
         engine.generate(prompts([5]), GREEDY, adapters="qv-r2")
         runner = engine.core.runner
         runner.check_ranks()
@@ -314,7 +324,7 @@ def test_the_integrity_check_finds_a_rank_out_of_step(tiny, tiny_peft):
         with pytest.raises(AssertionError, match="rank 1's arena or block tables differ from rank 0's"):
             runner.check_ranks()
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -336,7 +346,7 @@ def test_tp2_families_match_hf(tmp_path, name):
     try:
         _compare(engine, hf, test_architectures._prompts())
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -349,11 +359,11 @@ def test_tp2_family_adapters_match_peft(tmp_path, name):
     engine = Engine(EngineConfig(model=str(tmp_path / "base"), tensor_parallel_size=2, **config))
     try:
         for adapter in ("a0", "a1"):
-            engine.add_adapter(adapter, tmp_path / adapter)
+            engine.adapters.add(adapter, tmp_path / adapter)
         test_architectures.assert_mixed_batch_matches_peft(engine, model)
         engine.check_integrity()
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 def test_tp2_is_refused_on_a_single_kv_head(tmp_path):
@@ -372,7 +382,8 @@ def test_a_step_whose_arrays_spill_past_the_message(tiny):
         prompt = prompts([200])
         expected = [hf_greedy(model, prompt[0], GREEDY.max_tokens)]
         assert [o.token_ids for o in engine.generate(prompt, GREEDY)] == expected
-        counter = engine.core.runner.tp.comm.counter
+        counter = engine.collectives()
+        assert counter is not None
         counter.reset()
         assert [o.token_ids for o in engine.generate(prompt, GREEDY)] == expected
         # served from the cache: 8 steps, each sampling (the prompt's last block, then 7 decodes); the first sent
@@ -380,7 +391,7 @@ def test_a_step_whose_arrays_spill_past_the_message(tiny):
         calls = {"all_reduce": 8 * (2 * TINY["num_hidden_layers"] + 1), "gather": 8, "broadcast": 9, "scatter": 0}
         assert counter.calls == calls
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -397,7 +408,7 @@ def test_kv_swapped_to_the_host_tier_and_back(tiny):
         counters = engine.core.pool.tree.counters
         assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -407,7 +418,7 @@ def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
     pid = runner.tp.workers.pids[0]
     params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts([5] * 8)):
-        engine.add(engine.core.make_request(f"r{i}", prompt, params))
+        engine.add(engine.make_request(prompt, params, request_id=f"r{i}"))
     for _ in range(3):
         engine.step()
     killed_at: list[float] = []
@@ -441,7 +452,7 @@ def test_embedded_model_tp3_mixed_adapters_under_churn(engine_fp32, peft_dirs, p
     with pytest.raises(ConfigError, match=r"num_heads \(9\) and num_kv_heads \(3\)"):
         Engine(EngineConfig(tensor_parallel_size=2, kv_cache_bytes=64 << 20, **config))
     texts = ("The capital of France is", "1, 2, 3, 4,", "Write a haiku about the sea.")
-    batch = [engine_fp32.core.encode(text) for text in texts]
+    batch = [engine_fp32.encode(text) for text in texts]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     base = [o.token_ids for o in engine_fp32.generate(batch[:2], params)]
     engine = Engine(
@@ -449,7 +460,7 @@ def test_embedded_model_tp3_mixed_adapters_under_churn(engine_fp32, peft_dirs, p
     )
     try:
         assert [o.token_ids for o in engine.generate(batch[:2], params)] == base
-        handles = [engine.add_adapter(name, peft_dirs / name) for name in ADAPTERS]
+        handles = [engine.adapters.add(name, peft_dirs / name) for name in ADAPTERS]
         names = [*ADAPTERS, None]
         for round_ in range(2):
             plan = [(names[(i + round_) % len(names)], batch[i % 3]) for i in range(len(names))]
@@ -459,7 +470,7 @@ def test_embedded_model_tp3_mixed_adapters_under_churn(engine_fp32, peft_dirs, p
         assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
         assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
@@ -476,7 +487,7 @@ def test_an_error_on_rank_0_after_the_step_went_out_stops_the_engine(tiny, tp2, 
     monkeypatch.setattr(runner.block_tables, "plan", real_plan)
     assert tp2.generate(prompt, GREEDY)[0].token_ids == hf_greedy(tiny[1], prompt[0], GREEDY.max_tokens)
     monkeypatch.setattr(runner.step_inputs, "upload", lambda arrays: (_ for _ in ()).throw(RuntimeError("after")))
-    tp2.add(tp2.core.make_request("late", prompt[0], GREEDY))
+    tp2.add(tp2.make_request(prompt[0], GREEDY, request_id="late"))
     with pytest.raises(TensorParallelError, match=r"rank 0 raised RuntimeError\('after'\) after sending the step"):
         while tp2.has_work():
             tp2.step()
@@ -504,7 +515,7 @@ def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, m
         assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)
         pid = runner.tp.workers.pids[0]
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        engine.add(engine.core.make_request("long", prompts([5])[0], params))
+        engine.add(engine.make_request(prompts([5])[0], params, request_id="long"))
         engine.step()
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
@@ -616,7 +627,7 @@ def test_a_stopped_rank_fails_the_requests_in_flight_naming_it(tiny, monkeypatch
 
     monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=30))
     engine = tiny_engine(tiny[0], 2)
-    ranks = engine.core.runner.tp.workers
+    ranks = workers_of(engine)
     ranks.answer_timeout_s = ANSWER_S
     pid = ranks.pids[0]
     params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
@@ -653,14 +664,14 @@ def test_a_stopped_rank_fails_the_requests_in_flight_naming_it(tiny, monkeypatch
         with contextlib.suppress(ProcessLookupError):  # a failed test's worker goes on, so that closing ends
             os.kill(pid, signal.SIGCONT)
         engine.shutdown()
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.slow
 def test_a_rank_stopped_while_the_engine_idles_stops_it(tp2):
     """No step in flight: the heartbeat finds the stopped rank all the same, and the engine thread's idle loop stops
     the engine (the server's /health answers 503 from then on, and it exits non-zero) within the bound."""
-    ranks = tp2.core.runner.tp.workers
+    ranks = workers_of(tp2)
     ranks.answer_timeout_s = ANSWER_S
     tp2.start()
     pid = ranks.pids[0]
@@ -679,7 +690,7 @@ def test_a_rank_that_dies_while_the_engine_idles_stops_its_thread(tp2):
     """The engine thread's idle loop looks at the ranks too: the engine is marked dead (the server exits non-zero on
     it) within seconds, naming the rank."""
     tp2.start()
-    pid = tp2.core.runner.tp.workers.pids[0]
+    pid = workers_of(tp2).pids[0]
     os.kill(pid, signal.SIGKILL)
     assert tp2.dead.wait(5.0), "the engine did not stop"
     assert isinstance(tp2.dead_error, TensorParallelError)

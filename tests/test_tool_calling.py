@@ -108,10 +108,10 @@ def read(text: str, mode: str) -> tuple[str, list[tuple[str, str]]]:
 @pytest.fixture(scope="module")
 def engine(engine_fp32):
     for name in ("upper", "emoji"):
-        engine_fp32.add_adapter(f"tools-{name}", demo_adapters()[name])
+        engine_fp32.adapters.add(f"tools-{name}", demo_adapters()[name])
     yield engine_fp32
     for name in ("upper", "emoji"):
-        engine_fp32.remove_adapter(f"tools-{name}")
+        engine_fp32.adapters.remove(f"tools-{name}")
 
 
 def prepared(engine, messages, tools, tool_choice, parallel=None):
@@ -153,7 +153,7 @@ def test_tool_requests_share_a_batch_with_structured_and_free_ones(engine):
         (free_prompt, SamplingParams(max_tokens=12, temperature=0), None),
     ]
     outputs = engine.generate([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
-    engine.core.check_integrity()
+    engine.check_integrity()
     for out in outputs[:3]:  # forced: calls only, one (parallel_tool_calls false), the grammar ended it
         content, calls = read(out.text, "forced")
         assert out.finish_reason == "stop" and content == "" and len(calls) == 1, out.text

@@ -118,7 +118,7 @@ def test_tiny_int8_tp2_greedy_equals_tp1(tiny):  # noqa: F811
     try:
         assert [o.token_ids for o in engine.generate(batch, GREEDY)] == expected
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 def _text_logprobs(engine: Engine, ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -142,11 +142,11 @@ def test_embedded_model_in_its_own_blocks_with_an_adapter_at_tp3():
     for tp in (1, 3):
         engine = Engine(EngineConfig(tensor_parallel_size=tp, **config))
         try:
-            engine.add_adapter("upper", demo_adapters()["upper"])
-            ids = engine.core.encode(text)
+            engine.adapters.add("upper", demo_adapters()["upper"])
+            ids = engine.encode(text)
             scores[tp] = [_text_logprobs(engine, ids, adapter) for adapter in (None, "upper")]
         finally:
-            engine.core.runner.close()
+            engine.close()
     for one, three in zip(scores[1], scores[3], strict=True):
         gap = (one - three).abs()
         assert gap.mean() < 0.05 and gap.max() < 0.5, (gap.mean(), gap.max())
@@ -170,7 +170,7 @@ def test_awq_checkpoint_at_tp2_matches_hf_and_act_order_gptq_is_refused(tmp_path
         assert "Int4" in repr(engine.core.runner.model.layers[0].mlp.down_proj.base)  # its codes, not re-quantized
         _close_to_hf(engine, hf, 0.3)
     finally:
-        engine.core.runner.close()
+        engine.close()
     _write_quantized(_hf_llama(), tmp_path / "gptq", "gptq", 32)
     children = set(multiprocessing.active_children())
     with pytest.raises(ConfigError, match=r"layers\.0\.o gathers its input columns \(act-order GPTQ\)"):

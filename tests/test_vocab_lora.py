@@ -143,7 +143,7 @@ def _engine(path: Path, adapters: dict[str, Path], **kw) -> Engine:
     config = dict(quantization="none", kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
     engine = Engine(EngineConfig(model=str(path), **{**config, **kw}))
     for name, adapter in adapters.items():
-        engine.add_adapter(name, adapter)
+        engine.adapters.add(name, adapter)
     return engine
 
 
@@ -215,7 +215,7 @@ def test_tensor_parallel_mixed_batch_and_prompt_logprobs_match_peft(request, set
             assert (scores - _log_softmax(_reference(model, adapters[form]), prompt)[:-1]).abs().max() <= LOGPROB_TOL
         engine.check_integrity()
     finally:
-        engine.core.runner.close()
+        engine.close()
 
 
 @pytest.mark.parametrize("form", ["embed", "head", "tokens"])
@@ -349,7 +349,7 @@ def test_each_form_on_cuda_matches_peft(untied_setup, tied_setup):
         config = dict(kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
         engine = Engine(EngineConfig(model=str(path), quantization="none", device="cuda", dtype="float32", **config))
         for name, adapter in adapters.items():
-            engine.add_adapter(name, adapter)
+            engine.adapters.add(name, adapter)
         assert engine.core.runner.graphs is not None
         _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
         _check(engine, model, adapters, ["head", None, "plain"])  # decode steps replay their graph
@@ -377,7 +377,7 @@ def test_speculative_decoding_verifies_with_the_adapters_head(tied_setup):
     config = dict(quantization="none", kv_cache_bytes=16 << 20, block_size=64, max_loras=8, show_progress=False)
     engine = Engine(EngineConfig(model=str(path), speculative_ngram=3, speculative_ngram_min=1, **config))
     for name, adapter in adapters.items():
-        engine.add_adapter(name, adapter)
+        engine.adapters.add(name, adapter)
     _check(engine, model, adapters, ["tokens", "head", None, "embed", "tokens"])
     snap = engine.snapshot()
     assert snap.spec_draft_tokens > 0 and snap.spec_accepted_tokens > 0
@@ -402,7 +402,7 @@ def test_gemma_embedding_scale_and_soft_cap(tmp_path):
         )
     )
     for name, adapter in adapters.items():
-        engine.add_adapter(name, adapter)
+        engine.adapters.add(name, adapter)
     _check(engine, model, adapters, ["embed", "tokens", "head", None, "plain", "both"])
 
 

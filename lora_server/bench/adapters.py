@@ -43,7 +43,7 @@ def retained_bytes_per_adapter(engine: Engine, root: Path, names: list[str]) -> 
     try:
         before = tracemalloc.get_traced_memory()[0]
         for name in names:
-            engine.add_adapter(name, root / name)
+            engine.adapters.add(name, root / name)
         gc.collect()
         return (tracemalloc.get_traced_memory()[0] - before) / len(names)
     finally:
@@ -85,7 +85,7 @@ def bench_registered(args, base: EngineConfig) -> dict:
             engine = Engine(base)
             start = time.perf_counter()
             for name in names[:n]:
-                engine.add_adapter(name, Path(tmp) / name)
+                engine.adapters.add(name, Path(tmp) / name)
             register_s = time.perf_counter() - start
             rng = random.Random(args.trace_seed)
             weights = [1 / (i + 1) ** args.alpha for i in range(n)]
@@ -164,7 +164,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
         engine = Engine(base)
         names = write_random_adapters(Path(tmp), 4 + args.load_count, args.rank, engine, targets=TARGETS)
         for name in names[:4]:
-            engine.add_adapter(name, Path(tmp) / name)
+            engine.adapters.add(name, Path(tmp) / name)
         params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
         vocab = engine.describe().arch.vocab_size
         rng = random.Random(args.trace_seed)
@@ -189,7 +189,7 @@ def bench_loads(args, base: EngineConfig) -> dict:
             for name in names[4:]:
                 if done.is_set():
                     return
-                engine.add_adapter(name, Path(tmp) / name, pinned=True)
+                engine.adapters.add(name, Path(tmp) / name, pinned=True)
 
         thread = threading.Thread(target=register)
         thread.start()
@@ -239,7 +239,7 @@ def _write(args, default: str, result: dict) -> dict:
 
 def _device_bytes(engine: Engine, name: str) -> int:
     """A registered adapter's bytes on the device."""
-    info = engine.adapter_info(name)
+    info = engine.adapters.info(name)
     if info is None:
         raise RuntimeError(f"adapter {name} is not registered")
     return info.device_bytes

@@ -177,7 +177,7 @@ def _make_resident(engine: Engine, names: list[str]) -> None:
     an adapter's first load (``--loads`` times loads)."""
     if not names:
         return
-    engine.stage_adapters(names)
+    engine.adapters.stage(names)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     for name in names:
         engine.add(engine.make_request([10, 11], one, name, request_id=f"resident-{name}"))
@@ -203,10 +203,10 @@ def bench(args, base: EngineConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         names = write_random_adapters(Path(tmp), max(args.adapters), args.rank, engine)
         for name in names:
-            engine.add_adapter(name, Path(tmp) / name)
+            engine.adapters.add(name, Path(tmp) / name)
         _make_resident(engine, names)
         # an adapter's bytes as held on the device (model dtype; the host copy is fp32)
-        first = engine.adapter_info(names[0]) if names else None
+        first = engine.adapters.info(names[0]) if names else None
         adapter_bytes = first.device_bytes if first else 0
         for prompt_len in args.prompt_len:
             for batch in args.batch:

@@ -114,8 +114,8 @@ def stand_in_engine(
             engine = Engine(config)
             names = write_random_adapters(Path(tmp), adapters, rank, engine)
             for name in names:
-                engine.add_adapter(name, Path(tmp) / name)
-            engine.stage_adapters(names)  # the requests' first step finds them on the host
+                engine.adapters.add(name, Path(tmp) / name)
+            engine.adapters.stage(names)  # the requests' first step finds them on the host
             params = params or SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             for i in range(batch):
                 prompt = [10 + (i * 7 + j) % 400 for j in range(prompt_len)]

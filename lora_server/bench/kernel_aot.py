@@ -309,8 +309,8 @@ def stand_in_engine(shape: EngineShape, workdir: Path, sms: int) -> Iterator[Eng
         engine = Engine(config)
         names = write_random_adapters(workdir / shape.label.replace(" ", "-"), 2, [8, shape.max_lora_rank], engine)
         for name in names:
-            engine.add_adapter(name, workdir / shape.label.replace(" ", "-") / name)
-        engine.stage_adapters(names)
+            engine.adapters.add(name, workdir / shape.label.replace(" ", "-") / name)
+        engine.adapters.stage(names)
         yield engine
 
 
@@ -322,7 +322,7 @@ def serve_random(engine: Engine, requests: int, seed: int = 0) -> None:
     from lora_server.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    names = engine.adapter_names()
+    names = engine.adapters.names()
     vocab = engine.vocab_size
     for _ in range(requests):
         length = rng.choice([1, 2, 3, 5, 9, 16, 17, 33, 64, 65, 100, 129, 200, 255, 256, 300, 511, 700, 1000])

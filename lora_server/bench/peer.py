@@ -109,7 +109,7 @@ def bench_peer(args, config: EngineConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         names = write_random_adapters(Path(tmp), n, args.ranks, engine) if n else []
         for name in names:
-            engine.add_adapter(name, Path(tmp) / name)
+            engine.adapters.add(name, Path(tmp) / name)
         peer = _load_peer(config, Path(tmp), names)
         for batch in args.batch:
             for distinct in args.adapters:

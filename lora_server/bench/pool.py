@@ -110,7 +110,7 @@ def run_policy(
     """Run the trace on a fresh engine (its policy is the engine's) and shut the engine down."""
     config = engine.config
     for name in names:
-        engine.add_adapter(name, adapter_dir / name)
+        engine.adapters.add(name, adapter_dir / name)
     params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
     engine.generate([list(systems[0]) + [11] * 8], SamplingParams(max_tokens=2), adapters=None)  # warm-up
     start_times = engine.snapshot().step_times  # the trace's steps only: those after it

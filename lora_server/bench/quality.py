@@ -268,7 +268,7 @@ def bench(plan: Plan, base: EngineConfig, out: Path) -> dict:
         engines[mode.label] = engine
     for engine in (reference, *engines.values()):
         for name, path in plan.adapters.items():
-            engine.add_adapter(name, path)
+            engine.adapters.add(name, path)
     built = time.perf_counter() - start
     tallies = score(reference, engines, chunks, [None, *plan.adapters], progress=True)
     rows = rows_of(tallies)

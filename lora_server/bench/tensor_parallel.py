@@ -38,7 +38,6 @@ def _run(
     config: EngineConfig, prompts: list[list[int]], output_len: int, adapters: int, rank: int
 ) -> tuple[TpPoint, list[list[int]]]:
     engine = Engine(config)
-    runner = engine.core.runner
     try:
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         names: list[str] = []
@@ -46,11 +45,11 @@ def _run(
         with tempfile.TemporaryDirectory() as root:
             if adapters:  # the same seed at every size: the same adapters
                 names = write_random_adapters(Path(root), adapters, rank, engine)
-                adapter_bytes = max(engine.add_adapter(name, Path(root) / name).device_nbytes for name in names)
+                adapter_bytes = max(engine.adapters.add(name, Path(root) / name).device_nbytes for name in names)
                 _make_resident(engine, names)
         engine.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
         requests = [
-            engine.core.make_request(f"tp-{i}", p, params, names[i % len(names)] if names else None)
+            engine.make_request(p, params, names[i % len(names)] if names else None, request_id=f"tp-{i}")
             for i, p in enumerate(prompts)
         ]
         for request in requests:
@@ -59,22 +58,23 @@ def _run(
         times: list[float] = []
         calls: dict[str, int] = {}
         nbytes: dict[str, int] = {}
+        counter = engine.collectives()
         while engine.has_work():
-            if runner.tp is not None:
-                runner.tp.comm.counter.reset()
+            if counter is not None:
+                counter.reset()
             start = time.perf_counter()
             outputs = engine.step()
             times.append(time.perf_counter() - start)
             for out in outputs:
                 tokens[out.request_id].extend(out.token_ids)
-            if runner.tp is not None and len(times) == 2:  # the first decode step
-                calls, nbytes = dict(runner.tp.comm.counter.calls), dict(runner.tp.comm.counter.bytes)
+            if counter is not None and len(times) == 2:  # the first decode step
+                calls, nbytes = dict(counter.calls), dict(counter.bytes)
     finally:
-        runner.close()
+        engine.close()
     decode = times[1:]
     point = TpPoint(
         config.tensor_parallel_size,
-        engine.core.arch.num_layers,
+        engine.describe().arch.num_layers,
         times[0] * 1e3,
         sum(decode) / max(1, len(decode)) * 1e3,
         len(decode),

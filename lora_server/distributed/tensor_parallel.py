@@ -12,10 +12,11 @@ from typing import Protocol
 
 import torch
 
-from lora_server.adapters.page_layout import PageLayout
+from lora_server.adapters.lora_types import BaseShapes
+from lora_server.adapters.page_layout import PageGeometry, PageLayout
 from lora_server.adapters.peft_format import LoraAdapter, PeftAdapter, TokenIds, VocabLora
 from lora_server.config import EngineConfig
-from lora_server.distributed.group import Comm, destroy_group, free_port, init_group, refuse_second_group
+from lora_server.distributed.group import Comm, CommCounter, destroy_group, free_port, init_group, refuse_second_group
 from lora_server.distributed.layers import parallelize
 from lora_server.distributed.shard import Shard, check_tensor_parallel, shard_checkpoint
 from lora_server.distributed.step_message import (
@@ -30,7 +31,8 @@ from lora_server.distributed.step_message import (
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup, fingerprint
 from lora_server.errors import TensorParallelError
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
-from lora_server.model.arena import ResidentAdapters
+from lora_server.model.arch import ModelArch
+from lora_server.model.arena import AdapterForm, ResidentAdapters
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.llama import LlamaModel
 from lora_server.model.sampler import scoring_rows
@@ -78,6 +80,20 @@ class TensorParallel:
         self._images: list[tuple[torch.Tensor, ...]] = []
         self._sent = False  # in_step: this step's inputs went out
         self._out_of_step = False  # a step failed on rank 0 after its inputs went out
+
+    @property
+    def arch(self) -> ModelArch:
+        """The whole model's shape (adapters are validated against it; rank 0's share is self.checkpoint's)."""
+        return self.shard.arch
+
+    @property
+    def collectives(self) -> CommCounter:
+        """Rank 0's collectives since the counter's last reset (calls and bytes by kind)."""
+        return self.comm.counter
+
+    def adapter_form(self, shapes: BaseShapes, geometry: PageGeometry) -> AdapterForm:
+        """Adapters validated against the whole model, each rank's share laid out in its pages, DoRA refused."""
+        return AdapterForm(shapes, geometry, self.adapter_refusal, self.adapter_shards)
 
     def adapter_refusal(self, adapter: LoraAdapter | PeftAdapter) -> str:
         """Why an adapter is not served under tensor parallelism ("": it is): LoRA on any module, the embedding and

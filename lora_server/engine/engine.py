@@ -11,21 +11,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
-from lora_server.engine.adapter_registry import AdapterHandle, AdapterSpec, CheckedAdapter
-from lora_server.engine.core import EngineCore, Prompt, StepTimes
+from lora_server.distributed.group import CommCounter
+from lora_server.engine.adapter_surface import AdapterSurface
+from lora_server.engine.admission import Prompt
+from lora_server.engine.core import EngineCore
 from lora_server.engine.openmp import release_openmp_workers
 from lora_server.engine.outputs import Completion, RequestOutput
-from lora_server.engine.reports import AdapterInfo, PoolReport
+from lora_server.engine.reports import EngineSnapshot, ModelInfo, PoolReport
 from lora_server.engine.request import NO_TENANT, EngineRequest, TenantShare
 from lora_server.engine.tokenizer import Tokenizer
 from lora_server.errors import (
@@ -33,12 +32,8 @@ from lora_server.errors import (
     InvalidRequestError,
     LoraServerError,
     QueueFullError,
-    UnknownAdapterError,
 )
 from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
-from lora_server.model.arch import ModelArch
-from lora_server.model.quant import resident_bytes
-from lora_server.model.runner import CopyCosts
 from lora_server.sampling_params import SamplingParams
 from lora_server.tools.prompt import render_tools_in_messages
 
@@ -47,40 +42,28 @@ log = logging.getLogger("lora_server")
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What an engine serves, as plain values (for benchmarks and the start-up summary)."""
+class AddRequest:
+    """Queue a made request (Engine.submit)."""
 
-    arch: ModelArch
-    format: str  # how the weights were read: "gguf", "hf" or "dummy"
-    path: Path | None  # the checkpoint file or directory (None: dummy weights)
-    adapter_features: dict[str, tuple[int, int]]  # canonical module (q, k, v, o, gate, up, down) -> (in, out)
-    device: torch.device
-    dtype: torch.dtype
-    weight_bytes: int  # resident base weights, quantized as they are held
-    kv_bytes_per_token: int  # K and V of one token in every layer
-    max_model_len: int
-    startup_s: dict[str, float]  # seconds per start-up phase: weights, warm-up (where kernels compile), graphs
-    activation_bytes: int  # device memory of the largest step's activations, measured at warm-up (CUDA; else 0)
-    graph_bytes: int  # the decode graphs' share, estimated at warm-up (CUDA with graphs; else 0)
-    copy_costs: CopyCosts  # the pool's copies as measured at start (their prices in the pool's cost model)
+    request: EngineRequest
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What the engine thread publishes for other threads: plain values, at most ~0.1 s old while it runs."""
+class AbortRequest:
+    """Stop a request (Engine.abort)."""
 
-    running: int
-    waiting: int
-    decoding: bool  # something runs, nothing waits, and every running request computes one token next step
-    context_tokens: int  # tokens (prompt + output so far) of the running requests
-    num_preemptions: int
-    running_adapters: tuple[str, ...]  # adapter names of running requests (sorted, distinct)
-    waiting_adapters: tuple[str, ...]
-    resident_pages: dict[int, int]  # adapter weights (adapter_id) on the device -> their table page
-    pool: PoolReport
-    step_times: StepTimes  # where the steps spent their time since start (a copy)
-    spec_draft_tokens: int = 0  # speculative draft tokens verified since start
-    spec_accepted_tokens: int = 0  # of them, those accepted
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallOnEngineThread:
+    """Run ``call`` between steps; its result or exception goes to ``done`` (Engine.check_integrity)."""
+
+    call: Callable[[], None]
+    done: Future[None]
+
+
+InboxMessage = AddRequest | AbortRequest | CallOnEngineThread  # what other threads hand the engine thread
 
 
 class Engine:
@@ -95,16 +78,24 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.core = EngineCore(config)
+        self.admission = self.core.admission  # requests are made from any thread
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._stopping = threading.Event()
         self._wake = threading.Event()
+        self.adapters = AdapterSurface(  # registered, staged and removed from any thread
+            self.core.adapters,
+            self.core.loader,
+            config.staging_workers,
+            self._wake,
+            lambda: self.snapshot().resident_pages,
+        )
         self.dead = threading.Event()
         self.dead_error: BaseException | None = None
-        self._snapshot = self._take_snapshot()  # republished by the engine thread, read by any thread
+        self._snapshot = self.core.snapshot()  # republished by the engine thread, read by any thread
         self._snapshot_time = 0.0
 
     # ---- what any thread may read ----------------------------------------------------------------------------
@@ -116,56 +107,24 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Queues, residency and pool figures as the engine thread last published them (any thread)."""
         if self._thread is None:
-            self._snapshot = self._take_snapshot()
+            self._snapshot = self.core.snapshot()
         return self._snapshot
 
     def pool_report(self) -> PoolReport:
         return self.snapshot().pool
 
-    def _take_snapshot(self) -> EngineSnapshot:
-        scheduler = self.core.scheduler
-
-        def names(requests) -> tuple[str, ...]:
-            return tuple(sorted({r.adapter.name for r in requests if r.adapter is not None}))
-
-        running = scheduler.running
-        decoding = bool(running) and not scheduler.waiting and all(r.num_uncomputed_tokens == 1 for r in running)
-        return EngineSnapshot(
-            len(running),
-            len(scheduler.waiting),
-            decoding,
-            sum(r.num_tokens for r in running),
-            scheduler.num_preemptions,
-            names(scheduler.running),
-            names(scheduler.waiting),
-            {k.adapter_id: slot for k, slot in self.core.pool.resident_adapters().items()},
-            self.core.pool_report(),
-            dataclasses.replace(self.core.step_times),
-            spec_draft_tokens=scheduler.num_draft_tokens,
-            spec_accepted_tokens=scheduler.num_accepted_drafts,
-        )
-
     def _publish(self) -> None:
         now = time.monotonic()
         if now - self._snapshot_time >= 0.1:
-            self._snapshot, self._snapshot_time = self._take_snapshot(), now
+            self._snapshot, self._snapshot_time = self.core.snapshot(), now
 
     def describe(self) -> ModelInfo:
-        runner = self.core.runner
-        return ModelInfo(
-            self.core.arch,
-            *self.core.source,
-            dict(runner.adapter_shapes.features),
-            runner.device,
-            runner.dtype,
-            resident_bytes(runner.model),
-            runner.kv_bytes_per_block // runner.block_size,
-            self.max_model_len,
-            dict(runner.startup_s),
-            runner.memory.activations,
-            runner.memory.graphs,
-            self.core.copy_costs,
-        )
+        return self.core.describe()
+
+    def collectives(self) -> CommCounter | None:
+        """With tensor parallelism, rank 0's count of its collectives (calls and bytes by kind since its last
+        ``reset``); None on one rank (engine thread or offline)."""
+        return self.core.collectives()
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -177,123 +136,12 @@ class Engine:
 
     @property
     def vocab_size(self) -> int:
-        return self.core.arch.vocab_size
-
-    # ---- adapters (any thread) -------------------------------------------------------------------------------
-
-    def add_adapter(
-        self,
-        name: str,
-        path: str | Path,
-        pinned: bool = False,
-        version: int | None = None,
-        source: str = "api",
-        registered_at: float | None = None,
-    ) -> AdapterHandle:
-        """Register a PEFT LoRA directory under ``name`` (a new version if the name exists; ``version``: at least
-        the one given); raises AdapterError with the reason when it cannot be served. A pinned adapter is loaded
-        onto the device as soon as there is room and never evicted. Safe while serving: running requests are not
-        stalled, and those that hold an older version keep it. ``source`` says where it came from ("demo",
-        "command line", "api"); ``registered_at`` when (the registry store's time; default now)."""
-        return self.core.adapters.register(name, path, pinned, version, source, registered_at)
-
-    def check_adapter(self, name: str, path: str | Path, pinned: bool = False) -> CheckedAdapter:
-        """``add_adapter`` in two steps, for a caller that records the registration elsewhere in between: read and
-        validate the files (AdapterError with the reason; nothing changes), then ``install_adapter``."""
-        return self.core.adapters.check(name, path, pinned)
-
-    def install_adapter(
-        self,
-        checked: CheckedAdapter,
-        pinned: bool = False,
-        version: int | None = None,
-        registered_at: float | None = None,
-    ) -> AdapterHandle:
-        """Serve a checked adapter (``add_adapter``'s arguments; source "api"); reads no file."""
-        return self.core.adapters.install(checked, pinned, version, registered_at=registered_at)
-
-    def next_adapter_version(self, name: str) -> int:
-        """The least version the next registration of ``name`` gets."""
-        return self.core.adapters.next_version(name)
-
-    def check_adapters(self, specs: Sequence[AdapterSpec]) -> list[CheckedAdapter | AdapterError]:
-        """``check_adapter`` for many, on several threads (the staging workers' count): each one's result in order,
-        an AdapterError with the reason for one that cannot be served. Changes nothing."""
-        return self.core.adapters.check_many(specs, self.config.staging_workers)
-
-    def add_adapters(self, specs: Sequence[AdapterSpec], source: str = "api") -> list[AdapterHandle | AdapterError]:
-        """``add_adapter`` for many: their files read, checked and hashed on several threads (the staging workers'
-        count), then each served; each one's result in order, an AdapterError with the reason for one that cannot
-        be served (the others are served all the same)."""
-        registry = self.core.adapters
-        results: list[AdapterHandle | AdapterError] = []
-        for spec, checked in zip(specs, self.check_adapters(specs), strict=True):
-            if isinstance(checked, AdapterError):
-                results.append(checked)
-                continue
-            try:
-                results.append(registry.install(checked, spec.pinned, source=source))
-            except AdapterError as exc:  # a pin that no longer fits beside the ones installed before it
-                results.append(exc)
-        return results
-
-    def stage_adapters(self, names: Sequence[str], timeout_s: float = 60.0) -> list[str]:
-        """Read these adapters' weights and stage them in host memory now, in order while they fit its budget
-        (--cpu-lora-gb, --max-cpu-loras), blocking until they are (or ``timeout_s``): their first requests then
-        wait for no disk read. Returns the names staged. UnknownAdapterError for a name that is not registered;
-        AdapterError if one cannot be staged."""
-        loader = self.core.loader
-        room, staged = loader.budget_bytes, list[str]()
-        for name in names:
-            handle = self.core.adapters.get(name)
-            if handle.device_nbytes > room or len(staged) == (loader.max_images or -1):
-                break
-            room -= handle.device_nbytes
-            staged.append(name)
-        ids = [self.core.adapters.get(name).adapter_id for name in staged]
-        for adapter_id in ids:
-            loader.request(adapter_id)
-        deadline = time.monotonic() + timeout_s
-        while any(loader.staged(i) is None for i in ids) and time.monotonic() < deadline:
-            failed = loader.failed(ids)
-            if failed:
-                raise AdapterError(failed)
-            loader.wait(0.05)
-        self._wake.set()
-        return staged
-
-    def remove_adapter(self, name: str) -> None:
-        """New requests for ``name`` fail (UnknownAdapterError); in-flight ones finish, then its memory is freed."""
-        self.core.adapters.unregister(name)
-
-    def adapter_names(self) -> list[str]:
-        return self.core.adapters.names()
-
-    def adapter_info(self, name: str) -> AdapterInfo | None:
-        """Where an adapter's current version is served from: its path, bytes, and table page if resident (None:
-        no such adapter)."""
-        adapters = self.core.adapters
-        try:
-            handle, path, nbytes = adapters.get(name), adapters.path(name), adapters.nbytes(name)
-        except UnknownAdapterError:
-            return None
-        page = self.snapshot().resident_pages.get(handle.adapter_id)
-        return AdapterInfo(
-            path=adapters.sources.url_of(path) or str(path),  # an adapter from a source: its URL, not the cache's copy
-            source=handle.source,
-            version=handle.version,
-            pinned=handle.pinned,
-            registered_at=handle.registered_at,
-            state="resident" if page is not None else "registered",
-            table_page=page,
-            bytes=nbytes,
-            device_bytes=handle.device_nbytes,
-        )
+        return self.core.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of a prompt's text (blocking; see EngineCore.encode: errors name ``param``);
         ``add_special_tokens``: BOS first, where the model adds one."""
-        return self.core.encode(text, add_special_tokens, param)
+        return self.admission.encode(text, add_special_tokens, param)
 
     def chat_prompt(
         self,
@@ -384,17 +232,17 @@ class Engine:
         requests: list[EngineRequest] = []
         try:
             for p, sp, a in zip(prompts, plist, alist, strict=True):
-                requests.append(self.core.make_request(f"gen-{next(self._ids)}", p, sp, a, cache_salt))
+                requests.append(self.admission.make_request(f"gen-{next(self._ids)}", p, sp, a, cache_salt))
         except LoraServerError:
             for r in requests:
-                self.core.discard(r)
+                self.admission.discard(r)
             raise
         results = {
             r.request_id: Completion(r.request_id, list(r.prompt_token_ids), "", [], None, None, None) for r in requests
         }
         pending = list(requests)
         while pending or self.has_work():
-            while pending and len(self.core.scheduler.waiting) < self.config.max_waiting_requests:
+            while pending and self.core.num_waiting < self.config.max_waiting_requests:
                 self.add(pending.pop(0))
             for out in self.step():
                 _accumulate(results[out.request_id], out)
@@ -453,7 +301,7 @@ class Engine:
         compiled only by ``attach_grammars``, which must then run before ``submit``. ``arrival_time``: when it
         arrived (time.monotonic; None: now), where its queue time and timings start; ``adapter_wait_s``: how long
         it had waited for its adapter by then (an adapter registered on its first request)."""
-        return self.core.make_request(
+        return self.admission.make_request(
             request_id or f"req-{next(self._ids)}",
             prompt,
             params,
@@ -479,7 +327,7 @@ class Engine:
         ]
         if not pending:
             return attached
-        structured = self.core.structured_outputs()
+        structured = self.admission.structured_outputs()
         matchers = [await structured.matcher_async(constraint) for _, constraint in pending]
         for (i, _), matcher in zip(pending, matchers, strict=True):
             attached[i] = dataclasses.replace(attached[i], grammar=matcher)
@@ -487,7 +335,7 @@ class Engine:
 
     def discard(self, request: EngineRequest) -> None:
         """Let go of a made request that will not be submitted."""
-        self.core.discard(request)
+        self.admission.discard(request)
 
     def submit(self, request: EngineRequest) -> _Stream:
         """Queue a made request (call from a running event loop); returns an async iterator of its
@@ -507,7 +355,7 @@ class Engine:
         stream = _Stream(self, request.request_id, asyncio.get_running_loop())
         self._streams[request.request_id] = stream
         self.start()
-        self._inbox.put(("add", request))
+        self._inbox.put(AddRequest(request))
         self._wake.set()
         return stream
 
@@ -524,7 +372,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort" and its blocks are freed."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
         self._wake.set()
 
     def check_integrity(self, timeout: float = 30.0) -> None:
@@ -533,7 +381,7 @@ class Engine:
             self.core.check_integrity()
             return
         done: Future[None] = Future()
-        self._inbox.put(("call", (self.core.check_integrity, done)))
+        self._inbox.put(CallOnEngineThread(self.core.check_integrity, done))
         self._wake.set()
         done.result(timeout)
 
@@ -543,7 +391,7 @@ class Engine:
         every parallel op of the engine thread on a small CPU."""
         with self._thread_lock:
             if self._thread is None:
-                if self.core.runner.device.type == "cpu":
+                if self.core.on_cpu:
                     release_openmp_workers()
                 self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
                 self._thread.start()
@@ -557,6 +405,12 @@ class Engine:
             self._thread.join()
             self._thread = None
         self._stopping.clear()
+
+    def close(self) -> None:
+        """Stop the engine thread, then the tensor-parallel workers if any (the engine serves no more; its device
+        state is freed with it)."""
+        self.shutdown()
+        self.core.close()
 
     def _loop(self) -> None:
         checked = 0.0
@@ -588,34 +442,35 @@ class Engine:
 
     def _take_snapshot_safely(self) -> EngineSnapshot:
         try:
-            return self._take_snapshot()
+            return self.core.snapshot()
         except Exception:  # noqa: BLE001 (state may be broken: keep the last published one)
             return self._snapshot
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if isinstance(message, AddRequest):
+                request = message.request
                 try:
-                    self.core.add(payload)
+                    self.core.add(request)
                 except (LoraServerError, ValueError) as exc:  # a full queue or a duplicate id: that request alone
-                    self.core.discard(payload)
-                    stream = self._streams.pop(payload.request_id, None)
+                    self.admission.discard(request)
+                    stream = self._streams.pop(request.request_id, None)
                     if stream is not None:
                         stream.push_error(exc)
-            elif kind == "abort":
-                out = self.core.abort(payload)
+            elif isinstance(message, AbortRequest):
+                out = self.core.abort(message.request_id)
                 if out is not None:
                     self._deliver(out)
             else:
-                call, done = payload
                 try:
-                    done.set_result(call())
+                    message.call()
+                    message.done.set_result(None)
                 except Exception as exc:  # noqa: BLE001 (handed to the caller)
-                    done.set_exception(exc)
+                    message.done.set_exception(exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -1,13 +1,19 @@
-"""What the engine reports to other threads, as typed, immutable values: the pool's figures (PoolReport, in every
-EngineSnapshot) and one adapter's registration and residency (AdapterInfo). ``as_json`` gives the JSON the status
+"""What the engine reports to other threads, as typed values: what it serves (ModelInfo), its state as the engine
+thread last published it (EngineSnapshot: queues, residency, the pool's figures as PoolReport, a copy of its
+StepTimes), and one adapter's registration and residency (AdapterInfo). ``as_json`` gives the JSON the status
 page, the admin API and the benchmarks write (names unchanged from the fields)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
 
 from lora_server.json_types import JsonObject
 from lora_server.kv_pool.unified_pool import PoolStats
+from lora_server.model.arch import ModelArch
+from lora_server.model.runner import CopyCosts
 
 BASE_NAME = "<base>"  # the base model's entry among the pool's adapters
 
@@ -107,3 +113,66 @@ class AdapterInfo:
 
     def as_json(self) -> JsonObject:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Where the engine's steps spent their time, summed since start (host clock): scheduling (the scheduler and
+    the pool's policy: admission, eviction, swap decisions), the pool's copy operations (KV swaps and adapter
+    loads: their execution off CUDA, their issue on CUDA) and the forward pass with sampling."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    copy_s: float = 0.0
+    forward_s: float = 0.0
+
+    def add(self, schedule_s: float, copy_s: float) -> None:
+        self.steps += 1
+        self.schedule_s += schedule_s
+        self.copy_s += copy_s
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        """The steps after ``earlier`` (a copy taken before them)."""
+        return StepTimes(
+            self.steps - earlier.steps,
+            self.schedule_s - earlier.schedule_s,
+            self.copy_s - earlier.copy_s,
+            self.forward_s - earlier.forward_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What an engine serves, as plain values (for benchmarks and the start-up summary)."""
+
+    arch: ModelArch
+    format: str  # how the weights were read: "gguf", "hf" or "dummy"
+    path: Path | None  # the checkpoint file or directory (None: dummy weights)
+    adapter_features: dict[str, tuple[int, int]]  # canonical module (q, k, v, o, gate, up, down) -> (in, out)
+    device: torch.device
+    dtype: torch.dtype
+    weight_bytes: int  # resident base weights, quantized as they are held
+    kv_bytes_per_token: int  # K and V of one token in every layer
+    max_model_len: int
+    startup_s: dict[str, float]  # seconds per start-up phase: weights, warm-up (where kernels compile), graphs
+    activation_bytes: int  # device memory of the largest step's activations, measured at warm-up (CUDA; else 0)
+    graph_bytes: int  # the decode graphs' share, estimated at warm-up (CUDA with graphs; else 0)
+    copy_costs: CopyCosts  # the pool's copies as measured at start (their prices in the pool's cost model)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine thread publishes for other threads: plain values, at most ~0.1 s old while it runs."""
+
+    running: int
+    waiting: int
+    decoding: bool  # something runs, nothing waits, and every running request computes one token next step
+    context_tokens: int  # tokens (prompt + output so far) of the running requests
+    num_preemptions: int
+    running_adapters: tuple[str, ...]  # adapter names of running requests (sorted, distinct)
+    waiting_adapters: tuple[str, ...]
+    resident_pages: dict[int, int]  # adapter weights (adapter_id) on the device -> their table page
+    pool: PoolReport
+    step_times: StepTimes  # where the steps spent their time since start (a copy)
+    spec_draft_tokens: int = 0  # speculative draft tokens verified since start
+    spec_accepted_tokens: int = 0  # of them, those accepted

@@ -22,6 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _Backend
 
 from lora_server.engine.spm_vocab import spm_backend
+from lora_server.errors import ModelLoadError
 from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
 
 # What transformers appends to the final message for continue_final_message, to find where it ends once rendered.
@@ -432,3 +433,25 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def open_tokenizer(fmt: str, path: Path | None, chat_template: str | None) -> Tokenizer | None:
+    """The checkpoint's tokenizer, with ``chat_template`` (a file, or the template's text) instead of its own."""
+    tokenizer = None
+    try:
+        if fmt == "gguf" and path is not None:
+            tokenizer = Tokenizer.from_gguf(path)
+        elif fmt == "hf" and path is not None and (path / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_hf_dir(path)
+    except Exception as exc:  # noqa: BLE001 (the tokenizers package raises plain Exception on a bad file)
+        where = path if fmt == "gguf" else path / "tokenizer.json" if path is not None else "the model"
+        raise ModelLoadError(f"{where}: its tokenizer cannot be read: {type(exc).__name__}: {exc}") from exc
+    if chat_template is None:
+        return tokenizer
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer")
+    if "{" in chat_template:  # Jinja markup: the template itself (a file name has none)
+        return tokenizer.with_chat_template(chat_template)
+    if not Path(chat_template).is_file():
+        raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
+    return tokenizer.with_chat_template(Path(chat_template).read_text(encoding="utf-8"))

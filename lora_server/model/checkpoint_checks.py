@@ -17,12 +17,44 @@ import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lora_server.errors import ModelLoadError
 
-if TYPE_CHECKING:
-    from lora_server.model.arch import ModelArch
+
+class ArchSizes(Protocol):
+    """What these checks read of a model.arch.ModelArch (which model.arch builds after these checks have passed:
+    described here, not imported)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def q_size(self) -> int: ...
+    @property
+    def kv_size(self) -> int: ...
+    @property
+    def rotary_width(self) -> int: ...
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]: ...
+    @property
+    def layer_windows(self) -> tuple[int, ...]: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
 
 MAX_SIZE = (1 << 31) - 1  # any width, count or token id: the kernels index rows and tokens with int32
 MAX_LAYERS = 1 << 12  # the deepest published decoders have under 200 layers
@@ -269,7 +301,7 @@ _ROPE_NEEDS = {
 }
 
 
-def check_arch(arch: ModelArch, names: Mapping[str, str]) -> None:
+def check_arch(arch: ArchSizes, names: Mapping[str, str]) -> None:
     """A ModelArch's sizes and their relations as the model relies on them: every size positive and bounded, every
     real finite, key/value heads dividing the query heads, an even rotary width within the head, a window per
     layer, the RoPE scaling's parameters. ``names``: ModelArch field -> the checkpoint's name for it."""
@@ -326,7 +358,7 @@ class TensorShapes:
     """Each canonical tensor's shape (model.checkpoint's names; Phi-3's fused qkv and gate_up before the split) as
     a ModelArch makes it, and the check of a tensor's shape from its file's header against it."""
 
-    def __init__(self, arch: ModelArch, names: Mapping[str, str]) -> None:
+    def __init__(self, arch: ArchSizes, names: Mapping[str, str]) -> None:
         self.arch, self.names = arch, names
         h, q, kv, i, d = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size, arch.head_dim
         qf, kvf, hf, mf = (

@@ -15,7 +15,7 @@ memory, and the fused output is their outputs side by side."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,16 @@ from torch import nn
 from lora_server.kernels import ops
 from lora_server.kernels.gguf_reference import GGUF_BLOCKS, dequantize_gguf
 
-if TYPE_CHECKING:
-    from lora_server.model.quant import QuantLinear
+
+class LinearPart(Protocol):
+    """What StackedLinear asks of a part: any of model.quant's linears or a GGUFBlockLinear."""
+
+    @property
+    def out_features(self) -> int: ...
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class GGUFBlockLinear(nn.Module):
@@ -89,8 +97,8 @@ class StackedLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.bias = None  # the parts add their own
 
-    def linears(self) -> list[QuantLinear]:
-        return [cast("QuantLinear", p) for p in self.parts]
+    def linears(self) -> list[LinearPart]:
+        return [cast(LinearPart, p) for p in self.parts]
 
     @property
     def out_features(self) -> int:

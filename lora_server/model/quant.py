@@ -602,7 +602,7 @@ def cat_linears(parts: list[QuantLinear], dtype: torch.dtype) -> QuantLinear:
         if len(gguf_kinds) == 1 and None not in gguf_kinds:
             blocks = torch.cat([cast(GGUFBlockLinear, p).blocks for p in parts])
             return GGUFBlockLinear(cast(GGUFBlockLinear, parts[0]).kind, blocks, bias)
-        flat = [q for p in parts for q in (p.linears() if isinstance(p, StackedLinear) else [p])]
+        flat = [cast(QuantLinear, q) for p in parts for q in (p.parts if isinstance(p, StackedLinear) else [p])]
         stacked: list[nn.Module] = []  # neighbours of one GGUF type fused (a Q4_K_M layer's q|k): a launch fewer
         for _, run in itertools.groupby(flat, key=lambda p: p.kind if isinstance(p, GGUFBlockLinear) else id(p)):
             same = list(run)

@@ -6,17 +6,16 @@ on CUDA) and samples."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
 from lora_server.adapters.page_layout import PageLayout
-from lora_server.adapters.peft_format import AdapterError, VocabLora
+from lora_server.adapters.peft_format import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import MODULES, max_tiles, tile_map
@@ -24,40 +23,21 @@ from lora_server.kernels.reference import FP8_KV_DTYPE
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
 from lora_server.model.arena import AdapterForm, Arena, adapter_shapes, attach_arena, page_geometry
 from lora_server.model.batch import DraftPosition, ForwardBatch, PromptScoring, ScheduledSequence
-from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.copy_order import CopyOrder, CudaStreams
 from lora_server.model.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
 from lora_server.model.kv_scales import calibrate_kv_scales
 from lora_server.model.llama import LayerKV, LlamaModel, build_llama
 from lora_server.model.lora import BaseRowNorms, LoraBatch, workspace_shape
 from lora_server.model.pinned import pinned_zeros
+from lora_server.model.ranks import Ranks, StagedImage
 from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens, scoring_rows
 from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
 from lora_server.model.warmup import MemoryProfile, WarmupShapes, arena_bytes, measure_peak, warmup_sequences
 from lora_server.model.warmup import plan as warmup_plan
 from lora_server.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from lora_server.distributed.tensor_parallel import TensorParallel
-
 S = TypeVar("S", bound=ScheduledSequence)  # the caller's own request type, handed back in sampling order
 DECODE_BLOCK_T, PREFILL_BLOCK_T = 16, 64  # token rows per LoRA tile: a decode step's few rows per adapter, a chunk's
-
-
-class StagedImage(Protocol):
-    """An adapter ready to be copied into the arena (engine.adapter_loader.StagedAdapter)."""
-
-    @property
-    def layout(self) -> PageLayout: ...
-
-    @property
-    def image(self) -> torch.Tensor: ...  # uint8 [pages, page bytes]
-
-    @property
-    def vocab(self) -> VocabLora | None: ...  # what it changes of the embedding and head
-
-    @property
-    def worker_images(self) -> tuple[torch.Tensor, ...]: ...  # tensor parallelism: the other ranks' shares
 
 
 COPY_PROBE_BYTES = 64 << 20  # measure_copy_costs copies at least this much (beyond the CPU's caches)
@@ -79,11 +59,10 @@ class ModelRunner:
     compiled, on a small arena of its own, and the largest step's memory is measured); the arena, sized from the
     memory really left; the decode CUDA graphs, captured on it."""
 
-    def __init__(
-        self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, tp: TensorParallel | None = None
-    ) -> None:
-        """``tp``: with --tensor-parallel-size above 1, this process's rank 0 (the runner builds rank 0's shard from
-        it and starts the workers once its arena is sized); None: the whole model here."""
+    def __init__(self, config: EngineConfig, ranks: Ranks, max_model_len: int) -> None:
+        """``ranks``: model.ranks.SingleRank (the whole model here), or with --tensor-parallel-size above 1 this
+        process's rank 0 (distributed.tensor_parallel.TensorParallel: the runner builds rank 0's shard from it and
+        starts the workers once its arena is sized)."""
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -96,9 +75,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.startup_s: dict[str, float] = {}
         start = time.perf_counter()
-        self.tp = tp
-        if self.tp is not None:
-            checkpoint = self.tp.checkpoint
+        self.ranks = ranks
+        checkpoint = ranks.checkpoint
         self.arch = checkpoint.arch  # with tensor parallelism, the rank's share of the heads and the MLP
         with torch.no_grad():
             self.model: LlamaModel = build_llama(
@@ -111,12 +89,11 @@ class ModelRunner:
                 config.cpu_head_copy,
                 exact_kv=self.kv_dtype != FP8_KV_DTYPE,
             )
-            if self.tp is not None:
-                self.tp.parallelize(self.model)
+            ranks.parallelize(self.model)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         arch = self.arch
         # what adapters are validated against (the whole model's modules); their pages hold this rank's share
-        self.adapter_shapes = adapter_shapes(arch if self.tp is None else self.tp.shard.arch)
+        self.adapter_shapes = adapter_shapes(ranks.arch)
         self.geometry = page_geometry(arch, self.block_size, self.kv_dtype, self.dtype, config.max_lora_rank)
         # what staging a DoRA adapter reads of the base weights (on the adapter loader's thread)
         self.base_row_norms = BaseRowNorms(self.model.lora_wrappers(), self.dtype, self.device)
@@ -132,6 +109,9 @@ class ModelRunner:
         self.host_kv = pinned_zeros((self.num_host_blocks, self.geometry.page_bytes), torch.uint8, self.device)
         self.copy_order = CopyOrder(CudaStreams(self.device) if cuda else None)
         self.sampler = Sampler(self.arch.vocab_size)
+        # where a list: every prompt-scoring slice's whole log-softmax rows [m, vocab] float32 on the CPU, appended
+        # in order (EngineCore.full_prompt_logprobs)
+        self.kept_scores: list[torch.Tensor] | None = None
         self._init_step(max_model_len)
         self.startup_s["weights"] = time.perf_counter() - start
         self.memory = MemoryProfile(0, 0)
@@ -142,8 +122,7 @@ class ModelRunner:
             self.startup_s["warm-up"] = time.perf_counter() - start
         self.num_blocks = config.num_kv_blocks or max(1, self._arena_bytes() // self.geometry.page_bytes)
         self._use_arena(Arena(self.num_blocks, arch, self.block_size, self.kv_dtype, self.dtype, self.device))
-        if self.tp is not None:
-            self.tp.start(self.num_blocks, self.num_host_blocks, self.block_tables.width, self.max_step_tokens)
+        ranks.start(self.num_blocks, self.num_host_blocks, self.block_tables.width, self.max_step_tokens)
         if self.graph_layout:
             start = time.perf_counter()
             self.graphs = self._capture_decode_graphs()
@@ -261,20 +240,16 @@ class ModelRunner:
     def adapter_form(self) -> AdapterForm:
         """How this runner takes adapters: validated against the whole model, laid out in its pages; with tensor
         parallelism, each rank's share, and the forms it does not serve refused."""
-        if self.tp is None:
-            return AdapterForm(self.adapter_shapes, self.geometry)
-        return AdapterForm(self.adapter_shapes, self.geometry, self.tp.adapter_refusal, self.tp.adapter_shards)
+        return self.ranks.adapter_form(self.adapter_shapes, self.geometry)
 
     def check_ranks(self) -> None:
         """With tensor parallelism, every rank's arena holds the adapters this one holds, in the same pages, and its
         block tables are this one's (AssertionError naming the rank that differs); nothing to check otherwise."""
-        if self.tp is not None:
-            self.tp.check_integrity(self.adapters, self.block_tables.store)
+        self.ranks.check_integrity(self.adapters, self.block_tables.store)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine's device state is otherwise freed with it)."""
-        if self.tp is not None:
-            self.tp.close()
+        self.ranks.close()
 
     def _arena_bytes(self) -> int:
         """The arena's size: on CUDA with --gpu-memory-utilization, what model.warmup.arena_bytes leaves (a
@@ -347,9 +322,8 @@ class ModelRunner:
         forward pass waits for the KV copies on the device, not for adapter loads (the scheduler holds back the
         requests of an adapter until ``adapter_loaded`` says its copy ran); the host never blocks on a copy.
         Returns the seconds spent issuing adapter loads (host clock)."""
-        if self.tp is not None:  # the engine's idle loop comes here too: a dead rank stops it
-            self.tp.check_alive()
-            self.tp.mirror_copy_ops(ops, images)
+        self.ranks.check_alive()  # the engine's idle loop comes here too: a dead rank stops it
+        self.ranks.mirror_copy_ops(ops, images)
         if not ops:
             return 0.0
         order = self.copy_order
@@ -476,8 +450,7 @@ class ModelRunner:
             "scored_rows": (scored_rows, torch.int64),
             "scored_targets": (scored_targets, torch.int64),
         }
-        if self.tp is not None:
-            self.tp.send_step(arrays, max_query_len, padding, plan.width, segments)
+        self.ranks.send_step(arrays, max_query_len, padding, plan.width, segments)
         dev = self.step_inputs.upload(arrays)
         block_tables = self.block_tables.apply(
             plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]
@@ -534,7 +507,7 @@ class ModelRunner:
         work overlaps the device's) and forbids tokens in place. The sample result has one row per verified
         position: 1 + d consecutive rows for a request with d draft tokens (row j sampled as if drafts[:j] were
         accepted; see verify_drafts), one row for the others."""
-        with self.tp.in_step() if self.tp is not None else contextlib.nullcontext():  # the ranks' part of the step
+        with self.ranks.in_step():  # the ranks' part of the step
             batch, sampling = self.prepare(items)
             hidden = None
             if self.graphs is not None and not self._changes_embedding(batch):
@@ -566,9 +539,16 @@ class ModelRunner:
         """Each owner's scored prompt tokens (see execute), its top-k cut from the step's largest k."""
         if scoring is None:
             return {}
-        k = max(owner_k for _, owner_k, _, _ in scoring.owners)
+        k, head, kept = max(owner_k for _, owner_k, _, _ in scoring.owners), self.model.compute_logits, self.kept_scores
+
+        def logits_of(rows: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+            logits = head(rows, segments)  # [m, hidden] -> [m, >= vocab] float32
+            if kept is not None:
+                kept.append(torch.log_softmax(logits[:, : self.arch.vocab_size].float(), dim=-1).cpu())
+            return logits
+
         scores = score_tokens(
-            hidden[scoring.rows], scoring.targets, k, self.model.compute_logits, self.arch.vocab_size, scoring.segments
+            hidden[scoring.rows], scoring.targets, k, logits_of, self.arch.vocab_size, scoring.segments
         )
         by_request, row = {}, 0
         for request_id, owner_k, first, count in scoring.owners:

@@ -34,29 +34,29 @@ class EngineAdapters:
 
     def check_adapter(self, name: str, path: str, pinned: bool) -> CheckedAdapter:
         try:
-            return self.engine.check_adapter(name, path, pinned)
+            return self.engine.adapters.check(name, path, pinned)
         except AdapterError as exc:
             raise ApiError(400, str(exc), param="path") from exc
 
     def check_adapters(self, specs: Sequence[tuple[str, str, bool]]) -> list[CheckedAdapter | ApiError]:
-        """``check_adapter`` of each (name, path, pinned), on several threads (Engine.check_adapters): each one's
+        """``check_adapter`` of each (name, path, pinned), on several threads (Engine.adapters.check_many): each one's
         result in order, an ApiError 400 with the reason for one that cannot be served. Changes nothing."""
-        results = self.engine.check_adapters([AdapterSpec(*spec) for spec in specs])
+        results = self.engine.adapters.check_many([AdapterSpec(*spec) for spec in specs])
         return [ApiError(400, str(r), param="path") if isinstance(r, AdapterError) else r for r in results]
 
     def serve_adapter(self, checked: CheckedAdapter, pinned: bool, version: int) -> dict[str, Any]:
         try:
-            handle = self.engine.install_adapter(checked, pinned, version)
+            handle = self.engine.adapters.install(checked, pinned, version)
         except AdapterError as exc:
             raise ApiError(400, str(exc), param="pinned") from exc
         return {"name": handle.name, "adapter_id": handle.adapter_id, **(self.adapter_info(handle.name) or {})}
 
     def next_version(self, name: str) -> int:
-        return self.engine.next_adapter_version(name)
+        return self.engine.adapters.next_version(name)
 
     def unload_adapter(self, name: str) -> bool:
         try:
-            self.engine.remove_adapter(name)
+            self.engine.adapters.remove(name)
         except UnknownAdapterError:
             return False
         return True
@@ -68,13 +68,13 @@ class EngineAdapters:
         (a valid adapter name: the caller checks). ApiError 400 when the directory exists but cannot be served."""
         roots = self.engine.config.adapter_roots or ()
         with self.lock:
-            if name in self.engine.adapter_names():
+            if name in self.engine.adapters.names():
                 return True
             for root in roots:
                 path = Path(root) / name
                 if (path / "adapter_config.json").is_file():
                     try:
-                        self.engine.add_adapter(name, path, source="on-demand")
+                        self.engine.adapters.add(name, path, source="on-demand")
                     except AdapterError as exc:  # the caller may be anyone: the reason without paths
                         log.info("adapter %s from %s cannot be loaded: %s", name, path, exc)
                         raise ApiError(400, f"adapter `{name}` cannot be loaded: {exc.public}", param="model") from exc
@@ -83,10 +83,10 @@ class EngineAdapters:
         return False
 
     def served_adapters(self) -> list[str]:
-        return self.engine.adapter_names()
+        return self.engine.adapters.names()
 
     def adapter_info(self, name: str) -> dict[str, Any] | None:
-        info = self.engine.adapter_info(name)
+        info = self.engine.adapters.info(name)
         return None if info is None else info.as_json()
 
     def pool_figures(self) -> dict[str, Any]:
@@ -99,7 +99,7 @@ class EngineAdapters:
             "running": snap.running,
             "waiting": snap.waiting,
             "max_loras": self.engine.config.max_loras,
-            "registered_adapters": self.engine.adapter_names(),
+            "registered_adapters": self.engine.adapters.names(),
         }
 
     def check_integrity(self) -> None:

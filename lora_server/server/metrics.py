@@ -273,7 +273,7 @@ class EngineCollector(Collector):
                 self.engine.config.max_loras,
             ),
             "lora_server:adapters_resident": ("Adapters with weights on the GPU.", stats.resident_adapters),
-            "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapter_names())),
+            "lora_server:adapters_registered": ("Adapters registered.", len(self.engine.adapters.names())),
             **{
                 f"lora_server:pool_{name}": (f"Pool figure {name} (see /admin/pool).", getattr(stats, name))
                 for name in POOL_FIGURES

@@ -70,7 +70,7 @@ def add_openai_routes(
                 "parent": None,
                 "max_model_len": engine.max_model_len,
             }
-        info = engine.adapter_info(name)
+        info = engine.adapters.info(name)
         if info is None:
             return None
         return {
@@ -84,7 +84,7 @@ def add_openai_routes(
         }
 
     def models(allowed: tuple[str, ...] | None, show_paths: bool) -> dict[str, Any]:
-        served = engine.adapter_names()
+        served = engine.adapters.names()
         names = served if allowed is None else [a for a in allowed if a in served]
         cards = (model_card(name, show_paths) for name in [model_id, *names])
         return {"object": "list", "data": [card for card in cards if card is not None]}
@@ -110,7 +110,7 @@ def add_openai_routes(
             raise ApiError(
                 403, f"model {model!r} is not available to tenant {tenant.name!r}", "permission_error", param="model"
             )
-        if model in engine.adapter_names():
+        if model in engine.adapters.names():
             return model
         if settings.load_adapters_on_demand:
             checked_name(model, "adapter name", "model")  # the name of a directory under a root: no path in it

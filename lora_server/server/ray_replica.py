@@ -114,7 +114,7 @@ def replica_class(max_adapters: int) -> type:
             request must see (changes made through the ingress so far)."""
             if self.server.registry.revision < revision:  # the live feed has not brought it here yet
                 await asyncio.to_thread(self._catch_up)
-            adapter = model if model and self.engine.adapter_info(model) is not None else ""
+            adapter = model if model and self.engine.adapters.info(model) is not None else ""
             if adapter and serve.get_multiplexed_model_id():  # routed by adapter: Serve's router learns it is here
                 await self.note_adapter(adapter)
             loading = self._arrive(adapter) if adapter else False
@@ -142,7 +142,7 @@ def replica_class(max_adapters: int) -> type:
         def _arrive(self, adapter: str) -> bool:
             """Count an adapter request; True when it found its adapter off the device (it is loading it, or
             waits for an earlier request's load)."""
-            info = self.engine.adapter_info(adapter)
+            info = self.engine.adapters.info(adapter)
             resident = info is not None and info.state == "resident"
             self.counts.adapter_requests += 1
             self.counts.resident_at_arrival += resident

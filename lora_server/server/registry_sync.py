@@ -59,21 +59,21 @@ class RegistrySync:
             records = {r.name: r for r in self.store.list_adapters()}
             stale = [r for r in records.values() if self._stale(r)]
             # the files of all of them read and checked at once, on several threads; then each served
-            checks = self.engine.check_adapters([AdapterSpec(r.name, r.path, r.pinned) for r in stale])
+            checks = self.engine.adapters.check_many([AdapterSpec(r.name, r.path, r.pinned) for r in stale])
             for record, checked in zip(stale, checks, strict=True):
                 if not isinstance(checked, AdapterError):
                     try:
-                        self.engine.install_adapter(
+                        self.engine.adapters.install(
                             checked, record.pinned, record.version, registered_at=record.created_at
                         )
                         continue
                     except AdapterError as exc:  # a pin that does not fit beside those installed before it
                         checked = exc
                 log.warning("registered adapter %s could not be loaded: %s", record.name, checked)
-            for name in self.engine.adapter_names():
-                info = self.engine.adapter_info(name)
+            for name in self.engine.adapters.names():
+                info = self.engine.adapters.info(name)
                 if info is not None and info.source == "api" and name not in records:
-                    self.engine.remove_adapter(name)
+                    self.engine.adapters.remove(name)
             self.revision = revision
         self.tenants_changed()
         return revision
@@ -82,7 +82,7 @@ class RegistrySync:
         """Whether the engine lacks ``record``'s adapter as recorded: absent, an older version, other files or
         another pin. (An engine version above the record's is the same adapter: versions only grow, and a
         demo adapter of the same name takes the next one when the record is loaded over it.)"""
-        info = self.engine.adapter_info(record.name)
+        info = self.engine.adapters.info(record.name)
         return info is None or info.version < record.version or info.path != record.path or info.pinned != record.pinned
 
     def start(self) -> None:

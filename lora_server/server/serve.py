@@ -118,11 +118,11 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
             raise AdapterError(
                 f"--adapter {name}: no shipped demo adapter of that name ({', '.join(demos)}); use NAME=PATH"
             )
-        engine.add_adapter(name, path or demos[name], source="command line" if path else "demo")
+        engine.adapters.add(name, path or demos[name], source="command line" if path else "demo")
         preloaded.append(name)
     preloaded += add_adapter_dirs(engine, config.adapter_dirs or ())
     # the adapters given at start wait in host memory: their first requests read no disk
-    engine.stage_adapters(preloaded)
+    engine.adapters.stage(preloaded)
     base_id = config.served_model_name or model_id(config.engine)
     app = build_app(engine, store, config, base_id, admin_key)
     registry = RegistrySync(store, engine, app.state.control.lock, app.state.tenants.changed)
@@ -133,7 +133,7 @@ def build(config: ServerConfig, admin_key: str, key_source: str) -> Built:
 
 
 def add_adapter_dirs(engine: Engine, dirs: Sequence[str]) -> list[str]:
-    """Register every subdirectory of ``dirs`` as an adapter named after it (Engine.add_adapters: read on several
+    """Register every subdirectory of ``dirs`` as an adapter named after it (Engine.adapters.add_many: read on several
     threads), in name order; one that cannot be served, or whose name the admin API would refuse, is logged and
     skipped. Returns the names registered. AdapterError for a folder that is not one."""
     specs: list[AdapterSpec] = []
@@ -148,7 +148,7 @@ def add_adapter_dirs(engine: Engine, dirs: Sequence[str]) -> list[str]:
                 continue
             specs.append(AdapterSpec(path.name, path))
     started = time.monotonic()
-    results = engine.add_adapters(specs, source="adapter dir")
+    results = engine.adapters.add_many(specs, source="adapter dir")
     refused = [(spec, r) for spec, r in zip(specs, results, strict=True) if isinstance(r, AdapterError)]
     for spec, error in refused:
         log.warning("adapter %s from %s not served: %s", spec.name, spec.path, error)
@@ -175,7 +175,7 @@ def summary(config: ServerConfig, engine: Engine, base_id: str, store: StoreStat
     info, pool = engine.describe(), engine.snapshot().pool
     a = info.arch
     blocks, block_size, memory = pool.gpu_blocks, pool.block_size, pool.device_memory
-    adapters = [(n, engine.adapter_info(n)) for n in engine.adapter_names()]
+    adapters = [(n, engine.adapters.info(n)) for n in engine.adapters.names()]
     by_source: dict[str, list[str]] = {}
     for name, adapter in adapters:
         if adapter is not None:
