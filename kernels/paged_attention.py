@@ -153,7 +153,7 @@ def _paged_attention_kernel(
 def default_tiles(query_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) for a step whose longest query holds ``query_rows`` (query, head) rows: 16
     rows when they fit, else 64; 64 keys a step and 4 warps, except where that spills (compiled for sm_90a and
-    sm_80, tests/test_warmup.py): 32 keys for head_dim >= 128 at 64 rows (64 spilled 72 bytes on sm_80), 16 for
+    sm_80, tests/engine/test_warmup.py): 32 keys for head_dim >= 128 at 64 rows (64 spilled 72 bytes on sm_80), 16 for
     head_dim >= 256 (32 spilled 88 bytes on sm_80 with soft-capping), and in fp32 (the IEEE dot holds the tile in
     registers) 32 keys with 8 warps at 64 rows (else 35 KB spilled)."""
     block_m = 16 if query_rows <= 16 else 64

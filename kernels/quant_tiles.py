@@ -6,7 +6,7 @@ Pure Python (no triton import): kernels.ops and the model's module swap read it 
 Where the numbers come from. Nothing here was timed on a GPU (none was available while writing it); they started
 from the configurations public Hopper-tuned code uses for the same regime (M small, K and N in the thousands, weights
 dequantized in registers), then were changed where compiling them for sm_90a and sm_80 showed register spills
-(tests/test_warmup.py compiles every variant the engine reaches; see DECODE_TILES and FP32_TILES):
+(tests/engine/test_warmup.py compiles every variant the engine reaches; see DECODE_TILES and FP32_TILES):
 - decode buckets M <= 16 / 32 / 64: BLOCK_M equal to the bucket (16 is tl.dot's minimum), BLOCK_N 64, BLOCK_K 128,
   4 warps, 3-4 stages: the core of gemlite's split-K GEMM autotune space for batch 1-64 (BLOCK_M 16-64, BLOCK_N
   32-512, BLOCK_K 32-512, split-K 1-16, 4-8 warps, stages 2-5) and the shape of vLLM's triton_scaled_mm heuristic
@@ -50,11 +50,11 @@ class Tiles:
 
 
 # (largest M of the bucket, block_m, block_n, block_k, num_warps, num_stages), ascending; the last row has no bound.
-# 16-bit activations. Compiled for sm_90a and sm_80 (tests/test_warmup.py), none of these spills: the configurations
-# first taken from public code (64 x 128 with 4 warps for M <= 128, 128 x 128 x 64 beyond, 4 stages for M <= 32)
-# spilled (int8 64 x 128 x 128: 255 registers, 272 bytes spilled on sm_80; int4 128 x 128: 144 bytes on sm_80;
-# int4 32 x 64 with 4 stages: 12 bytes on sm_90a; int4 128 x 64 in 128-column packs: 52 bytes on sm_80), so M <= 128
-# takes 8 warps, M > 128 a 64 x 128 x 64 tile with 8 warps, and M <= 32 three stages.
+# 16-bit activations. Compiled for sm_90a and sm_80 (tests/engine/test_warmup.py), none of these spills: the
+# configurations first taken from public code (64 x 128 with 4 warps for M <= 128, 128 x 128 x 64 beyond, 4 stages
+# for M <= 32) spilled (int8 64 x 128 x 128: 255 registers, 272 bytes spilled on sm_80; int4 128 x 128: 144 bytes on
+# sm_80; int4 32 x 64 with 4 stages: 12 bytes on sm_90a; int4 128 x 64 in 128-column packs: 52 bytes on sm_80), so
+# M <= 128 takes 8 warps, M > 128 a 64 x 128 x 64 tile with 8 warps, and M <= 32 three stages.
 DECODE_TILES: tuple[tuple[int | None, int, int, int, int, int], ...] = (
     (16, 16, 64, 128, 4, 4),
     (32, 32, 64, 128, 4, 3),

@@ -56,9 +56,9 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int) -> floa
 
 
 def gpu_test_files(tests: Path) -> list[Path]:
-    """The test modules of ``tests`` that mark any test ``gpu``: the others need the server's packages (FastAPI,
-    uvicorn), which a bare GPU machine may lack."""
-    return sorted(p for p in tests.glob("test_*.py") if "pytest.mark.gpu" in p.read_text())
+    """The test modules under ``tests`` (its sub-folders included) that mark any test ``gpu``: the others need the
+    server's packages (FastAPI, uvicorn), which a bare GPU machine may lack."""
+    return sorted(p for p in tests.rglob("test_*.py") if "pytest.mark.gpu" in p.read_text())
 
 
 def run_gpu_tests(out: Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ grammar compiler all recurse through a schema, and one nested deeper than Python
 be a RecursionError (a 500 and a page of traceback per request) rather than a 400.
 
 xgrammar (0.2.8, strict mode) turns a schema into a grammar, but some keywords it reads without enforcing: the
-output would then not validate. Measured (tests/test_grammar_limits.py holds each case): ``allOf`` is ignored
+output would then not validate. Measured (tests/engine/test_grammar_limits.py holds each case): ``allOf`` is ignored
 (any JSON passes), ``oneOf`` is read as ``anyOf`` (a value matching two branches passes), ``dependentRequired``,
 ``dependentSchemas`` and ``dependencies`` are ignored, keywords beside a ``$ref`` are ignored, a ``required``
 name that ``properties`` lacks is never written, ``patternProperties`` is never written (strict mode writes no

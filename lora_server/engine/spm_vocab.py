@@ -1,6 +1,6 @@
 """SentencePiece vocabularies of GGUF files (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral, Gemma, Phi-3) as a
 ``tokenizers`` BPE with byte fallback, built the way transformers builds them from the same metadata
-(``transformers.integrations.gguf.gguf_tokenizer_mapping``; ``tests/test_spm_vocab.py`` checks against it).
+(``transformers.integrations.gguf.gguf_tokenizer_mapping``; ``tests/engine/test_spm_vocab.py`` checks against it).
 
 A GGUF SentencePiece vocabulary is pieces (a space spelled ``▁``, a byte ``<0xAB>``) with scores and no merges. Its
 merges are recovered from the vocabulary: every split of a piece into two pieces that are both in the vocabulary is a

@@ -20,7 +20,7 @@ Everything else that changes from step to step is a runtime value that Triton do
 ``do_not_specialize``: token counts, split counts, block-table widths, table rows) or is aligned the same way
 every step (the step's integer arrays start at 16-byte boundaries: model.step_inputs). So one step per bucket of T
 with and without adapters, decode steps with and without split keys, and a short and a long query cover every
-variant; tests/test_warmup.py checks it on the meta stand-in for CUDA against a random workload."""
+variant; tests/engine/test_warmup.py checks it on the meta stand-in for CUDA against a random workload."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every field of OpenAI's and vLLM's chat and completions requests, and what this server does with it: the table
-behind docs/http-api.md's "Request fields" (tests/test_request_fields.py keeps the two equal and sends every
+behind docs/http-api.md's "Request fields" (tests/server/test_request_fields.py keeps the two equal and sends every
 row) and the refusals ``parse_body`` makes before a body is validated.
 
 - honoured: the request gets what the field asks for;
