@@ -68,7 +68,7 @@ def test_an_adapter_takes_the_pages_of_its_ranks(fillers, tmp_path):
     engine.generate([prompt, prompt], GREEDY, adapters=["f", "big"])
     placement = {p.key.adapter_id: p for p in engine.core.pool.adapter_placement()}
     assert placement[small.adapter_id].weight_blocks == 3 and placement[big.adapter_id].weight_blocks == 6
-    stats = engine.core.pool.stats()
+    stats = engine.pool_report().stats
     assert stats.gpu_free + stats.gpu_cached + stats.gpu_in_use == 24 and stats.gpu_cached >= 9
     engine.check_integrity()
 

@@ -211,7 +211,7 @@ def test_tensor_parallel_mixed_batch_and_prompt_logprobs_match_peft(request, set
         _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
         prompt = _prompts()[3]
         for form in ("embed", "head", "tokens"):
-            scores = engine.core.full_prompt_logprobs(f"score-{form}", prompt, form)
+            scores = engine.full_prompt_logprobs(prompt, form)
             assert (scores - _log_softmax(_reference(model, adapters[form]), prompt)[:-1]).abs().max() <= LOGPROB_TOL
         engine.check_integrity()
     finally:
@@ -223,7 +223,7 @@ def test_prompt_logprobs_match_peft(tied_setup, form):
     """The scoring path's head: every prompt token's logprob under the adapter, as PEFT's."""
     _, model, adapters, engine = tied_setup
     prompt = _prompts()[3]
-    scores = engine.core.full_prompt_logprobs(f"score-{form}", prompt, form)
+    scores = engine.full_prompt_logprobs(prompt, form)
     ref = _log_softmax(_reference(model, adapters[form]), prompt)[:-1]
     assert (scores - ref).abs().max() <= LOGPROB_TOL
 

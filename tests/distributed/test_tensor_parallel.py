@@ -239,7 +239,7 @@ def test_dora_adapters_are_refused(tiny, tmp_path):
     try:
         with pytest.raises(AdapterError, match="DoRA adapters are not served with --tensor-parallel-size 2"):
             engine.adapters.add("dora", tmp_path / "dora")
-        assert engine.core.adapters.names() == []
+        assert engine.adapters.names() == []
     finally:
         engine.close()
 

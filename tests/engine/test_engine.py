@@ -61,7 +61,7 @@ def test_same_tokens_under_preemption(prompts, alone):
     # 12 blocks of 16 tokens cannot hold five ~60-token sequences at once: requests get preempted and recomputed
     engine = _engine(num_kv_blocks=12, block_size=16)
     outs = engine.generate(prompts, GREEDY)
-    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.snapshot().num_preemptions > 0
     assert [c.token_ids for c in outs] == alone
     engine.check_integrity()
     assert engine.pool_report().request_blocks == 0  # no request holds a block

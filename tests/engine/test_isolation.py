@@ -81,7 +81,7 @@ def _inject(monkeypatch, engine, prompts, site: str, exc: Exception) -> None:
 def _assert_clean(engine) -> None:
     engine.check_integrity()
     assert engine.pool_report().request_blocks == 0  # no request holds a block
-    assert not engine.core.scheduler.has_work()
+    assert not engine.has_work()
 
 
 @pytest.mark.parametrize("site", ["forward", pytest.param("sampling", marks=pytest.mark.slow), "detokenizing"])

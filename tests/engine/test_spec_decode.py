@@ -280,7 +280,7 @@ def test_mixed_batch_matches_no_speculation(plain, spec, copy_prompt):
     chat = plain.chat_prompt([{"role": "user", "content": CHAT_PROMPTS[1]}])
     reference = plain.generate([copy_prompt], SamplingParams(max_tokens=24, temperature=0))[0]
     stop_token = reference.token_ids[14]  # a token the copy reaches mid-way (its first occurrence ends the run)
-    stop_text = plain.core.tokenizer.decode(reference.token_ids[8:10])
+    stop_text = plain.tokenizer.decode(reference.token_ids[8:10])
     # a stop id just after the stop string: when one step keeps both, the string (earlier) must end the request
     after = next(t for t in reference.token_ids[10:] if t not in reference.token_ids[:10])
     prompts = [copy_prompt, copy_prompt, chat, copy_prompt, copy_prompt]

@@ -62,7 +62,7 @@ def test_kv_cache_dtype_flag_and_validation():
 def test_blocks_in_the_same_budget(engine_fp32, engine_fp8):
     """256 MiB of device budget: 364 fp32 blocks of 737280 bytes, 1456 = 4 x 364 fp8 blocks of 184320; the host
     tier's 64 MiB: 364 fp8 blocks. (A bf16 model's blocks would halve: 368640 -> 184320.)"""
-    arch = engine_fp8.core.arch
+    arch = engine_fp8.describe().arch
     assert page_bytes(arch, 16, torch.float32) == FP32_BLOCK_BYTES
     assert page_bytes(arch, 16, torch.bfloat16) == 2 * FP8_BLOCK_BYTES
     assert page_bytes(arch, 16, torch.float8_e4m3fn) == FP8_BLOCK_BYTES

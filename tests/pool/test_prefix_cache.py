@@ -107,7 +107,7 @@ def test_invalid_kv_after_adapter_churn(policy, invalid, resident):
     for name in ("upper", "pirate", "emoji"):
         _cached(engine, prompt, name)
     engine.check_integrity()
-    stats = engine.core.pool.stats()
+    stats = engine.pool_report().stats
     assert stats.invalid_kv_ratio == pytest.approx(invalid)
     assert stats.resident_adapters == resident
     if policy == "tree-cost":  # KV went to the host tier, and comes back as a hit
