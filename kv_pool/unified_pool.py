@@ -254,7 +254,8 @@ class UnifiedPool:
             node.staged = staged
 
     def set_pinned(self, adapter: AdapterKey, pinned: bool) -> None:
-        """Pin an adapter (kept on the GPU once loaded; the caller checked can_pin) or unpin it."""
+        """Pin an adapter (kept on the GPU once loaded) or unpin it. The registry refused a pin beyond
+        max_pinned_blocks when it was asked for (PoolConfig.pin_refusal): this only mirrors its decision."""
         node = self.tree.adapter(adapter)
         if node is not None:
             node.pinned = pinned
