@@ -138,3 +138,13 @@ def peft_log_softmax(peft_model, adapter: str | None, ids: list[int]) -> torch.T
             peft_model.set_adapter(adapter)
             logits = peft_model(input_ids=torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def pool_counters(engine) -> dict[str, int]:
+    """The pool's copy and eviction counts from its public report (Engine.pool_report): blocks evicted by kind
+    (kv_swap_out, kv_drop, kv_drop_host, adapter_unload, adapter_drop), KV blocks swapped back in, and the adapter
+    bytes copied to the device; read offline (the engine thread not running: the report is then the pool's now)."""
+    report = engine.pool_report()
+    stats = report.stats
+    swapped_in = (stats.bytes_to_gpu - stats.adapter_bytes_to_gpu) // report.block_bytes
+    return {**stats.evicted_blocks, "kv_swap_in": swapped_in, "adapter_bytes_h2d": stats.adapter_bytes_to_gpu}

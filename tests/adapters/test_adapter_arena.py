@@ -21,7 +21,7 @@ from lora_server.engine import Engine
 from lora_server.instrument.stream_recorder import record_copy_order
 from lora_server.sampling_params import SamplingParams
 from tests.adapters.test_lora_vs_peft import _peft_greedy
-from tests.conftest import ADAPTERS, CHAT_PROMPTS
+from tests.conftest import ADAPTERS, CHAT_PROMPTS, pool_counters
 from tests.servers import write_adapter
 
 PAGE_BYTES = 30 * 2 * 16 * 192 * 4
@@ -103,12 +103,12 @@ def test_churn_through_a_small_arena_matches_peft(peft_dirs, peft_model, fillers
                         expected[key] = _peft_greedy(peft_model, adapter, prompts[p], 5)
                     assert out.token_ids == expected[key], (round_, adapter)
             engine.check_integrity()
-    counters = engine.core.pool.tree.counters
+    counters = pool_counters(engine)
     assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
     assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)  # KV to the host and back
     assert len(rec.accesses_of("adapter load")) > len(ADAPTERS) + 4
     assert not rec.conflicts, [str(c) for c in rec.conflicts[:5]]
-    assert len(engine.core.loader.staged_ids()) <= 4 + 0  # the host kept at most max_cpu_loras staged
+    assert engine.pool_report().device_memory.staged_adapters <= 4 + 0  # the host kept at most max_cpu_loras staged
 
 
 @pytest.mark.slow

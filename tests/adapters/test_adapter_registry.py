@@ -12,6 +12,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import UnknownAdapterError
 from lora_server.sampling_params import SamplingParams
+from tests.conftest import pool_counters
 from tests.servers import write_adapter
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -49,7 +50,7 @@ def test_pinned_adapter_loads_first_and_stays_while_others_churn(engine, paths):
         engine.generate([prompt], GREEDY, adapters=name)
         assert {"pin", name} <= _resident(engine)
         engine.check_integrity()
-    assert engine.core.pool.tree.counters["adapter_unload"] > 0
+    assert pool_counters(engine)["adapter_unload"] > 0
     assert engine.adapters.info("pin").pinned is True and engine.adapters.info("pin").table_page >= 0
 
 

@@ -10,7 +10,7 @@ import torch
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import ADAPTERS, CHAT_PROMPTS, peft_log_softmax
+from tests.conftest import ADAPTERS, CHAT_PROMPTS, peft_log_softmax, pool_counters
 
 LOGPROB_TOL = 2e-3
 NEW_TOKENS = 12
@@ -86,5 +86,5 @@ def test_multi_turn_prefix_hits_and_swaps_match_peft(peft_dirs, peft_model):
             chat.append({"role": "assistant", "content": out.text})
         engine.generate([list(range(100, 100 + 30 * 16))], SamplingParams(max_tokens=1))  # the filler: 31 blocks
         engine.check_integrity()
-    counters = engine.core.pool.tree.counters
+    counters = pool_counters(engine)
     assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)

@@ -44,7 +44,7 @@ from lora_server.sampling_params import SamplingParams
 from tests.adapters import test_adapter_keys
 from tests.adapters.test_adapter_keys import TINY
 from tests.adapters.test_lora_vs_peft import _peft_greedy
-from tests.conftest import ADAPTERS
+from tests.conftest import ADAPTERS, pool_counters
 from tests.engine.test_prompt_logprobs import _check
 from tests.model import test_architectures
 from tests.model.test_model_vs_hf import _compare, _hf_logprobs
@@ -220,7 +220,7 @@ def test_tp2_mixed_adapters_under_churn_match_tp1_and_peft(tiny, tiny_peft):
             handles = [engine.adapters.add(name, root / name) for name in TINY_ADAPTERS]
             for plan, want in zip(plans, expected, strict=True):
                 assert _drive(engine, plan, params) == want
-            counters = engine.core.pool.tree.counters
+            counters = pool_counters(engine)
             print(tp, dict(counters), [h.device_nbytes for h in handles])
             assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
             assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
@@ -406,7 +406,7 @@ def test_kv_swapped_to_the_host_tier_and_back(tiny):
         batch = prompts([96] * 4)
         for prompt in batch + batch[:2]:
             assert engine.generate([prompt], GREEDY)[0].token_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
-        counters = engine.core.pool.tree.counters
+        counters = pool_counters(engine)
         assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)
     finally:
         engine.close()
@@ -467,7 +467,7 @@ def test_embedded_model_tp3_mixed_adapters_under_churn(engine_fp32, peft_dirs, p
             plan = [(names[(i + round_) % len(names)], batch[i % 3]) for i in range(len(names))]
             expected = [_peft_greedy(peft_model, adapter, p, params.max_tokens) for adapter, p in plan]
             assert _drive(engine, plan, params) == expected, round_
-        counters = engine.core.pool.tree.counters
+        counters = pool_counters(engine)
         assert counters["adapter_unload"] > 0, dict(counters)  # adapters left the device for others
         assert counters["adapter_bytes_h2d"] > sum(h.device_nbytes for h in handles)  # and came back
     finally:

@@ -22,7 +22,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.outputs import Completion
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import ADAPTERS, CHAT_PROMPTS, peft_log_softmax
+from tests.conftest import ADAPTERS, CHAT_PROMPTS, peft_log_softmax, pool_counters
 from tests.model.test_model_vs_hf import LOGPROB_TOL, _hf_greedy, _hf_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -158,5 +158,5 @@ def test_cuda_swaps_keep_kv_exact(hf_smollm2):
             chat.append({"role": "assistant", "content": out.text})
         engine.generate([list(range(100, 100 + 40 * 16))], SamplingParams(max_tokens=1))  # the filler: 41 blocks
         engine.check_integrity()
-    counters = engine.core.pool.tree.counters
+    counters = pool_counters(engine)
     assert counters["kv_swap_out"] > 0 and counters["kv_swap_in"] > 0, dict(counters)

@@ -56,8 +56,8 @@ def test_the_loader_thread_ends_when_idle(tmp_path):
             break
         deadline.wait(0.1)
     assert not any(t.name == "adapter-loader" for t in threading.enumerate())
-    assert engine.core.loader.num_staged == 1
+    assert engine.pool_report().device_memory.adapter_stagings == 1
     engine.adapters.add("b", write_adapter(tmp_path / "b", seed=6, r=8))
     engine.adapters.stage(["b"], timeout_s=30)  # a new thread stages the next one
-    assert engine.core.loader.num_staged == 2
+    assert engine.pool_report().device_memory.adapter_stagings == 2
     engine.shutdown()
