@@ -47,6 +47,7 @@ from lora_server.errors import (
 )
 from lora_server.kv_pool import UnifiedPool
 from lora_server.kv_pool.tree import OpKind
+from lora_server.model.llama import LlamaModel
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.quant import resident_bytes
 from lora_server.model.ranks import Ranks, SingleRank
@@ -405,6 +406,10 @@ class EngineCore:
             runner.memory.graphs,
             self.copy_costs,
         )
+
+    @property
+    def model(self) -> LlamaModel:
+        return self.runner.model
 
     @property
     def vocab_size(self) -> int:

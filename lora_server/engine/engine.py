@@ -34,6 +34,7 @@ from lora_server.errors import (
     QueueFullError,
 )
 from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
+from lora_server.model.llama import LlamaModel
 from lora_server.sampling_params import SamplingParams
 from lora_server.tools.prompt import render_tools_in_messages
 
@@ -125,6 +126,12 @@ class Engine:
         """With tensor parallelism, rank 0's count of its collectives (calls and bytes by kind since its last
         ``reset``); None on one rank (engine thread or offline)."""
         return self.core.collectives()
+
+    @property
+    def model(self) -> LlamaModel:
+        """The resident model as loaded (its layers, quantized as they are held), for inspection: the engine thread
+        runs it; nothing outside may call or change it."""
+        return self.core.model
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -167,7 +167,7 @@ def test_awq_checkpoint_at_tp2_matches_hf_and_act_order_gptq_is_refused(tmp_path
     config = dict(block_size=16, num_kv_blocks=64, host_kv_bytes=0, show_progress=False, tensor_parallel_size=2)
     engine = Engine(EngineConfig(model=str(tmp_path / "awq"), **config))
     try:
-        assert "Int4" in repr(engine.core.runner.model.layers[0].mlp.down_proj.base)  # its codes, not re-quantized
+        assert "Int4" in repr(engine.model.layers[0].mlp.down_proj.base)  # its codes, not re-quantized
         _close_to_hf(engine, hf, 0.3)
     finally:
         engine.close()

@@ -239,10 +239,10 @@ def test_quantized_modes_agree_and_shrink(engine_fp32, prompts):
     """Greedy agreement of int8 / int4 / the GGUF's own blocks with fp32 (bounds in QUANT_BOUNDS), divergences only
     where fp32 was nearly undecided, and the decoder's resident weight bytes (int8 one byte a weight, int4 half)."""
     ref = engine_fp32.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5))
-    sizes = {"none": resident_bytes(engine_fp32.core.runner.model.layers)}
+    sizes = {"none": resident_bytes(engine_fp32.model.layers)}
     for mode, (min_agree, max_rank, max_behind) in QUANT_BOUNDS.items():
         engine = _engine(quantization=mode)
-        model = engine.core.runner.model
+        model = engine.model
         sizes[mode] = resident_bytes(model.layers)  # the decoder's linears (int4 holds the embedding in int8)
         outs = [c.token_ids for c in engine.generate(prompts, GREEDY)]
         same = 0
@@ -266,13 +266,13 @@ def test_cpu_head_copy(engine_fp32):
     GGUF's Q8_0 embedding: 49152 x 576 x 4 bytes, beside the Q8_0 scales in float32 that the C kernel reads with
     the embedding's own int8 weight: 49152 x 18 x 4) unless --no-cpu-head-copy; a float32 model needs none. The
     copy gives the same greedy tokens as the embedding it copies."""
-    assert engine_fp32.core.runner.model.lm_head is None
+    assert engine_fp32.model.lm_head is None
     with_copy, without = _engine(quantization="auto"), _engine(quantization="auto", cpu_head_copy=False)
-    head = with_copy.core.runner.model.lm_head
-    assert without.core.runner.model.lm_head is None
+    head = with_copy.model.lm_head
+    assert without.model.lm_head is None
     dense = head.dense if isinstance(head, Int8CpuHead) else head
     assert isinstance(dense, DenseLinear)
-    extra = resident_bytes(with_copy.core.runner.model) - resident_bytes(without.core.runner.model)
+    extra = resident_bytes(with_copy.model) - resident_bytes(without.model)
     assert extra == 49152 * 576 * 4 + (49152 * 18 * 4 if isinstance(head, Int8CpuHead) else 0)
     prompt = [with_copy.chat_prompt([{"role": "user", "content": "Name a color."}])]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

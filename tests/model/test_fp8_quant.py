@@ -198,7 +198,7 @@ def test_fp8_engine_agrees_with_fp32(engine_fp32):
     prompts = [engine_fp32.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:5]]
     ref_out = engine_fp32.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5))
     engine = Engine(EngineConfig(quantization="fp8", kv_cache_bytes=64 << 20, show_progress=False))
-    model = engine.core.runner.model
+    model = engine.model
     assert isinstance(model.layers[0].mlp.down_proj.base, Fp8Linear) and not isinstance(model.embed, Fp8Linear)
     outs = [
         c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

@@ -535,7 +535,7 @@ def test_k_quant_file_keeps_its_blocks_and_gives_the_dequantized_logits(tmp_path
         return Engine(EngineConfig(model=str(path), quantization=quantization, num_kv_blocks=64, show_progress=False))
 
     kept = engine(quant, "auto")
-    model = kept.core.runner.model
+    model = kept.model
     assert isinstance(model.embed, GGUFBlockLinear) and model.embed.kind == "Q6_K"
     qkv = [layer.attn.qkv_proj.base for layer in model.layers]
     assert isinstance(qkv[0], GGUFBlockLinear) and isinstance(qkv[1], StackedLinear)
@@ -652,7 +652,7 @@ def test_smollm2_as_q4_k_m(tmp_path, smollm2_path):
         return Engine(EngineConfig(model=path, quantization=quantization, kv_cache_bytes=32 << 20, show_progress=False))
 
     kept = engine("auto")
-    bpw, held = linear_bits_per_weight(kept.core.runner.model)
+    bpw, held = linear_bits_per_weight(kept.model)
     assert set(held) == {"Q4_K", "Q6_K", "Q5_0", "Int8Linear"}, held
     assert sum(held.values()) == file_weights and bpw == pytest.approx(file_bits / file_weights)
     assert bpw == pytest.approx(6.1587, abs=1e-4)

@@ -123,7 +123,7 @@ def test_awq_gptq_checkpoints_match_hf_on_their_dequantized_weights(tmp_path, fm
     # kept resident (auto): 4-bit codes with their scales, act-order's input gather; on the CPU the int4 matmul
     # takes bfloat16 inputs, so the log-probabilities agree to that precision
     engine = _engine(tmp_path / "model")
-    layer = engine.core.runner.model.layers[0]
+    layer = engine.model.layers[0]
     kept = repr(layer.attn.qkv_proj.base) + repr(layer.mlp.down_proj.base)
     assert "Int4" in kept and ("PermutedInput" in kept) == (fmt == "gptq"), kept
     assert "Int8" not in repr(layer.attn.qkv_proj.base)  # q|k|v fused as they are, not re-quantized
@@ -208,7 +208,7 @@ def test_fp8_compressed_tensors_checkpoint_loads_its_scales(tmp_path):
     reference = _plain_copy(hf)
     _compare(_engine(tmp_path / "model", quantization="none"), reference, _prompts())
     engine = _engine(tmp_path / "model")
-    assert "Fp8Linear" in repr(engine.core.runner.model.layers[0].attn.qkv_proj.base)
+    assert "Fp8Linear" in repr(engine.model.layers[0].attn.qkv_proj.base)
     _close_to_hf(engine, hf, 0.02)  # the package's model: it quantizes the activations per token too
 
 
@@ -264,8 +264,8 @@ def test_w8a8_int8_checkpoint_quantizes_its_activations(tmp_path, tied):
     reference = _plain_copy(hf)
     _compare(_engine(tmp_path / "model", quantization="none"), reference, _prompts())
     engine = _engine(tmp_path / "model")
-    assert "Int8TokenInput" in repr(engine.core.runner.model.layers[0].attn.qkv_proj.base)
-    assert engine.core.runner.model.layers[0].attn.cpu_kernels is None  # quantized codes: the twins' sums (quant.py)
+    assert "Int8TokenInput" in repr(engine.model.layers[0].attn.qkv_proj.base)
+    assert engine.model.layers[0].attn.cpu_kernels is None  # quantized codes: the twins' sums (quant.py)
     _close_to_hf(engine, hf, LOGPROB_TOL)  # the package's model, activations quantized per token
     with pytest.raises(AssertionError):
         _close_to_hf(engine, reference, LOGPROB_TOL)  # weight-only is measurably another function
