@@ -20,8 +20,8 @@ requests first, then pinned adapters.
 
 Workers live only while there is work, and run their torch ops on their own thread (engine.openmp.run_ops_alone):
 a thread that stays alive after running a parallel region keeps an OpenMP team, and on a small CPU a second team
-makes every parallel op of the engine's thread several times slower (measured on 2 cores: a LoRA segment pass of 6
-adapters 0.18 -> 1.5 ms, the engine's batch-24 throughput with adapters down by half)."""
+makes every parallel op of the engine's thread several times slower (docs/benchmarks.md, "OpenMP teams on a small
+CPU")."""
 
 from __future__ import annotations
 

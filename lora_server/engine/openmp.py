@@ -2,9 +2,8 @@
 
 torch's CPU ops run their parallel regions on OpenMP (libgomp), which keeps a team of worker threads for each
 thread that ran one, for as long as that thread lives. When two threads hold teams, the workers outnumber small
-CPUs and libgomp stops spinning between regions: every parallel op of either thread then pays a sleep and a wake.
-Measured on 2 cores: a LoRA segment pass of 6 adapters (a few dozen small matmuls) took 0.18 ms alone and 1.4 ms
-in a thread started after the main thread had run one parallel op. The engine's step runs on one thread; a thread
+CPUs and libgomp stops spinning between regions: every parallel op of either thread then pays a sleep and a wake
+(docs/benchmarks.md, "OpenMP teams on a small CPU"). The engine's step runs on one thread; a thread
 that ran torch ops before it and stays alive (the one that built the engine, then serves HTTP) gives its workers
 back with ``release_openmp_workers``."""
 

@@ -172,10 +172,8 @@ class Fp8Linear(nn.Module):
 
 
 # From this many rows (prefill) Int4CpuLinear dequantizes its weight (to cpu_prefill_dtype) and multiplies with
-# torch's dense matmul. Measured on the 2-core machine (AVX512-BF16), 2 threads, best of 20, kernel vs bfloat16
-# dequantize + matmul: gate|up 3072 x 576 at 24 rows 0.51 vs 1.19 ms, 48 rows 1.02 vs 1.67, 64 rows 1.58 vs 1.74,
-# 96 rows 2.02 vs 1.97; down 576 x 1536 at 96 rows 1.01 vs 1.02; at 384 rows gate|up 8.2 vs 4.6 ms. In float32
-# the dequantized path is slower than the kernel up to 384 rows (9.2 ms there) but keeps the prefill in float32.
+# torch's dense matmul, where that is as fast as torch's int4 kernel (docs/benchmarks.md, "The CPU prefill's int4
+# crossover").
 CPU_DEQUANT_MIN_ROWS = 96
 # Up to this many rows (a decode step's sequences) the CPU linears take kernels.cpu_decode's kernels, which read the
 # weight once per pair (int4) or four (int8) of rows; from there torch's (docs/benchmarks.md, "The CPU decode step").
