@@ -27,7 +27,7 @@ check on every rank)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from lora_server.adapters.peft_format import TokenIds
 from lora_server.distributed.group import Comm
 from lora_server.kernels.lora_table import MODULE_INDEX, MODULES
 from lora_server.kv_pool.tree import AdapterKey, CopyOp, OpKind
-from lora_server.model.step_inputs import HostArrays
+from lora_server.model.step_inputs import StepArrays
 
 STEP, CHECK, STOP = 1, 2, 3
 # name -> dtype on the worker (the ForwardBatch's, and the block-table updates')
@@ -157,6 +157,19 @@ class StepMessage:
     arrays: dict[str, torch.Tensor]  # STEP_ARRAYS' names -> 1-D tensors of their dtypes
     images: torch.Tensor | None  # uint8 [image_bytes]: this rank's pages of the adapters the copy ops load
 
+    def step_arrays(self) -> StepArrays[torch.Tensor]:
+        """The step's arrays as rank 0 uploaded them, those the message does not carry (the LoRA kernels' tiles,
+        the scored rows' targets: rank 0's alone) empty."""
+        a = self.arrays
+        empty = torch.empty(0, dtype=torch.int64)
+        carried = {f.name: a.get(f.name, empty) for f in fields(StepArrays)}
+        return StepArrays(**carried)
+
+
+def message_arrays(arrays: StepArrays[Sequence[int]]) -> dict[str, Sequence[int]]:
+    """The step arrays the message carries (STEP_ARRAYS' names), by name."""
+    return {name: getattr(arrays, name) for name in STEP_ARRAYS if hasattr(arrays, name)}
+
 
 class StepChannel:
     """Rank 0 sends, each worker receives, in the same order; ``capacity``: the message's int64 values (the same
@@ -168,11 +181,15 @@ class StepChannel:
         self.buffer = torch.zeros(capacity, dtype=torch.int64)  # [capacity]
 
     def send(
-        self, arrays: HostArrays, shape: StepShape, images: list[torch.Tensor] | None = None, kind: int = STEP
+        self,
+        arrays: Mapping[str, Sequence[int]],
+        shape: StepShape,
+        images: list[torch.Tensor] | None = None,
+        kind: int = STEP,
     ) -> None:
-        """``arrays``: STEP_ARRAYS' names (a missing one is empty); ``images``: each worker's uint8 pages of the
-        adapters that the copy ops load, rank 1 first, of equal sizes (None: no load)."""
-        parts = [np.asarray(arrays[name][0] if name in arrays else (), dtype=np.int64) for name in STEP_ARRAYS]
+        """``arrays``: STEP_ARRAYS' names -> their values (a missing one is empty); ``images``: each worker's uint8
+        pages of the adapters that the copy ops load, rank 1 first, of equal sizes (None: no load)."""
+        parts = [np.asarray(arrays.get(name, ()), dtype=np.int64) for name in STEP_ARRAYS]
         flat = np.concatenate(parts)
         room = self.buffer.numel() - HEADER
         spill = max(0, flat.size - room)

@@ -26,6 +26,7 @@ from lora_server.distributed.step_message import (
     StepChannel,
     StepShape,
     encode_copy_ops,
+    message_arrays,
     message_capacity,
 )
 from lora_server.distributed.workers import WorkerRanks, WorkerSetup, fingerprint
@@ -36,7 +37,7 @@ from lora_server.model.arena import AdapterForm, ResidentAdapters
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.llama import LlamaModel
 from lora_server.model.sampler import scoring_rows
-from lora_server.model.step_inputs import HostArrays
+from lora_server.model.step_inputs import StepArrays
 
 
 class StagedShares(Protocol):
@@ -123,7 +124,7 @@ class TensorParallel:
 
     def send_step(
         self,
-        arrays: HostArrays,
+        arrays: StepArrays[Sequence[int]],
         max_query_len: int,
         num_padding: int,
         table_width: int,
@@ -134,7 +135,7 @@ class TensorParallel:
         (start, end, table page)."""
         segments = [value for segment in lora_segments for value in segment]
         shape = StepShape(max_query_len, num_padding, table_width, scoring_rows(self.shard.arch.vocab_size))
-        self._send({**arrays, "lora_segments": (segments, torch.int64)}, shape)
+        self._send({**message_arrays(arrays), "lora_segments": segments}, shape)
         self._sent = True
 
     def mirror_copy_ops(self, ops: Sequence[CopyOp], staged: Mapping[AdapterKey, StagedShares] | None) -> None:
@@ -160,7 +161,7 @@ class TensorParallel:
                 f"{theirs.tolist()} against {mine.tolist()}: adapters, their pages, block tables)"
             )
 
-    def _send(self, arrays: HostArrays, shape: StepShape, kind: int = STEP) -> None:
+    def _send(self, arrays: Mapping[str, Sequence[int]], shape: StepShape, kind: int = STEP) -> None:
         """One message with the copy operations queued, and the scatter of their adapters' pages."""
         self.check_alive()
         assert self.channel is not None, "start() first"
@@ -169,7 +170,7 @@ class TensorParallel:
         per_worker = None
         if images:  # worker w's pages of every adapter loaded, in load order: one flat uint8 tensor each
             per_worker = [torch.cat([shares[w].view(-1) for shares in images]) for w in range(self.shard.world - 1)]
-        arrays = {**arrays, "copy_ops": (stream, torch.int64)}
+        arrays = {**arrays, "copy_ops": stream}
         self.channel.send(arrays, shape, per_worker, kind)
 
     @contextlib.contextmanager

@@ -275,15 +275,15 @@ def fingerprint(adapters: ResidentAdapters, block_tables: torch.Tensor) -> torch
 def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, kv_caches: list[LayerKV]) -> None:
     """Rank 0's forward pass and head on this rank's shard (runner.execute: the forward pass, the prompt rows
     scored, the logits): the same collectives in the same order."""
-    a = step.arrays
-    segments = [tuple(s) for s in a["lora_segments"].view(-1, 3).tolist()]
+    arrays = step.step_arrays()
+    segments = [tuple(s) for s in step.arrays["lora_segments"].view(-1, 3).tolist()]
     lora = LoraBatch(segments, None, 0) if segments else None  # the CPU's path reads the host runs alone
     shape = step.shape
     batch = ForwardBatch.of_arrays(
-        a, block_tables, lora=lora, max_query_len=shape.max_query_len, num_padding=shape.num_padding
+        arrays, block_tables, lora=lora, max_query_len=shape.max_query_len, num_padding=shape.num_padding
     )
     hidden = model(batch, kv_caches)
-    scored = hidden[a["scored_rows"]]  # prompt logprobs: rank 0's head over these rows, a slice at a time
+    scored = hidden[arrays.scored_rows]  # prompt logprobs: rank 0's head over these rows, a slice at a time
     for start in range(0, scored.shape[0], shape.scoring_slice):
         model.compute_logits(scored[start : start + shape.scoring_slice])
     if batch.logits_indices.numel():  # rank 0 samples: its head gathers every rank's logits

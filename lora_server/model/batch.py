@@ -3,13 +3,13 @@ model."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from lora_server.model.lora import LoraBatch
+from lora_server.model.step_inputs import StepArrays
 from lora_server.sampling_params import SamplingParams
 
 
@@ -121,18 +121,17 @@ class ForwardBatch:
     logits_segments: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
-    def of_arrays(cls, arrays: Mapping[str, torch.Tensor], block_tables: torch.Tensor, **rest: Any) -> ForwardBatch:
-        """The batch whose token and sequence tensors are ``arrays``' of the same names (a step's arrays as the
-        runner uploads them and the tensor-parallel step message carries them), the rest given by name."""
-        a = arrays
+    def of_arrays(cls, arrays: StepArrays[torch.Tensor], block_tables: torch.Tensor, **rest: Any) -> ForwardBatch:
+        """The batch whose token and sequence tensors are ``arrays``' (a step's arrays as the runner uploads them and
+        the tensor-parallel step message carries them), the rest given by name."""
         return cls(
-            input_ids=a["input_ids"],
-            positions=a["positions"],
-            slot_mapping=a["slot_mapping"],
+            input_ids=arrays.input_ids,
+            positions=arrays.positions,
+            slot_mapping=arrays.slot_mapping,
             block_tables=block_tables,
-            seq_lens=a["seq_lens"],
-            query_start_loc=a["query_start_loc"],
-            logits_indices=a["logits_indices"],
+            seq_lens=arrays.seq_lens,
+            query_start_loc=arrays.query_start_loc,
+            logits_indices=arrays.logits_indices,
             **rest,
         )
 

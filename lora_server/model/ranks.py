@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from lora_server.model.arena import ResidentAdapters
     from lora_server.model.checkpoint import Checkpoint
     from lora_server.model.llama import LlamaModel
-    from lora_server.model.step_inputs import HostArrays
+    from lora_server.model.step_inputs import StepArrays
 
 
 class StagedImage(Protocol):
@@ -62,7 +62,7 @@ class Ranks(Protocol):
 
     def send_step(
         self,
-        arrays: HostArrays,
+        arrays: StepArrays[Sequence[int]],
         max_query_len: int,
         num_padding: int,
         table_width: int,
@@ -113,7 +113,7 @@ class SingleRank:
 
     def send_step(
         self,
-        arrays: HostArrays,
+        arrays: StepArrays[Sequence[int]],
         max_query_len: int,
         num_padding: int,
         table_width: int,

@@ -31,7 +31,7 @@ from lora_server.model.lora import BaseRowNorms, LoraBatch, workspace_shape
 from lora_server.model.pinned import pinned_zeros
 from lora_server.model.ranks import Ranks, StagedImage
 from lora_server.model.sampler import Sampler, SampleResult, TokenScores, score_tokens, scoring_rows
-from lora_server.model.step_inputs import BlockTables, HostArrays, StepInputs
+from lora_server.model.step_inputs import BlockTables, StepArrays, StepInputs
 from lora_server.model.warmup import MemoryProfile, WarmupShapes, arena_bytes, measure_peak, warmup_sequences
 from lora_server.model.warmup import plan as warmup_plan
 from lora_server.sampling_params import SamplingParams
@@ -434,30 +434,26 @@ class ModelRunner:
         )
         segments, tiles, block_t = self._lora_mapping(items, bucket if graph_layout else None)
         max_query_len = max((n for _, n in items), default=1)
-        # Arrays whose length is fixed by the bucket come first, so that a padded decode step finds every array a
-        # graph reads at the offsets it was captured with
-        arrays: HostArrays = {
-            "input_ids": (input_ids, torch.int64),
-            "positions": (positions, torch.int64),
-            "slot_mapping": (slots, torch.int64),
-            "seq_lens": (seq_lens, torch.int32),
-            "query_start_loc": (starts, torch.int32),
-            "table_rows": (plan.rows, torch.int32),
-            "lora_tiles": (tiles or [], torch.int32),
-            "logits_indices": (logits_rows, torch.int64),
-            "table_update_index": (plan.update_index, torch.int64),
-            "table_update_value": (plan.update_value, torch.int32),
-            "scored_rows": (scored_rows, torch.int64),
-            "scored_targets": (scored_targets, torch.int64),
-        }
-        self.ranks.send_step(arrays, max_query_len, padding, plan.width, segments)
-        dev = self.step_inputs.upload(arrays)
-        block_tables = self.block_tables.apply(
-            plan, dev["table_rows"], dev["table_update_index"], dev["table_update_value"]
+        arrays: StepArrays[Sequence[int]] = StepArrays(  # (not StepArrays[...](): frozen slots refuse __orig_class__)
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            seq_lens=seq_lens,
+            query_start_loc=starts,
+            table_rows=plan.rows,
+            lora_tiles=tiles or [],
+            logits_indices=logits_rows,
+            table_update_index=plan.update_index,
+            table_update_value=plan.update_value,
+            scored_rows=scored_rows,
+            scored_targets=scored_targets,
         )
+        self.ranks.send_step(arrays, max_query_len, padding, plan.width, segments)
+        dev = self.step_inputs.upload_step(arrays)
+        block_tables = self.block_tables.apply(plan, dev.table_rows, dev.table_update_index, dev.table_update_value)
         lora_batch = None
         if segments or graph_layout:
-            lora_tiles = dev["lora_tiles"].view(-1, 3) if tiles is not None else None
+            lora_tiles = dev.lora_tiles.view(-1, 3) if tiles is not None else None
             lora_batch = LoraBatch(segments, lora_tiles, block_t)
         batch = ForwardBatch.of_arrays(
             dev,
@@ -466,7 +462,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             num_padding=padding,
             prompt_scoring=(
-                PromptScoring(dev["scored_rows"], dev["scored_targets"], owners, scored_segments) if owners else None
+                PromptScoring(dev.scored_rows, dev.scored_targets, owners, scored_segments) if owners else None
             ),
             logits_segments=logits_segments,
         )

@@ -9,7 +9,8 @@ the device buffer: nothing is copied."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +23,44 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
 
 # name -> (values, dtype): one array of a step's inputs, in the order they are laid out
 HostArrays = Mapping[str, tuple[Sequence[int], torch.dtype]]
+A = TypeVar("A")  # a step array: host integers (Sequence[int]) or a 1-D device tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StepArrays(Generic[A]):
+    """One step's integer arrays, as the runner builds them on the host (A = Sequence[int]) and as the model reads
+    them on the device (A = torch.Tensor, StepInputs.upload_step). The field order is the upload's layout: the arrays
+    whose length a decode bucket fixes come first, so that a padded decode step finds every array a CUDA graph reads
+    at the offsets it was captured with. The tensor-parallel step message carries the ones the workers need."""
+
+    input_ids: A  # [T] int64
+    positions: A  # [T] int64, each token's position in its sequence
+    slot_mapping: A  # [T] int64, the KV slot each token writes (-1: none)
+    seq_lens: A  # [B] int32, each sequence's KV length after the step
+    query_start_loc: A  # [B + 1] int32
+    table_rows: A  # [B] int32, each sequence's row of the block tables' store
+    lora_tiles: A  # [tiles * 3] int32, the LoRA kernels' tile map (empty where they do not run)
+    logits_indices: A  # [S] int64, the rows that become logits
+    table_update_index: A  # [U] int64, flat indices into the block tables' store
+    table_update_value: A  # [U] int32, their block ids
+    scored_rows: A  # [P] int64, prompt rows whose logprobs the step computes
+    scored_targets: A  # [P] int64, the token each scores
+
+
+STEP_DTYPES: dict[str, torch.dtype] = {
+    "input_ids": torch.int64,
+    "positions": torch.int64,
+    "slot_mapping": torch.int64,
+    "seq_lens": torch.int32,
+    "query_start_loc": torch.int32,
+    "table_rows": torch.int32,
+    "lora_tiles": torch.int32,
+    "logits_indices": torch.int64,
+    "table_update_index": torch.int64,
+    "table_update_value": torch.int32,
+    "scored_rows": torch.int64,
+    "scored_targets": torch.int64,
+}
 
 
 def _aligned(n: int) -> int:
@@ -81,6 +120,12 @@ class StepInputs:
             name: self._device[start:stop].view(dtype)
             for (name, (start, stop)), (_, dtype) in zip(offsets.items(), arrays.values(), strict=True)
         }
+
+    def upload_step(self, arrays: StepArrays[Sequence[int]]) -> StepArrays[torch.Tensor]:
+        """``upload`` of a step's arrays, each in its STEP_DTYPES dtype, in StepArrays' field order."""
+        names = [f.name for f in fields(arrays)]
+        device = self.upload({name: (getattr(arrays, name), STEP_DTYPES[name]) for name in names})
+        return StepArrays(**device)
 
 
 @dataclass(slots=True)
