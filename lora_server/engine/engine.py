@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -67,6 +69,12 @@ class CallOnEngineThread:
 InboxMessage = AddRequest | AbortRequest | CallOnEngineThread  # what other threads hand the engine thread
 
 
+def _resident_pages(engine: weakref.ref[Engine]) -> Mapping[int, int]:
+    """The engine's last published residency (adapter id -> table page); none once it is gone."""
+    alive = engine()
+    return {} if alive is None else alive.snapshot().resident_pages
+
+
 class Engine:
     """The public engine. Asyncio callers use ``make_request`` (validation, from any thread), ``submit`` (on the
     event loop; a background thread steps the core), ``abort`` and ``snapshot``; ``generate`` runs requests to
@@ -92,7 +100,7 @@ class Engine:
             self.core.loader,
             config.staging_workers,
             self._wake,
-            lambda: self.snapshot().resident_pages,
+            functools.partial(_resident_pages, weakref.ref(self)),  # weak: an engine let go is freed at once
         )
         self.dead = threading.Event()
         self.dead_error: BaseException | None = None
