@@ -416,7 +416,7 @@ def test_kv_swapped_to_the_host_tier_and_back(tiny):
 def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
     engine = tiny_engine(tiny[0], 2)
     runner = engine.core.runner
-    pid = runner.tp.workers.pids[0]
+    pid = workers_of(engine).pids[0]
     params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts([5] * 8)):
         engine.add(engine.make_request(prompt, params, request_id=f"r{i}"))
@@ -495,7 +495,7 @@ def test_an_error_on_rank_0_after_the_step_went_out_stops_the_engine(tiny, tp2, 
     start = time.monotonic()
     runner.close()
     assert time.monotonic() - start < 2.0
-    assert all(not p.is_alive() for p in runner.tp.workers.processes)
+    assert all(not p.is_alive() for p in workers_of(tp2).processes)
 
 
 @pytest.mark.slow
@@ -509,12 +509,12 @@ def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, m
     monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=2))
     engine = tiny_engine(tiny[0], 2)
     runner = engine.core.runner
-    runner.tp.workers.answer_timeout_s = 600.0
+    workers_of(engine).answer_timeout_s = 600.0
     try:
         assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)
         time.sleep(3)  # idle past the timeout
         assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)
-        pid = runner.tp.workers.pids[0]
+        pid = workers_of(engine).pids[0]
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         engine.add(engine.make_request(prompts([5])[0], params, request_id="long"))
         engine.step()
@@ -526,7 +526,7 @@ def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, m
         assert time.monotonic() - start < 10
     finally:
         runner.close()  # kills the stopped worker
-    assert not any(p.is_alive() for p in runner.tp.workers.processes)
+    assert not any(p.is_alive() for p in workers_of(engine).processes)
 
 
 def _take_no_message(port: int) -> None:

@@ -4,9 +4,12 @@ are exact, seeded sampling ignores batch company, bad input fails alone, async s
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
+from lora_server.adapters import demo_adapters
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.errors import ContextLengthExceededError, InvalidRequestError
@@ -277,3 +280,25 @@ def test_cpu_head_copy(engine_fp32):
     prompt = [with_copy.chat_prompt([{"role": "user", "content": "Name a color."}])]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert with_copy.generate(prompt, params)[0].token_ids == without.generate(prompt, params)[0].token_ids
+
+
+def test_an_engine_let_go_is_freed_at_once(tmp_path):
+    """No reference cycle holds an engine: once its last reference goes, it and its model (weights, arena, KV
+    cache) are freed by reference counting, without waiting for the garbage collector's next full pass (a server
+    or a test suite that drops engines would otherwise hold each one's memory until then). The adapters surface,
+    the offline scoring path and an engine thread started and stopped are exercised first."""
+    gc.collect()
+    gc.disable()
+    try:
+        engine = _engine(quantization="auto", kv_cache_bytes=16 << 20)
+        engine.adapters.add("upper", demo_adapters()["upper"])
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), adapters="upper")
+        engine.full_prompt_logprobs([1, 2, 3, 4])
+        assert engine.adapters.info("upper") is not None
+        engine.start()
+        engine.shutdown()
+        held = [weakref.ref(engine), weakref.ref(engine.model), weakref.ref(engine.admission)]
+        del engine
+        assert [ref() is None for ref in held] == [True, True, True]
+    finally:
+        gc.enable()
