@@ -15,7 +15,6 @@ import torch
 
 from lora_server.adapters.sources import AdapterSources
 from lora_server.config import EngineConfig
-from lora_server.distributed.group import CommCounter
 from lora_server.distributed.tensor_parallel import TensorParallel
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
@@ -50,7 +49,7 @@ from lora_server.kv_pool.tree import OpKind
 from lora_server.model.llama import LlamaModel
 from lora_server.model.loader import open_checkpoint
 from lora_server.model.quant import resident_bytes
-from lora_server.model.ranks import Ranks, SingleRank
+from lora_server.model.ranks import CollectiveCounts, Ranks, SingleRank
 from lora_server.model.runner import ModelRunner
 from lora_server.model.sampler import NON_FINITE, verify_drafts
 from lora_server.sampling_params import SamplingParams
@@ -353,7 +352,7 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any."""
         self.runner.close()
 
-    def collectives(self) -> CommCounter | None:
+    def collectives(self) -> CollectiveCounts | None:
         return self.runner.ranks.collectives
 
     def check_integrity(self) -> None:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from lora_server.config import EngineConfig
-from lora_server.distributed.group import CommCounter
 from lora_server.engine.adapter_surface import AdapterSurface
 from lora_server.engine.admission import Prompt
 from lora_server.engine.core import EngineCore
@@ -37,6 +36,7 @@ from lora_server.errors import (
 )
 from lora_server.json_types import JsonObject, JsonValue, TemplateMessage, ToolDefinition
 from lora_server.model.llama import LlamaModel
+from lora_server.model.ranks import CollectiveCounts
 from lora_server.sampling_params import SamplingParams
 from lora_server.tools.prompt import render_tools_in_messages
 
@@ -130,7 +130,7 @@ class Engine:
     def describe(self) -> ModelInfo:
         return self.core.describe()
 
-    def collectives(self) -> CommCounter | None:
+    def collectives(self) -> CollectiveCounts | None:
         """With tensor parallelism, rank 0's count of its collectives (calls and bytes by kind since its last
         ``reset``); None on one rank (engine thread or offline)."""
         return self.core.collectives()

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from lora_server.adapters.lora_types import BaseShapes
     from lora_server.adapters.page_layout import PageGeometry, PageLayout
     from lora_server.adapters.peft_format import VocabLora
-    from lora_server.distributed.group import CommCounter
     from lora_server.kv_pool.tree import AdapterKey, CopyOp
     from lora_server.model.arch import ModelArch
     from lora_server.model.arena import ResidentAdapters
@@ -39,6 +38,19 @@ class StagedImage(Protocol):
 
     @property
     def worker_images(self) -> tuple[torch.Tensor, ...]: ...  # tensor parallelism: the other ranks' shares
+
+
+class CollectiveCounts(Protocol):
+    """A rank's count of the collectives it took part in since the last ``reset`` (distributed.group.CommCounter):
+    calls and bytes by kind."""
+
+    @property
+    def calls(self) -> dict[str, int]: ...
+
+    @property
+    def bytes(self) -> dict[str, int]: ...
+
+    def reset(self) -> None: ...
 
 
 class Ranks(Protocol):
@@ -78,7 +90,7 @@ class Ranks(Protocol):
     def abort(self) -> None: ...  # the runner failed to start: stop any other ranks at once
 
     @property
-    def collectives(self) -> CommCounter | None: ...  # this rank's collectives since their last reset
+    def collectives(self) -> CollectiveCounts | None: ...  # this rank's collectives since their last reset
 
 
 class SingleRank:
@@ -135,5 +147,5 @@ class SingleRank:
         pass
 
     @property
-    def collectives(self) -> CommCounter | None:
+    def collectives(self) -> CollectiveCounts | None:
         return None  # no other rank: no collective
