@@ -70,6 +70,20 @@ static void int4_quantize_row(const float *x, int K, int8_t *hi, int8_t *lo, flo
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+/* vpermt2b indices: lane j of a 16-row quarter (rows 0-15: [0], rows 16-31: [1]) gathers its row's codes at columns
+ * k .. k + 3 from two registers holding columns (k, k + 1) and (k + 2, k + 3), 32 rows each */
+#define INT4_LANE(j) (j), 32 + (j), 64 + (j), 96 + (j)
+static const uint8_t INT4_GATHER[2][64] = {
+    {INT4_LANE(0), INT4_LANE(1), INT4_LANE(2), INT4_LANE(3), INT4_LANE(4), INT4_LANE(5), INT4_LANE(6), INT4_LANE(7),
+     INT4_LANE(8), INT4_LANE(9), INT4_LANE(10), INT4_LANE(11), INT4_LANE(12), INT4_LANE(13), INT4_LANE(14),
+     INT4_LANE(15)},
+    {INT4_LANE(16), INT4_LANE(17), INT4_LANE(18), INT4_LANE(19), INT4_LANE(20), INT4_LANE(21), INT4_LANE(22),
+     INT4_LANE(23), INT4_LANE(24), INT4_LANE(25), INT4_LANE(26), INT4_LANE(27), INT4_LANE(28), INT4_LANE(29),
+     INT4_LANE(30), INT4_LANE(31)},
+};
+#endif
+
 static inline __attribute__((always_inline)) void int4_block_row(const int8_t *hi, const int8_t *lo, const float *xs,
                                                                  int K, const uint8_t *blk, const uint16_t *sz,
                                                                  size_t sz_stride, int group, const float *xsum,
@@ -80,21 +94,10 @@ static inline __attribute__((always_inline)) void int4_block_row(const int8_t *h
      * (codes . x) + (zero - 8 * scale) * sum(x over the group), xsum [K / group] the exact sums. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    /* vpermt2b indices: lane j of a 16-row quarter gathers its row's codes at columns k .. k + 3 from two registers
-     * holding columns (k, k + 1) and (k + 2, k + 3), 32 rows each */
-    uint8_t idx_lo_bytes[64], idx_hi_bytes[64];
-    for (int j = 0; j < 16; j++)
-        for (int c = 0; c < 4; c++) {
-            idx_lo_bytes[4 * j + c] = (uint8_t)(32 * c + j);
-            idx_hi_bytes[4 * j + c] = (uint8_t)(32 * c + 16 + j);
-        }
-    const __m512i idx0 = _mm512_loadu_si512(idx_lo_bytes), idx1 = _mm512_loadu_si512(idx_hi_bytes);
+    const __m512i idx0 = _mm512_loadu_si512(INT4_GATHER[0]), idx1 = _mm512_loadu_si512(INT4_GATHER[1]);
     __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int g = 0; g < K / group; g++) {
         const uint32_t *pairs = (const uint32_t *)(sz + (size_t)g * sz_stride);
-        if (g + 2 < K / group) /* the scales lie N * 4 bytes apart by group: a stride no prefetcher follows */
-            for (int line = 0; line < 4; line++)
-                _mm_prefetch((const char *)(sz + (size_t)(g + 2) * sz_stride) + 64 * line, _MM_HINT_T0);
         __m512 gacc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int b = g * group; b < (g + 1) * group; b += 32) {
             __m512i ahi[4], alo[4];

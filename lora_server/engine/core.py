@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,9 +52,6 @@ from lora_server.model.ranks import CollectiveCounts, Ranks, SingleRank
 from lora_server.model.runner import ModelRunner
 from lora_server.model.sampler import NON_FINITE, verify_drafts
 from lora_server.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    pass
 
 Sampled = tuple[list[int], list[TokenLogprob] | None]  # a request's new tokens (1 + accepted drafts), logprobs
 log = logging.getLogger("lora_server")
