@@ -152,9 +152,11 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class AdapterPlacement:
-    """Where one adapter and its cached KV are (UnifiedPool.adapter_placement)."""
+    """Where one adapter version (or the base model) and its cached KV are: the one report of an adapter's
+    placement. The pool fills what it keeps (UnifiedPool.adapter_placement); the engine's report adds the names
+    served on it and its rank (engine.pool_report)."""
 
-    key: AdapterKey
+    adapter_id: int  # BASE_ADAPTER_ID: the base model
     tier: str  # "gpu" or "host" (the base model: always "gpu")
     table_page: int  # its table page while on the GPU, else -1
     staged: bool  # its weights are ready on the host (always False for the base model)
@@ -162,6 +164,13 @@ class AdapterPlacement:
     weight_blocks: int  # GPU blocks charged to its weights while resident
     kv_blocks_gpu: int  # KV blocks cached under it on the GPU
     kv_blocks_host: int  # and in the host tier
+    names: tuple[str, ...] = ()  # every name served on it (the engine's report; none: no name left)
+    rank: int | None = None  # its largest rank over its modules (the engine's report; None: the base model)
+
+    @property
+    def name(self) -> str | None:
+        """The first name served on it (None: no name left)."""
+        return self.names[0] if self.names else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,7 +611,7 @@ class UnifiedPool:
                 continue
             out.append(
                 AdapterPlacement(
-                    adapter.key,
+                    adapter.key.adapter_id,
                     adapter.tier.value,
                     adapter.table_page,
                     adapter.staged,

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 import tests.kernel_env  # noqa: F401  (without CUDA: TRITON_INTERPRET=1 before any test module imports triton)
+
+if TYPE_CHECKING:
+    from lora_server.engine import Engine
+    from lora_server.engine.scheduler import Scheduler
+    from lora_server.kv_pool import UnifiedPool
+    from lora_server.model.runner import ModelRunner
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
@@ -138,6 +145,24 @@ def peft_log_softmax(peft_model, adapter: str | None, ids: list[int]) -> torch.T
             peft_model.set_adapter(adapter)
             logits = peft_model(input_ids=torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def runner_of(engine: Engine) -> ModelRunner:
+    """The engine's model runner, for the tests of the runner itself that need a whole engine around it (its arena
+    and host tier, graphs, ranks, step preparation); every other test reads the engine's public surface."""
+    return engine.core.runner
+
+
+def scheduler_of(engine: Engine) -> Scheduler:
+    """The engine's scheduler, for the tests of its requests' own state (block tables, computed tokens, status)
+    while the engine steps them offline; every other test reads the engine's outputs and snapshots."""
+    return engine.core.scheduler
+
+
+def pool_of(engine: Engine) -> UnifiedPool:
+    """The engine's pool, for the tests of its own state under a whole engine (the pages it gave an adapter, its
+    configuration); every other test reads Engine.pool_report."""
+    return engine.core.pool
 
 
 def pool_counters(engine) -> dict[str, int]:

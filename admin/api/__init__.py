@@ -1,13 +1,14 @@
 """The admin API: the HTTP router for adapters, tenants and pool figures (``router``), and ``ApiError``, the one
 error type of the HTTP edge in OpenAI's error shape (``errors``). It reaches the registry store through
-``lora_server.admin.store`` and the serving side through ``AdapterControl``; it does not import the engine.
+``lora_server.admin.store`` and the serving side through ``AdapterControl`` and the values it returns
+(``control``); it does not import the engine.
 
 Re-exported here: what the server imports to mount the router and to check the admin key.
 """
 
+from lora_server.admin.api.control import AdapterControl
 from lora_server.admin.api.errors import ApiError
 from lora_server.admin.api.router import (
-    AdapterControl,
     admin_router,
     checked_name,
     presented_key,

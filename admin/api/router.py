@@ -1,21 +1,21 @@
 """The admin API (adapters, tenants, pool figures) as a FastAPI router. Every route needs the admin key as
-``Authorization: Bearer ...``, compared in constant time. The serving side is reached through ``AdapterControl``,
-so this package does not import the engine."""
+``Authorization: Bearer ...``, compared in constant time. The serving side is reached through ``AdapterControl``
+(``control``), which answers in values whose JSON the router makes, so this package does not import the engine."""
 
 from __future__ import annotations
 
 import base64
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from lora_server.adapters.sources import source_scheme
+from lora_server.admin.api.control import AdapterControl, CheckedT, PoolFigures, ServedAdapter
 from lora_server.admin.api.errors import ApiError
 from lora_server.admin.store import (
     MAX_NAME_SHOWN,
@@ -27,6 +27,7 @@ from lora_server.admin.store import (
     TenantRecord,
     UnknownKeyError,
     UnknownTenantError,
+    Usage,
     key_id,
     validate_name,
 )
@@ -35,29 +36,6 @@ from lora_server.admin.store.keys import constant_time_equals, hash_api_key
 MAX_BATCH_ADAPTERS = 10_000  # adapters of one POST /admin/adapters/batch
 MAX_REFUSALS_SHOWN = 20  # refused adapters a batch's error names; the others are counted
 SERVED_ALREADY = 'already served (send "replace": true to serve new weights under it as a new version)'
-
-
-class AdapterControl(Protocol):
-    """What the admin API needs from the serving side. ``lock`` is held while an adapter changes in the engine and
-    in the store together, so that whatever else keeps the two in step (a registry sync) sees both or neither.
-
-    Registering is two steps around the store's write: ``check_adapter`` reads and validates the files (ApiError(400)
-    with the reason; nothing changes), ``serve_adapter`` then serves what was checked as version ``version`` (it
-    reads no file, and under the same hold of ``lock`` it does not fail). ``check_adapters`` checks many (name, path,
-    pinned) at once, on several threads: each one's result in order, an ApiError(400) with the reason for one that
-    cannot be served; it changes nothing either."""
-
-    lock: threading.Lock
-
-    def check_adapter(self, name: str, path: str, pinned: bool) -> object: ...
-    def check_adapters(self, specs: Sequence[tuple[str, str, bool]]) -> Sequence[object]: ...
-    def serve_adapter(self, checked: Any, pinned: bool, version: int) -> dict[str, Any]: ...
-    def next_version(self, name: str) -> int: ...  # the least version the engine gives the name's next registration
-    def unload_adapter(self, name: str) -> bool: ...  # False when the engine does not serve it
-    def served_adapters(self) -> list[str]: ...  # every adapter the engine serves: demo, command line and API
-    def adapter_info(self, name: str) -> dict[str, Any] | None: ...  # path, source, version, state...; None: not served
-    def pool_figures(self) -> dict[str, Any]: ...
-    def check_integrity(self) -> None: ...  # AssertionError when the pool's invariants are broken
 
 
 class AdapterBody(BaseModel):
@@ -155,7 +133,7 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
 
 def admin_router(
     store: RegistryStore,
-    control: AdapterControl,
+    control: AdapterControl[CheckedT],
     admin_key: str,
     allowed_roots: list[Path],
     base_model_id: str,
@@ -214,14 +192,14 @@ def admin_router(
         old = store.get_adapter(name)
         record = store.put_adapter(AdapterRecord(name, source, _next_version(name, old, control), pinned, time.time()))
         try:
-            info = control.serve_adapter(checked, pinned, record.version)
+            served = control.serve_adapter(checked, pinned, record.version)
         except ApiError:  # not expected under the lock; the store is put back as it was
             if old is None:
                 store.delete_adapter(name)
             else:
                 store.put_adapter(old)
             raise
-        return {**info, "version": record.version, "pinned": record.pinned}
+        return _served_json(served, record)
 
     def register_batch(items: list[AdapterBody]) -> dict[str, Any]:
         """All or nothing: every item validated (name, path, a name twice, one served without ``replace``), every
@@ -253,8 +231,12 @@ def admin_router(
             first.setdefault(item.name, i)
         ok = [i for i in range(len(items)) if i not in refusals]
         checks = control.check_adapters([(items[i].name, sources[i], items[i].pinned) for i in ok])
-        checked = dict(zip(ok, checks, strict=True))
-        refusals |= {i: c.message for i, c in checked.items() if isinstance(c, ApiError)}
+        checked: dict[int, CheckedT] = {}
+        for i, c in zip(ok, checks, strict=True):
+            if isinstance(c, ApiError):
+                refusals[i] = c.message
+            else:
+                checked[i] = c
         if refusals:
             raise _batch_refused(items, refusals, conflicts)
         with control.lock:
@@ -265,7 +247,7 @@ def admin_router(
             return install_batch(items, [sources[i] for i in ok], [checked[i] for i in ok], served)
 
     def install_batch(
-        items: list[AdapterBody], sources: list[str], checked: list[object], served: set[str]
+        items: list[AdapterBody], sources: list[str], checked: list[CheckedT], served: set[str]
     ) -> dict[str, Any]:
         """The store's one write, then each adapter served (under ``lock``). Only a pin can be refused now (one that
         no longer fits beside those served before it), so pins are served first, new names before replaced ones:
@@ -284,7 +266,7 @@ def admin_router(
         for i in order:
             record = stored[i]
             try:
-                info = control.serve_adapter(checked[i], record.pinned, record.version)
+                answer = control.serve_adapter(checked[i], record.pinned, record.version)
             except ApiError as exc:
                 for j in answers:
                     if stored[j].name not in served:
@@ -294,14 +276,14 @@ def admin_router(
                     if r.name not in olds:
                         store.delete_adapter(r.name)
                 raise _batch_refused(items, {i: exc.message}, set()) from exc
-            answers[i] = {**info, "version": record.version, "pinned": record.pinned}
+            answers[i] = _served_json(answer, record)
         return {"data": [answers[i] for i in range(len(items))]}
 
     def describe(name: str, record: AdapterRecord | None) -> dict[str, Any] | None:
         """An adapter as the engine serves it, or as the store recorded it ("not loaded": its files failed)."""
         info = control.adapter_info(name)
         if info is not None:
-            return {"name": name, **info, "created_at": None if record is None else record.created_at}
+            return {"name": name, **info.as_json(), "created_at": None if record is None else record.created_at}
         if record is None:
             return None
         return {
@@ -445,7 +427,7 @@ def admin_router(
 
     @router.get("/admin/pool")
     def pool() -> dict[str, Any]:
-        return {**control.pool_figures(), "store": asdict(store.status())}
+        return {**_pool_json(control.pool_figures()), "store": asdict(store.status())}
 
     @router.post("/admin/pool/check")
     def check_pool() -> dict[str, Any]:
@@ -467,7 +449,7 @@ def checked_name(name: str, what: str, param: str) -> str:
         raise ApiError(400, str(exc), param=param) from exc
 
 
-def _next_version(name: str, old: AdapterRecord | None, control: AdapterControl) -> int:
+def _next_version(name: str, old: AdapterRecord | None, control: AdapterControl[CheckedT]) -> int:
     """The version of the name's next registration: above its record in the store (``old``) and the engine's latest
     (call under ``control.lock``)."""
     return max(1 if old is None else old.version + 1, control.next_version(name))
@@ -494,5 +476,28 @@ def _no_tenant(name: str) -> ApiError:
     return ApiError(404, f"tenant {name!r} does not exist", "not_found_error", param="name")
 
 
-def _usage_json(u: Any) -> dict[str, int]:
+def _served_json(served: ServedAdapter, record: AdapterRecord) -> dict[str, Any]:
+    """An adapter just served, as a registration answers: its name, id and info, version and pin as recorded."""
+    return {
+        "name": served.name,
+        "adapter_id": served.adapter_id,
+        **served.info.as_json(),
+        "version": record.version,
+        "pinned": record.pinned,
+    }
+
+
+def _pool_json(f: PoolFigures) -> dict[str, Any]:
+    """GET /admin/pool's figures (the store's status aside): the pool report's JSON, then the queues and adapters."""
+    return {
+        **f.pool.as_json(),
+        "num_preemptions": f.num_preemptions,
+        "running": f.running,
+        "waiting": f.waiting,
+        "max_loras": f.max_loras,
+        "registered_adapters": list(f.registered_adapters),
+    }
+
+
+def _usage_json(u: Usage) -> dict[str, int]:
     return {"requests": u.requests, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}

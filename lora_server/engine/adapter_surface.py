@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from lora_server.adapters.peft_format import AdapterError
+from lora_server.adapters.served import AdapterInfo
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterHandle, AdapterRegistry, AdapterSpec, CheckedAdapter
-from lora_server.engine.reports import AdapterInfo
 from lora_server.errors import UnknownAdapterError
 
 
@@ -118,6 +118,11 @@ class AdapterSurface:
 
     def names(self) -> list[str]:
         return self.registry.names()
+
+    def files(self, name: str) -> Path:
+        """The directory the current version of ``name`` was read from (one from a source: the cache's copy, not
+        its URL as ``info`` gives it); UnknownAdapterError when it is not registered."""
+        return self.registry.path(name)
 
     def info(self, name: str) -> AdapterInfo | None:
         """Where an adapter's current version is served from: its path, bytes, and table page if resident (None:

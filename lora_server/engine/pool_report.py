@@ -3,11 +3,13 @@ the device), and its report (figures, adapters' placement, timings) as engine.re
 
 from __future__ import annotations
 
+import dataclasses
+
 from lora_server.adapters.page_layout import PageLayout
 from lora_server.config import EngineConfig
 from lora_server.engine.adapter_loader import AdapterLoader
 from lora_server.engine.adapter_registry import AdapterRegistry
-from lora_server.engine.reports import BASE_NAME, AdapterResidency, DeviceMemory, Histogram, PoolReport, TtftFigures
+from lora_server.engine.reports import BASE_NAME, DeviceMemory, Histogram, PoolReport, TtftFigures
 from lora_server.kernels.lora_table import MODULES
 from lora_server.kv_pool import BASE_ADAPTER_ID, POLICIES, PolicyParams, PoolConfig, UnifiedPool
 from lora_server.model.runner import CopyCosts, ModelRunner
@@ -54,18 +56,7 @@ def pool_report(
         return (BASE_NAME,) if adapter_id == BASE_ADAPTER_ID else tuple(names.get(adapter_id, ()))
 
     placement = tuple(
-        AdapterResidency(
-            name=next(iter(served(p.key.adapter_id)), None),
-            names=served(p.key.adapter_id),
-            tier=p.tier,
-            table_page=p.table_page,
-            staged=p.staged,
-            pinned=p.pinned,
-            rank=_rank(adapters, p.key.adapter_id),
-            weight_blocks=p.weight_blocks,
-            kv_blocks_gpu=p.kv_blocks_gpu,
-            kv_blocks_host=p.kv_blocks_host,
-        )
+        dataclasses.replace(p, names=served(p.adapter_id), rank=_rank(adapters, p.adapter_id))
         for p in pool.adapter_placement()
     )
     config = pool.config

@@ -1,7 +1,8 @@
-"""What the engine reports to other threads, as typed values: what it serves (ModelInfo), its state as the engine
-thread last published it (EngineSnapshot: queues, residency, the pool's figures as PoolReport, a copy of its
-StepTimes), and one adapter's registration and residency (AdapterInfo). ``as_json`` gives the JSON the status
-page, the admin API and the benchmarks write (names unchanged from the fields)."""
+"""What the engine reports to other threads, as typed values: what it serves (ModelInfo), and its state as the engine
+thread last published it (EngineSnapshot: queues, residency, the pool's figures as PoolReport with each adapter's
+kv_pool.AdapterPlacement, a copy of its StepTimes); one adapter's registration is adapters.served.AdapterInfo.
+``as_json`` gives the JSON the status page, the admin API and the benchmarks write (names unchanged from the
+fields)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lora_server.json_types import JsonObject
-from lora_server.kv_pool.unified_pool import PoolStats
+from lora_server.kv_pool.unified_pool import AdapterPlacement, PoolStats
 from lora_server.model.arch import ModelArch
 from lora_server.model.runner import CopyCosts
 
@@ -42,22 +43,6 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterResidency:
-    """One adapter version (or the base model) as the pool places it."""
-
-    name: str | None  # the first name served on it (BASE_NAME for the base model; None: no name left)
-    names: tuple[str, ...]  # every name served on it
-    tier: str  # "gpu" or "host"
-    table_page: int  # its table page while on the device, else -1
-    staged: bool  # its weights are ready in host memory
-    pinned: bool
-    rank: int | None  # its largest rank over its modules (None: the base model, or no longer registered)
-    weight_blocks: int  # device blocks charged to its weights while resident
-    kv_blocks_gpu: int  # KV blocks cached under it on the device
-    kv_blocks_host: int  # and in the host tier
-
-
-@dataclass(frozen=True, slots=True)
 class TtftFigures:
     """Time to first token over the requests that got one, split into queueing (arrival to first admission),
     adapter loading and prefill (the rest); means in seconds."""
@@ -79,7 +64,7 @@ class PoolReport:
     block_bytes: int
     request_blocks: int  # device blocks held by requests now
     stats: PoolStats
-    adapters: tuple[AdapterResidency, ...]
+    adapters: tuple[AdapterPlacement, ...]  # each adapter version and the base model, names and ranks filled
     ttft: TtftFigures
     adapter_load: Histogram  # disk to host memory
     adapter_activate: Histogram  # host memory to the device
@@ -88,6 +73,7 @@ class PoolReport:
         """The figures as JSON: the pool's stats beside the other fields, cache salts' tokens by name, the adapter
         histograms under ``adapter_load_seconds``."""
         out = {k: v for k, v in asdict(self).items() if k not in ("stats", "adapter_load", "adapter_activate")}
+        out["adapters"] = [_placement_json(a) for a in self.adapters]
         stats = asdict(self.stats)
         stats["kv_tokens_by_salt"] = {
             salt: {"prompt_tokens": p, "cached_tokens": c} for salt, (p, c) in self.stats.kv_tokens_by_salt.items()
@@ -97,22 +83,20 @@ class PoolReport:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class AdapterInfo:
-    """Where an adapter name's current version is served from."""
-
-    path: str  # its PEFT directory, or the URL it was downloaded from (adapters.sources)
-    source: str  # where it was registered from: "demo", "command line", "api" or "on-demand"
-    version: int
-    pinned: bool
-    registered_at: float  # unix seconds
-    state: str  # "resident" (its weights on the device) or "registered"
-    table_page: int | None  # its table page while resident
-    bytes: int  # its weights as registered (host)
-    device_bytes: int  # its pages on the device
-
-    def as_json(self) -> JsonObject:
-        return asdict(self)
+def _placement_json(a: AdapterPlacement) -> JsonObject:
+    """An adapter's placement as the status page reads it (its id left out)."""
+    return {
+        "name": a.name,
+        "names": list(a.names),
+        "tier": a.tier,
+        "table_page": a.table_page,
+        "staged": a.staged,
+        "pinned": a.pinned,
+        "rank": a.rank,
+        "weight_blocks": a.weight_blocks,
+        "kv_blocks_gpu": a.kv_blocks_gpu,
+        "kv_blocks_host": a.kv_blocks_host,
+    }
 
 
 @dataclass(slots=True)

@@ -12,9 +12,10 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from lora_server.adapters.peft_format import AdapterError
+from lora_server.adapters.served import AdapterInfo
+from lora_server.admin.api.control import PoolFigures, ServedAdapter
 from lora_server.admin.api.errors import ApiError
 from lora_server.engine import Engine
 from lora_server.engine.adapter_registry import AdapterSpec, CheckedAdapter
@@ -44,12 +45,15 @@ class EngineAdapters:
         results = self.engine.adapters.check_many([AdapterSpec(*spec) for spec in specs])
         return [ApiError(400, str(r), param="path") if isinstance(r, AdapterError) else r for r in results]
 
-    def serve_adapter(self, checked: CheckedAdapter, pinned: bool, version: int) -> dict[str, Any]:
+    def serve_adapter(self, checked: CheckedAdapter, pinned: bool, version: int) -> ServedAdapter:
+        """Call under ``lock``: nothing else removes the name before its info is read."""
         try:
             handle = self.engine.adapters.install(checked, pinned, version)
         except AdapterError as exc:
             raise ApiError(400, str(exc), param="pinned") from exc
-        return {"name": handle.name, "adapter_id": handle.adapter_id, **(self.adapter_info(handle.name) or {})}
+        info = self.engine.adapters.info(handle.name)
+        assert info is not None, f"adapter {handle.name!r} was removed while its lock was held"
+        return ServedAdapter(handle.name, handle.adapter_id, info)
 
     def next_version(self, name: str) -> int:
         return self.engine.adapters.next_version(name)
@@ -85,22 +89,21 @@ class EngineAdapters:
     def served_adapters(self) -> list[str]:
         return self.engine.adapters.names()
 
-    def adapter_info(self, name: str) -> dict[str, Any] | None:
-        info = self.engine.adapters.info(name)
-        return None if info is None else info.as_json()
+    def adapter_info(self, name: str) -> AdapterInfo | None:
+        return self.engine.adapters.info(name)
 
-    def pool_figures(self) -> dict[str, Any]:
-        """The unified pool's figures (kv_tokens_by_salt keys: "" for /v1, "tenant:NAME" per tenant), plus the
-        scheduler's queues."""
+    def pool_figures(self) -> PoolFigures:
+        """The unified pool's report and the scheduler's queues from the engine's last snapshot; the adapters it
+        serves now."""
         snap = self.engine.snapshot()
-        return {
-            **snap.pool.as_json(),
-            "num_preemptions": snap.num_preemptions,
-            "running": snap.running,
-            "waiting": snap.waiting,
-            "max_loras": self.engine.config.max_loras,
-            "registered_adapters": self.engine.adapters.names(),
-        }
+        return PoolFigures(
+            pool=snap.pool,
+            num_preemptions=snap.num_preemptions,
+            running=snap.running,
+            waiting=snap.waiting,
+            max_loras=self.engine.config.max_loras,
+            registered_adapters=tuple(self.engine.adapters.names()),
+        )
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

@@ -17,7 +17,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
 from lora_server.engine import Engine
-from lora_server.engine.reports import BASE_NAME, AdapterResidency
+from lora_server.engine.reports import BASE_NAME
+from lora_server.kv_pool import AdapterPlacement
 
 # vLLM's bucket edges (vllm/v1/metrics/loggers.py), so dashboards and routers built for vLLM read ours unchanged
 TTFT_BUCKETS = (
@@ -244,7 +245,7 @@ class EngineCollector(Collector):
         stats = pool.stats
         salts = stats.kv_tokens_by_salt.values()
         residency = adapter_residency(pool.adapters)
-        on_device = sorted(name for name, r in residency.items() if r.level == "gpu")
+        on_device = sorted(name for name, r in residency.items() if level(r) == "gpu")
         counters = {
             "vllm:num_preemptions": ("Preemptions since start.", snap.num_preemptions),
             "vllm:prefix_cache_queries": (
@@ -302,7 +303,7 @@ class EngineCollector(Collector):
             labels=["model_name", "adapter_name", "level", "pinned", "rank"],
         )
         for name, r in sorted(residency.items()):
-            loaded.add_metric([self.model_name, name, r.level, str(r.pinned).lower(), str(r.rank)], 1)
+            loaded.add_metric([self.model_name, name, level(r), str(r.pinned).lower(), str(r.rank)], 1)
         yield loaded
         load_seconds = HistogramMetricFamily(
             "vllm:lora_adapter_load_seconds",
@@ -331,25 +332,20 @@ class EngineCollector(Collector):
         yield lora
 
 
-@dataclass(frozen=True, slots=True)
-class Residency:
-    level: str  # "gpu": its weights are in the device's arena; "cpu": only staged in host memory
-    pinned: bool
-    staged: bool  # its weights are in host memory (some also on the device)
-    rank: int | None  # its largest LoRA rank
+def adapter_residency(placement: Iterable[AdapterPlacement]) -> dict[str, AdapterPlacement]:
+    """Adapter name -> its placement in a snapshot (PoolReport.adapters), for names whose weights are on the device
+    or staged in host memory (the others are read from disk when needed); the base model and weights no name
+    points to any more (kept while their last requests run) are left out. Names with equal weights share one
+    placement."""
+    return {
+        name: adapter
+        for adapter in placement
+        if adapter.tier == "gpu" or adapter.staged
+        for name in adapter.names
+        if name != BASE_NAME
+    }
 
 
-def adapter_residency(placement: Iterable[AdapterResidency]) -> dict[str, Residency]:
-    """Adapter name -> its Residency from the pool's placement in a snapshot (PoolReport.adapters); names whose
-    weights are on neither tier (registered, read from disk when needed) are left out, as
-    are the base model and weights no name points to any more (kept while their last requests run). Names with
-    equal weights share one entry of the placement."""
-    residency: dict[str, Residency] = {}
-    for adapter in placement:
-        level = "gpu" if adapter.tier == "gpu" else "cpu" if adapter.staged else None
-        if level is None:
-            continue
-        for name in adapter.names:
-            if name != BASE_NAME:
-                residency[name] = Residency(level, adapter.pinned, adapter.staged, adapter.rank)
-    return residency
+def level(adapter: AdapterPlacement) -> str:
+    """Where vLLM's proposal says an adapter's weights are: "gpu" (in the device's arena), else "cpu" (staged)."""
+    return "gpu" if adapter.tier == "gpu" else "cpu"

@@ -10,8 +10,6 @@ a page wastes less than a block)."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -42,7 +40,8 @@ def fillers(tmp_path_factory):
 
 
 def _resident(engine: Engine) -> set[int]:
-    return set(engine.core.pool.resident_adapters())
+    """The ids of the adapters whose weights are on the device."""
+    return set(engine.snapshot().resident_pages)
 
 
 def _drive(engine: Engine, check=None) -> list:
@@ -58,7 +57,7 @@ def _drive(engine: Engine, check=None) -> list:
 
 def test_an_adapter_takes_the_pages_of_its_ranks(fillers, tmp_path):
     engine = _engine(24)
-    assert engine.core.runner.geometry.page_bytes == PAGE_BYTES
+    assert engine.pool_report().block_bytes == PAGE_BYTES
     small = engine.adapters.add("f", fillers[0])
     big = engine.adapters.add("big", write_adapter(tmp_path / "big", seed=1, r=16))
     # rank 16: A 2 x 16 x 576 and B^T 16 x 768 per layer = 30,720 floats; with the table 922,880: just over 5 pages
@@ -66,7 +65,7 @@ def test_an_adapter_takes_the_pages_of_its_ranks(fillers, tmp_path):
     assert big.device_nbytes == 6 * PAGE_BYTES
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
     engine.generate([prompt, prompt], GREEDY, adapters=["f", "big"])
-    placement = {p.key.adapter_id: p for p in engine.core.pool.adapter_placement()}
+    placement = {p.adapter_id: p for p in engine.pool_report().adapters}
     assert placement[small.adapter_id].weight_blocks == 3 and placement[big.adapter_id].weight_blocks == 6
     stats = engine.pool_report().stats
     assert stats.gpu_free + stats.gpu_cached + stats.gpu_in_use == 24 and stats.gpu_cached >= 9
@@ -121,27 +120,20 @@ def test_adapters_and_kv_trade_pages(fillers):
     short = engine.chat_prompt([{"role": "user", "content": "Hi"}])  # 13 tokens: one block
     engine.adapters.stage([f"a{i}" for i in range(6)])  # all on the host before the requests: no race with the loader
     _run(engine, [short] * 6, [f"a{i}" for i in range(6)])
-    assert _resident(engine) >= {_key(i) for i in ids}  # six adapters, 18 pages
+    assert _resident(engine) >= set(ids)  # six adapters, 18 pages
     long_prompt = list(range(100, 100 + 16 * 16))  # 256 tokens + 4 output: 17 blocks
 
     def few_adapters(engine: Engine) -> None:
-        pool = engine.core.pool
-        held = len(pool.held_blocks())
-        resident = [a for a in pool.resident_adapters() if a.adapter_id in ids]
+        held = engine.pool_report().request_blocks
+        resident = _resident(engine) & set(ids)
         assert held + FILLER_PAGES * len(resident) <= 24
 
     _run(engine, [long_prompt], [None], few_adapters)
-    assert len([a for a in _resident(engine) if a.adapter_id in ids]) <= (24 - 17) // FILLER_PAGES
+    assert len(_resident(engine) & set(ids)) <= (24 - 17) // FILLER_PAGES
     _run(engine, [short] * 6, [f"a{i}" for i in range(6)])
-    assert _resident(engine) >= {_key(i) for i in ids}
-    base_kv = next(p for p in engine.core.pool.adapter_placement() if p.key.adapter_id < 0).kv_blocks_gpu
+    assert _resident(engine) >= set(ids)
+    base_kv = next(p for p in engine.pool_report().adapters if p.adapter_id < 0).kv_blocks_gpu
     assert base_kv <= 24 - 6 * FILLER_PAGES  # what the long prompt kept on the device
-
-
-def _key(adapter_id: int):
-    from lora_server.kv_pool.tree import AdapterKey
-
-    return AdapterKey(adapter_id)
 
 
 def _run(engine: Engine, prompts, adapters, check=None) -> list:
@@ -157,13 +149,13 @@ def test_a_request_waits_for_its_adapter_while_the_batch_steps(fillers):
     prompt = engine.chat_prompt([{"role": "user", "content": "Count to ten."}])
     running = engine.make_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     engine.add(running)
-    engine.step()  # its prefill
+    [prefilled] = engine.step()  # its prefill
     waiting = engine.make_request(prompt, GREEDY, adapter="late")
     engine.add(waiting)
-    served = engine.core.scheduler.requests  # the engine's own state of each request, by id
-    before = served[running.request_id].num_output_tokens
-    engine.step()  # the loader is asked for "late" now: it cannot be on the device yet
-    assert served[running.request_id].num_output_tokens == before + 1 and served[waiting.request_id].admission is None
+    [stepped] = engine.step()  # the loader is asked for "late" now: it cannot be on the device yet
+    assert stepped.request_id == running.request_id and stepped.num_output_tokens == prefilled.num_output_tokens + 1
+    snapshot = engine.snapshot()
+    assert snapshot.waiting == 1 and snapshot.waiting_adapters == ("late",)  # not admitted
     outputs = _drive(engine)
     done = {o.request_id: o for o in outputs if o.finished}
     assert done[waiting.request_id].finish_reason == "length" and done[running.request_id].finish_reason == "length"
@@ -191,11 +183,11 @@ def test_staged_copies_are_bounded_and_pins_are_kept(fillers):
     for i in range(1, 6):
         engine.adapters.add(f"a{i}", fillers[i])
     prompt = engine.chat_prompt([{"role": "user", "content": "Hi"}])
-    pin_id = engine.core.adapters.get("pin").adapter_id
     for i in range(1, 6):
         engine.generate([prompt], GREEDY, adapters=f"a{i}")
-        staged = engine.core.loader.staged_ids()
-        assert pin_id in staged and len(staged) <= 2 + 1  # the pin, and at most max_cpu_loras others
+        report = engine.pool_report()
+        [pin] = [p for p in report.adapters if p.name == "pin"]
+        assert pin.staged and report.device_memory.staged_adapters <= 2 + 1  # the pin, at most max_cpu_loras others
     assert engine.adapters.info("pin").state == "resident"
     engine.check_integrity()
 
@@ -241,7 +233,7 @@ def test_max_loras_bounds_the_adapters_of_one_batch(fillers):
     seen = []
 
     def at_most_two(engine: Engine) -> None:
-        running = Counter(r.adapter.name for r in engine.core.scheduler.running if r.adapter is not None)
+        running = engine.snapshot().running_adapters  # distinct
         seen.append(len(running))
         assert len(running) <= 2
 

@@ -332,9 +332,14 @@ def engine(tiny, s3, hub, tmp_path_factory):
     return _engine(tiny, tmp_path_factory.mktemp("cache"))
 
 
+def _cache(engine: Engine) -> Path:
+    """The directory adapters from sources are downloaded into."""
+    return Path(engine.config.adapter_cache_path).expanduser().resolve()
+
+
 def _cache_state(engine: Engine) -> tuple[list[str], list[str]]:
     """The cache's complete entries and anything else in it (but its lock file)."""
-    cache = engine.core.adapters.sources.cache_dir
+    cache = _cache(engine)
     names = sorted(p.name for p in cache.iterdir() if p.name != ".lock")
     return [n for n in names if (cache / n / "manifest.json").is_file()], [
         n for n in names if not (cache / n / "manifest.json").is_file()
@@ -355,7 +360,7 @@ def test_an_s3_adapter_serves_what_its_local_directory_serves(engine, tiny):
     assert local == remote and local != base
     info = engine.adapters.info("a0-s3")
     assert info is not None and info.path == f"s3://{BUCKET}/a0"  # the source, not the cache's copy
-    [manifest] = [m for m in engine.core.adapters.sources.cache_dir.glob("*/manifest.json") if "a0" in m.read_text()]
+    [manifest] = [m for m in _cache(engine).glob("*/manifest.json") if "a0" in m.read_text()]
     files = json.loads(manifest.read_text())["files"]
     for name in ADAPTER_FILES:  # the sha256 recorded; the ETag (MD5 of a single-part upload) checked
         data = (tiny / "local" / "a0" / name).read_bytes()
@@ -371,9 +376,7 @@ def test_a_hub_adapter_serves_what_its_local_directory_serves(engine, tiny, hub)
     assert local == remote == pinned and local != base
     downloads = [r for r in hub.requests if r.startswith("GET /org/a1/resolve/")]
     assert sorted(downloads) == [f"GET /org/a1/resolve/{COMMIT}/{name}" for name in ADAPTER_FILES]  # once; no README
-    [manifest] = [
-        m for m in engine.core.adapters.sources.cache_dir.glob("*/manifest.json") if "org/a1" in m.read_text()
-    ]
+    [manifest] = [m for m in _cache(engine).glob("*/manifest.json") if "org/a1" in m.read_text()]
     files = json.loads(manifest.read_text())["files"]
     weights = (tiny / "local" / "a1" / "adapter_model.safetensors").read_bytes()
     config = (tiny / "local" / "a1" / "adapter_config.json").read_bytes()
@@ -394,7 +397,7 @@ def test_a_source_that_fails_halfway_leaves_nothing_behind(engine, tiny, hub, fa
         hub.fault, hub.cut = None, False
     expected = "cannot be downloaded" if fault == "cut" else "does not match its source"
     assert expected in str(refused.value) and url in refused.value.public
-    assert str(engine.core.adapters.sources.cache_dir) not in refused.value.public
+    assert str(_cache(engine)) not in refused.value.public
     assert "a2-hub" not in engine.adapters.names()
     assert _cache_state(engine) == before  # no new entry, no partial download
     assert _tokens(engine, [None])[0]  # still serving
@@ -414,7 +417,7 @@ def test_a_source_that_sends_more_than_it_listed_is_stopped_at_the_listing(
     again the same URL registers."""
     engine = _engine(tiny, tmp_path / "cache", cache_bytes=LIE_CACHE)
     listed = sum((tiny / "local" / "a0" / f).stat().st_size for f in ADAPTER_FILES)
-    watch = Watch(engine.core.adapters.sources.cache_dir)
+    watch = Watch(_cache(engine))
     if scheme == "hf":
         hub.repos["org/liar"] = {f: (tiny / "local" / "a0" / f).read_bytes() for f in ADAPTER_FILES}
         url, hub.watch, hub.fault = "hf://org/liar", watch, lie
@@ -485,7 +488,7 @@ def test_a_damaged_cache_entry_is_downloaded_again(engine, tiny):
     engine.adapters.remove("a3-s3")
     [weights] = [
         m.parent / "files" / "adapter_model.safetensors"
-        for m in engine.core.adapters.sources.cache_dir.glob("*/manifest.json")
+        for m in _cache(engine).glob("*/manifest.json")
         if f"{BUCKET}/a3" in m.read_text()
     ]
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # same size, other bytes: only a checksum sees it
@@ -497,7 +500,7 @@ def test_a_damaged_cache_entry_is_downloaded_again(engine, tiny):
 def test_the_size_bound_evicts_the_least_recently_used_unregistered_entry(tiny, s3, tmp_path):
     size = sum((tiny / "local" / "a0" / f).stat().st_size for f in ADAPTER_FILES)
     engine = _engine(tiny, tmp_path / "cache", schemes=("s3",), cache_bytes=int(2.5 * size))  # room for two
-    cache = engine.core.adapters.sources.cache_dir
+    cache = _cache(engine)
 
     def entries() -> set[str]:
         return {json.loads(m.read_text())["url"] for m in cache.glob("*/manifest.json")}
@@ -537,8 +540,8 @@ def test_root_rules_still_hold_for_local_paths(engine, tiny, tmp_path):
     with pytest.raises(AdapterError, match="outside the allowed adapter roots"):
         engine.adapters.add("outside", outside)
     engine.adapters.add("cached", f"s3://{BUCKET}/a0")
-    copy = engine.core.adapters.path("cached")
-    assert copy.is_relative_to(engine.core.adapters.sources.cache_dir)
+    copy = engine.adapters.files("cached")
+    assert copy.is_relative_to(_cache(engine))
     with pytest.raises(AdapterError, match="outside the allowed adapter roots"):  # the cache is a root for URLs only
         engine.adapters.add("sneaky", copy)
 

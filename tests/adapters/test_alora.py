@@ -20,6 +20,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.request import activation_start
 from lora_server.sampling_params import SamplingParams
+from tests.conftest import scheduler_of
 
 BLOCK = 16
 NEW_TOKENS = 8
@@ -226,30 +227,28 @@ def test_alora_prefix_is_the_base_models_kv(alora, engine_alora):
     [base] = engine.generate([conversation], params, cache_salt="blocks")
     prompt = conversation + base.token_ids + invocations["check0"]
     computed = len(conversation) + NEW_TOKENS - 1  # the base request's KV: all but its last token
-    core = engine.core
     described = [
         engine.make_request(prompt, params, adapter, "blocks", f"held-{i}")
         for i, adapter in enumerate(["check0", "check0", None])
     ]
     engine.adapters.stage(["check0"])
     for request in described:
-        core.add(request)
-    core.step()
-    running = {r.request_id: r for r in core.scheduler.running}
+        engine.add(request)
+    engine.step()
+    running = {r.request_id: r for r in scheduler_of(engine).running}  # the scheduler's state of each
     assert len(running) == 3
     shared = computed // BLOCK  # the base request's full blocks, all before the invocation
     tables = [running[f"held-{i}"].block_table[:shared] for i in range(3)]
     assert tables[0] == tables[1] == tables[2]  # one copy of the conversation's KV for all three
     assert [running[f"held-{i}"].num_cached_tokens for i in range(3)] == [shared * BLOCK] * 3
-    while core.has_work():
-        core.step()
+    while engine.has_work():
+        engine.step()
     [twin] = engine.generate([prompt], params, adapters="plain0", cache_salt="blocks")
     assert twin.num_cached_tokens == 0  # a plain LoRA never reuses the base model's KV
-    tree = core.pool.tree
+    placement = {name: p for p in engine.pool_report().adapters for name in p.names}
     for name in invocations:  # nothing is ever cached under an aLoRA's own node
-        node = tree.adapter(engine.core.adapters.get(name).key)
-        assert node is not None and not node.children
-    core.check_integrity()
+        assert placement[name].kv_blocks_gpu == placement[name].kv_blocks_host == 0
+    engine.check_integrity()
 
 
 @pytest.mark.slow

@@ -204,8 +204,7 @@ def test_the_models_row_norms_read_the_served_weights(tmp_path):
     weight and bias of the module (k: the middle slice of the fused qkv; up: the second of gate_up)."""
     hf = _build(tmp_path, "qwen2-bias")
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=16, num_kv_blocks=64, show_progress=False))
-    runner = engine.core.runner
-    row_norms = BaseRowNorms(runner.model.lora_wrappers(), torch.float32, runner.device, chunk_elems=200)
+    row_norms = BaseRowNorms(engine.model.lora_wrappers(), torch.float32, engine.describe().device, chunk_elems=200)
     layer = hf.model.layers[1]
     for module, linear in (("k", layer.self_attn.k_proj), ("up", layer.mlp.up_proj)):
         a, b = torch.randn(3, linear.in_features), torch.randn(linear.out_features, 3)

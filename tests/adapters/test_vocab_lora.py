@@ -27,6 +27,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.sampling_params import SamplingParams
 from tests.adapters import test_adapter_keys
+from tests.conftest import pool_of, runner_of
 from tests.model.test_model_vs_hf import LOGPROB_TOL, _near_tie
 
 tiny = test_adapter_keys.tiny  # a random tiny Llama with its own head (vocab 128, hidden 64), and its HF model
@@ -274,10 +275,11 @@ def test_their_rows_are_in_the_adapters_arena_pages(untied_setup):
     counts (how many a piece takes: test_page_layout's vocabulary case, by hand)."""
     _, _, _, engine = untied_setup
     engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=1), adapters=["embed", "head", "tokens", "plain"])
-    runner, pool = engine.core.runner, engine.core.pool
+    runner, pool = runner_of(engine), pool_of(engine)
     resident = {node.key.adapter_id: node for node in pool.tree.adapters() if node.blocks}
+    ids = {name: p.adapter_id for p in engine.pool_report().adapters for name in p.names}
     for name in ("embed", "head", "tokens", "plain"):
-        node = resident[engine.core.adapters.get(name).adapter_id]
+        node = resident[ids[name]]
         terms = runner.adapters.vocab(node.blocks[0])
         if name == "plain":
             assert terms is None
@@ -350,7 +352,7 @@ def test_each_form_on_cuda_matches_peft(untied_setup, tied_setup):
         engine = Engine(EngineConfig(model=str(path), quantization="none", device="cuda", dtype="float32", **config))
         for name, adapter in adapters.items():
             engine.adapters.add(name, adapter)
-        assert engine.core.runner.graphs is not None
+        assert runner_of(engine).graphs is not None
         _check(engine, model, adapters, ["tokens", None, "embed", "plain", "head", "tokens"])
         _check(engine, model, adapters, ["head", None, "plain"])  # decode steps replay their graph
 

@@ -44,7 +44,7 @@ from lora_server.sampling_params import SamplingParams
 from tests.adapters import test_adapter_keys
 from tests.adapters.test_adapter_keys import TINY
 from tests.adapters.test_lora_vs_peft import _peft_greedy
-from tests.conftest import ADAPTERS, pool_counters
+from tests.conftest import ADAPTERS, pool_counters, runner_of
 from tests.engine.test_prompt_logprobs import _check
 from tests.model import test_architectures
 from tests.model.test_model_vs_hf import _compare, _hf_logprobs
@@ -58,7 +58,7 @@ NUM_PAGES_TP3 = 40
 
 def workers_of(engine: Engine) -> workers.WorkerRanks:
     """Rank 0's handle on the worker processes (a test of tensor parallelism's own fault handling)."""
-    ranks = engine.core.runner.ranks
+    ranks = runner_of(engine).ranks
     assert isinstance(ranks, TensorParallel)
     return ranks.workers
 
@@ -318,7 +318,7 @@ def test_the_integrity_check_finds_a_rank_out_of_step(tiny, tiny_peft):
     try:
         engine.adapters.add("qv-r2", root / "qv-r2")
         engine.generate(prompts([5]), GREEDY, adapters="qv-r2")
-        runner = engine.core.runner
+        runner = runner_of(engine)
         runner.check_ranks()
         (table_page,) = runner.adapters.table_pages()
         runner.adapters.unload(table_page)  # rank 0 alone
@@ -415,7 +415,7 @@ def test_kv_swapped_to_the_host_tier_and_back(tiny):
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_engine_with_an_error_naming_it(tiny):
     engine = tiny_engine(tiny[0], 2)
-    runner = engine.core.runner
+    runner = runner_of(engine)
     pid = workers_of(engine).pids[0]
     params = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts([5] * 8)):
@@ -479,7 +479,7 @@ def test_an_error_on_rank_0_after_the_step_went_out_stops_the_engine(tiny, tp2, 
     """Rank 0 fails once the workers have the step (they would wait in its collectives for good): the engine stops
     with an error that says so, and closing it does not wait for the workers. A failure before the step leaves
     rank 0 is the step's own: its request fails alone and the engine serves on, HF's tokens."""
-    runner = tp2.core.runner
+    runner = runner_of(tp2)
     prompt = prompts([6])
     real_plan = runner.block_tables.plan
     monkeypatch.setattr(runner.block_tables, "plan", lambda *a: (_ for _ in ()).throw(ValueError("before")))
@@ -508,7 +508,7 @@ def test_a_rank_that_hangs_alive_stops_the_engine_after_the_step_timeout(tiny, m
 
     monkeypatch.setattr(group, "STEP_TIMEOUT", timedelta(seconds=2))
     engine = tiny_engine(tiny[0], 2)
-    runner = engine.core.runner
+    runner = runner_of(engine)
     workers_of(engine).answer_timeout_s = 600.0
     try:
         assert engine.generate(prompts([5]), GREEDY)[0].token_ids == hf_greedy(tiny[1], prompts([5])[0], 8)

@@ -17,7 +17,7 @@ from lora_server.engine import Engine
 from lora_server.instrument.host_work import no_sync_or_pageable_copy
 from lora_server.model.cuda_graphs import decode_buckets
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import CHAT_PROMPTS
+from tests.conftest import CHAT_PROMPTS, runner_of, scheduler_of
 
 pytestmark = pytest.mark.gpu
 
@@ -63,28 +63,28 @@ def _decoding(engine: Engine):
     ended = []
     while not engine.snapshot().decoding:
         ended += [(out.request_id, out.finish_reason, out.error) for out in engine.step() if out.finished]
-    running = list(engine.core.scheduler.running)
+    running = list(scheduler_of(engine).running)
     assert len(running) == len(PLAN), ended  # none ended early (a failed adapter load would)
     return running
 
 
 def test_one_graph_per_bucket_and_none_when_eager(engine):
-    assert engine.core.runner.graphs is not None
-    assert engine.core.runner.graphs.buckets == decode_buckets(MAX_SEQS) == [1, 2, 4, 8, 16]
-    eager = _engine(enforce_eager=True).core.runner
+    graphs = runner_of(engine).graphs
+    assert graphs is not None and graphs.buckets == decode_buckets(MAX_SEQS) == [1, 2, 4, 8, 16]
+    eager = runner_of(_engine(enforce_eager=True))
     assert eager.graphs is None and eager.decode_buckets == []
 
 
 @torch.inference_mode()
 def test_replay_equals_the_eager_forward(engine):
     running = _decoding(engine)
-    runner = engine.core.runner
+    runner = runner_of(engine)
     # prepare() outside a step: every next token's KV slot must lie in a block the scheduler already gave (a token
     # that opens a block gets it in the step's schedule); among any 16 steps at most 5 put one of 5 requests there
     while any(r.num_computed_tokens // runner.block_size >= len(r.block_table) for r in running):
         engine.step()
-        assert len(engine.core.scheduler.running) == len(PLAN)
-        running = list(engine.core.scheduler.running)
+        running = list(scheduler_of(engine).running)
+        assert len(running) == len(PLAN)
     batch, _ = runner.prepare([(r, 1) for r in running])
     assert batch.num_tokens == 8 and batch.num_padding == 8 - len(running)
     eager = runner._eager_forward(batch)[: len(running)].clone()  # rewrites the same KV slots with the same values

@@ -12,7 +12,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.model.cuda_graphs import decode_buckets
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import CHAT_PROMPTS
+from tests.conftest import CHAT_PROMPTS, runner_of
 
 NEW_TOKENS = 8
 MIXED = [None, "upper", "pirate", "emoji", None]  # 5 requests: decode steps padded to the bucket of 8
@@ -35,7 +35,7 @@ def _generate(engine: Engine, plan: list[str | None]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def unpadded_mixed(engine):
-    assert engine.core.runner.decode_buckets == []  # the CPU does not pad
+    assert runner_of(engine).decode_buckets == []  # the CPU does not pad
     return _generate(engine, MIXED)
 
 
@@ -54,7 +54,7 @@ def unpadded_base(engine):
 )
 def test_padded_decode_steps_give_the_unpadded_tokens(request, monkeypatch, engine, plan, graph_layout):
     unpadded = request.getfixturevalue(f"unpadded_{plan}")
-    runner = engine.core.runner
+    runner = runner_of(engine)
     monkeypatch.setattr(runner, "decode_buckets", decode_buckets(engine.config.max_num_seqs))
     monkeypatch.setattr(runner, "graph_layout", graph_layout)
     prepare, batches = runner.prepare, []

@@ -62,8 +62,8 @@ def _compiled_variants() -> int:
 @pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
 def test_no_request_waits_for_a_compiler(tmp_path, quantization):
     engine = _engine(tmp_path, quantization=quantization)
-    runner = engine.core.runner
-    assert {"weights", "warm-up", "graphs"} <= set(runner.startup_s), runner.startup_s
+    startup_s = engine.describe().startup_s
+    assert {"weights", "warm-up", "graphs"} <= set(startup_s), startup_s
     before = _compiled_variants()
     assert before > 0
     serve_random(engine, 24)
@@ -73,8 +73,8 @@ def test_no_request_waits_for_a_compiler(tmp_path, quantization):
 def test_the_arena_is_sized_from_what_start_up_measured(tmp_path):
     share = 0.5
     engine = _engine(tmp_path, gpu_memory_utilization=share, max_num_batched_tokens=512)
-    runner = engine.core.runner
-    assert runner.memory.activations > 0 and runner.memory.graphs > 0
+    info = engine.describe()
+    assert info.activation_bytes > 0 and info.graph_bytes > 0
     total = torch.cuda.mem_get_info()[1]
     # the largest step the engine can take: the token budget over every sequence, each with an adapter
     names = engine.adapters.names()

@@ -21,6 +21,7 @@ from lora_server.instrument.host_work import (
 )
 from lora_server.model.sampler import Sampler
 from lora_server.sampling_params import SamplingParams
+from tests.conftest import runner_of
 
 META = torch.device("meta")
 
@@ -165,7 +166,7 @@ def test_decode_step_of_the_runner_neither_syncs_nor_copies_from_pageable_memory
         with HostWorkCounter("meta", emulate=True):  # the prefill (the counter reads back zeros)
             engine.step()
         assert engine.snapshot().decoding
-        runner = engine.core.runner
+        runner = runner_of(engine)
         prepare, sampler = runner.prepare, runner.sampler
         batches, before_sampling = [], []
 

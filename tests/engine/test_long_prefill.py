@@ -15,6 +15,7 @@ from lora_server.config import EngineConfig
 from lora_server.engine import Engine
 from lora_server.engine.request import RequestStatus
 from lora_server.sampling_params import SamplingParams
+from tests.conftest import scheduler_of
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -40,7 +41,7 @@ def test_a_short_request_starts_beside_long_prompts(smollm2_path):
     )
     short_prompt = _prompt(32, 3)
     alone = engine.generate([short_prompt], GREEDY, cache_salt="alone")[0].token_ids
-    requests = engine.core.scheduler.requests
+    requests = scheduler_of(engine).requests  # the scheduler's state of each request, by id
     long = engine.make_request(_prompt(7000, 1), GREEDY)
     engine.add(long)
     engine.step()

@@ -19,7 +19,7 @@ from lora_server.kv_pool.unified_pool import PoolConfig, UnifiedPool
 from lora_server.model.batch import DraftPosition
 from lora_server.model.sampler import Sampler, verify_drafts
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import CHAT_PROMPTS
+from tests.conftest import CHAT_PROMPTS, scheduler_of
 from tests.scheduler_setup import scheduler_config
 
 TEXT = (
@@ -324,7 +324,7 @@ def test_integrity_every_step_and_speculation_off_for_a_large_batch(spec, copy_p
     for i in range(MAX_BATCH + 1):
         params = short if i < 2 else long
         spec.add(spec.make_request(copy_prompt, params, "upper" if i == 3 else None, request_id=f"big-{i}"))
-    scheduler, bs = spec.core.scheduler, spec.config.block_size
+    scheduler, bs = scheduler_of(spec), spec.config.block_size
     drafted_while_large = drafted_while_small = 0
     while spec.has_work():
         running = len(scheduler.running)

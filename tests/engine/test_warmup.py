@@ -79,9 +79,9 @@ def test_no_warm_up_on_the_cpu(tmp_path):
             model=str(config), load_format="dummy", quantization="none", kv_cache_bytes=4 << 20, show_progress=False
         )
     )
-    runner = engine.core.runner
-    assert "warm-up" not in runner.startup_s and "weights" in runner.startup_s
-    assert runner.num_blocks == (4 << 20) // runner.geometry.page_bytes
+    startup_s, report = engine.describe().startup_s, engine.pool_report()
+    assert "warm-up" not in startup_s and "weights" in startup_s
+    assert report.gpu_blocks == (4 << 20) // report.block_bytes
 
 
 @pytest.mark.slow

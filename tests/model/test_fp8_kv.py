@@ -16,7 +16,7 @@ from lora_server.kernels.reference import dequantize_kv
 from lora_server.kv_pool.tree import CopyOp, OpKind
 from lora_server.model.arena import page_bytes
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import CHAT_PROMPTS
+from tests.conftest import CHAT_PROMPTS, pool_of, runner_of
 
 MIB = 1 << 20
 # SmolLM2-135M: 30 layers, 3 KV heads of 64; a block of 16 tokens holds K and V of every layer
@@ -66,18 +66,18 @@ def test_blocks_in_the_same_budget(engine_fp32, engine_fp8):
     assert page_bytes(arch, 16, torch.float32) == FP32_BLOCK_BYTES
     assert page_bytes(arch, 16, torch.bfloat16) == 2 * FP8_BLOCK_BYTES
     assert page_bytes(arch, 16, torch.float8_e4m3fn) == FP8_BLOCK_BYTES
-    fp32, fp8 = engine_fp32.core, engine_fp8.core
-    assert (fp32.runner.num_blocks, fp8.runner.num_blocks) == (364, 1456)
-    assert fp8.pool.config.num_gpu_blocks == 1456 and fp8.pool.config.block_bytes == FP8_BLOCK_BYTES
-    assert fp8.runner.num_host_blocks == fp8.pool.config.num_host_blocks == 364
-    assert fp8.runner.arena.kv.dtype == torch.float8_e4m3fn
-    assert fp8.runner.arena.nbytes == 1456 * FP8_BLOCK_BYTES <= 256 * MIB
-    assert fp8.runner.host_kv.nbytes == 364 * FP8_BLOCK_BYTES <= 64 * MIB
+    fp32, fp8, pool = runner_of(engine_fp32), runner_of(engine_fp8), engine_fp8.pool_report()
+    assert (fp32.num_blocks, fp8.num_blocks) == (364, 1456)
+    assert pool.gpu_blocks == 1456 and pool.block_bytes == FP8_BLOCK_BYTES
+    assert fp8.num_host_blocks == pool.host_blocks == 364
+    assert fp8.arena.kv.dtype == torch.float8_e4m3fn
+    assert fp8.arena.nbytes == 1456 * FP8_BLOCK_BYTES <= 256 * MIB
+    assert fp8.host_kv.nbytes == 364 * FP8_BLOCK_BYTES <= 64 * MIB
     assert engine_fp8.describe().kv_bytes_per_token == FP8_BLOCK_BYTES // 16
     # a resident adapter is charged its bytes in the smaller blocks: the same bytes, four times as many blocks
     adapter_bytes = 4_900_000  # about the size of a demo adapter in fp16
-    assert fp8.pool.config.adapter_blocks(adapter_bytes) == -(-adapter_bytes // FP8_BLOCK_BYTES) == 27
-    assert fp32.pool.config.adapter_blocks(adapter_bytes) == -(-adapter_bytes // FP32_BLOCK_BYTES) == 7
+    assert pool_of(engine_fp8).config.adapter_blocks(adapter_bytes) == -(-adapter_bytes // FP8_BLOCK_BYTES) == 27
+    assert pool_of(engine_fp32).config.adapter_blocks(adapter_bytes) == -(-adapter_bytes // FP32_BLOCK_BYTES) == 7
 
 
 # Greedy agreement with the fp32 KV cache: the share of the 8 x 24 tokens generated before each prompt's first
@@ -121,7 +121,7 @@ def test_greedy_agreement_with_fp32_kv(engine_fp32, engine_fp8, adapter):
             assert behind <= max_behind, (first, behind)
     agreement = same / (NEW_TOKENS * len(prompts))
     assert agreement >= min_agree, agreement
-    runner = engine_fp8.core.runner
+    runner = runner_of(engine_fp8)
     kv_pages = [p for p in range(runner.num_blocks) if p not in runner.adapters.pages()]  # not adapters' weights
     stored = runner.arena.kv[kv_pages].float().abs()
     assert stored.max() < 448, "a key or value was clamped: the scales leave too little room"
@@ -131,7 +131,7 @@ def test_greedy_agreement_with_fp32_kv(engine_fp32, engine_fp8, adapter):
 def test_host_swap_round_trip(engine_fp8):
     """Device blocks holding fp8 KV go to the host tier and come back into other device blocks byte for byte; a
     block moves in one copy of FP8_BLOCK_BYTES, and what attention reads from it (stored x scale) is unchanged."""
-    runner = engine_fp8.core.runner
+    runner = runner_of(engine_fp8)
     cache, host = runner.arena.kv, runner.host_kv  # [blocks, layers, 2, 16, kv_heads, head_dim]; [blocks, bytes]
     src, host_blocks, dst = (1400, 1401), (10, 11), (1450, 1451)  # free: the tests' requests use the low blocks
     gen = torch.Generator().manual_seed(0)

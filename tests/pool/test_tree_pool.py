@@ -373,7 +373,7 @@ def test_tree_cost_pool_by_hand():
     pool.tree.evict(1, to_host=True)  # adapter 1's tail again; the next admission swaps it in itself
     assert pool.take_copy_ops()[0].kind is OpKind.KV_SWAP_OUT
     placement = {
-        p.key.adapter_id: (p.tier, p.weight_blocks, p.kv_blocks_gpu, p.kv_blocks_host) for p in pool.adapter_placement()
+        p.adapter_id: (p.tier, p.weight_blocks, p.kv_blocks_gpu, p.kv_blocks_host) for p in pool.adapter_placement()
     }
     assert placement == {BASE_ADAPTER_ID: ("gpu", 0, 0, 0), 1: ("gpu", 2, 1, 1), 2: ("gpu", 2, 2, 0)}
     adm = pool.admit(K1, p1, 5.0)
