@@ -252,21 +252,21 @@ void int8_gemv(const float *x, int M, int K, const int8_t *q, const float *scale
 }
 
 /* Decode attention over a paged float32 cache, one query per sequence (paged_attention's decode rows, as
- * kernels.gathered_attention computes them): q [B, H, D] contiguous, out [B, H, D]; k_cache, v_cache [blocks,
+ * kernels.gathered_attention computes them): q [B, H, D] (rows q_row floats apart, heads D apart), out [B, H, D]; k_cache, v_cache [blocks,
  * block_size, KVH, D] with strides (in floats) block_stride, slot_stride, head_stride and D contiguous; block_tables [B, max_blocks]
  * int32, seq_lens [B] int32. Query head h reads KV head h / (H / KVH) over keys max(0, L - window) .. L - 1 (all
  * of them where window <= 0), scores scale * q . k, soft-capped where softcap > 0 (softcap * tanh(s / softcap));
  * softmax in one pass with a running maximum; a sequence of length 0 gives zeros. D <= 512. */
 
-void decode_attention(const float *q, const float *k_cache, const float *v_cache, long block_stride, long slot_stride,
-                      long head_stride,
-                      const int32_t *block_tables, const int32_t *seq_lens, int B, int H, int KVH, int D,
-                      int block_size, int max_blocks, float scale, int window, float softcap, float *out) {
+static void attention_rows(const float *q, long q_row, const float *k_cache, const float *v_cache,
+                           long block_stride, long slot_stride, long head_stride, const int32_t *block_tables,
+                           const int32_t *seq_lens, int B, int H, int KVH, int D, int block_size, int max_blocks,
+                           float scale, int window, float softcap, float *out) {
     int group = H / KVH;
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H, kvh = h / group;
-        const float *qv = q + (size_t)bh * D;
+        const float *qv = q + (size_t)b * q_row + (size_t)h * D;
         float *o = out + (size_t)bh * D;
         float acc[512];
         for (int d = 0; d < D; d++) acc[d] = 0.0f;
@@ -293,6 +293,13 @@ void decode_attention(const float *q, const float *k_cache, const float *v_cache
         }
         for (int d = 0; d < D; d++) o[d] = len > first ? acc[d] / denom : 0.0f;
     }
+}
+
+void decode_attention(const float *q, const float *k_cache, const float *v_cache, long block_stride, long slot_stride,
+                      long head_stride, const int32_t *block_tables, const int32_t *seq_lens, int B, int H, int KVH,
+                      int D, int block_size, int max_blocks, float scale, int window, float softcap, float *out) {
+    attention_rows(q, (long)H * D, k_cache, v_cache, block_stride, slot_stride, head_stride, block_tables, seq_lens,
+                   B, H, KVH, D, block_size, max_blocks, scale, window, softcap, out);
 }
 
 /* In place, rows of float32 [T, hidden] contiguous: residual += x (when add), then x = weight * (residual *
@@ -343,6 +350,64 @@ void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const f
             memcpy(v_cache + at + h * head_stride, v + (size_t)t * v_row + (size_t)h * D, sizeof(float) * D);
         }
     }
+}
+
+/* One decoder layer's decode step up to its MLP's activation, for M rows of float32, each the one new token of its
+ * sequence, every linear in torch's CPU int4 layout without a bias: the calls the model makes one by one
+ * (model/llama.py DecoderLayer: add_rms_norm, int4_gemv, rotary_write_kv, decode attention, int4_gemv,
+ * add_rms_norm, int4_gemv), in the same order on the same values, so bit for bit the same results. In three
+ * parts, between which the caller adds the LoRA of each linear it just computed (an adapter's step), or in one call
+ * (decode_layer: no adapter). The layer's weights and shapes (DecodeLayer) and the step's inputs and work buffers
+ * (DecodeStep) are built once. */
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, rotary_dim, intermediate, group;
+    float eps, scale, softcap;
+    int window;
+    const float *attn_norm, *mlp_norm;
+    const uint8_t *qkv, *o, *gate_up; /* packed [N / 64, K, 32] */
+    const uint16_t *qkv_sz, *o_sz, *gate_up_sz; /* [K / group, N, 2] bfloat16 */
+} DecodeLayer;
+
+typedef struct {
+    int M, block_size, max_blocks;
+    long block_stride, slot_stride, head_stride; /* the caches' strides, in floats */
+    const float *cos, *sin_signed;               /* [M, head_dim] */
+    const int64_t *slots;                        /* [M] */
+    const int32_t *block_tables, *seq_lens;      /* [M, max_blocks], [M] */
+    float *qkv, *attn;                           /* [M, (heads + 2 kv_heads) head_dim], [M, heads head_dim] */
+    void *scratch;                               /* int4_gemv's, for the widest K */
+} DecodeStep;
+
+/* x, residual [M, hidden]: residual += x where add (else residual holds the layer's input), x = its input norm;
+ * S->qkv = q|k|v of x. */
+void decode_qkv(const DecodeLayer *L, const DecodeStep *S, float *x, float *residual, int add) {
+    int nqkv = (L->heads + 2 * L->kv_heads) * L->head_dim;
+    add_rms_norm(x, residual, L->attn_norm, S->M, L->hidden, L->eps, add);
+    int4_gemv(x, S->M, L->hidden, L->qkv, L->qkv_sz, nqkv, L->group, S->scratch, S->qkv);
+}
+
+/* S->qkv's q and k rotated, k and v written to their slots, S->attn = decode attention, o [M, hidden] = its o. */
+void decode_attention_o(const DecodeLayer *L, const DecodeStep *S, float *k_cache, float *v_cache, float *o) {
+    int M = S->M, D = L->head_dim, H = L->heads, KVH = L->kv_heads, nqkv = (H + 2 * KVH) * D;
+    rotary_write_kv(S->qkv, nqkv, S->qkv + (size_t)(H + KVH) * D, nqkv, S->cos, S->sin_signed, k_cache, v_cache,
+                    S->block_stride, S->slot_stride, S->head_stride, S->slots, M, H + KVH, KVH, D, L->rotary_dim,
+                    S->block_size);
+    attention_rows(S->qkv, nqkv, k_cache, v_cache, S->block_stride, S->slot_stride, S->head_stride, S->block_tables,
+                   S->seq_lens, M, H, KVH, D, S->block_size, S->max_blocks, L->scale, L->window, L->softcap, S->attn);
+    int4_gemv(S->attn, M, H * D, L->o, L->o_sz, L->hidden, L->group, S->scratch, o);
+}
+
+/* residual += x, x = its MLP norm, gate_up [M, 2 * intermediate] = gate|up of x. */
+void decode_gate_up(const DecodeLayer *L, const DecodeStep *S, float *x, float *residual, float *gate_up) {
+    add_rms_norm(x, residual, L->mlp_norm, S->M, L->hidden, L->eps, 1);
+    int4_gemv(x, S->M, L->hidden, L->gate_up, L->gate_up_sz, 2 * L->intermediate, L->group, S->scratch, gate_up);
+}
+
+void decode_layer(const DecodeLayer *L, const DecodeStep *S, float *x, float *residual, int add, float *k_cache,
+                  float *v_cache, float *gate_up) {
+    decode_qkv(L, S, x, residual, add);
+    decode_attention_o(L, S, k_cache, v_cache, x);
+    decode_gate_up(L, S, x, residual, gate_up);
 }
 
 /* 1 where the matrix-vector products run on AVX-512 with VNNI and VBMI (this build's target has them), 0 where they

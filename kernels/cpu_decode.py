@@ -12,6 +12,9 @@ fingerprint) and called through ctypes, which lets go of the interpreter lock fo
 - decode_attention: kernels.gathered_attention's result for a float32 cache, one pass per (sequence, head).
 - add_rms_norm_: kernels.reference.fused_add_rms_norm (and rms_norm) for float32 rows.
 - rotary_write_kv_: kernels.reference.rotary_write_kv for float32 heads and cache, bit for bit.
+- decode_layer_: a decoder layer's calls of the above, from its input norm to its gate | up projection, in one
+  call (DecodeLayer, DecodeStep: what model.fused_decode builds), bit for bit the calls one by one; or in three
+  (decode_qkv_, decode_attention_o_, decode_gate_up_), between which the model adds its adapters' LoRA.
 
 Where there is no compiler, or the build fails, ``load`` returns None and says why once; the callers keep torch's
 paths. kernels.ops takes the library where its caller passes it (``cpu=``: the model's norms and attention, where
@@ -75,6 +78,12 @@ def _build(cache_dir: Path, march: str) -> ctypes.CDLL:
     lib.add_rms_norm.restype = None
     lib.rotary_write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _I, _I, _I, _I, _I, _I]
     lib.rotary_write_kv.restype = None
+    lib.decode_layer.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P]
+    lib.decode_qkv.argtypes = [_P, _P, _P, _P, _I]
+    lib.decode_attention_o.argtypes = [_P, _P, _P, _P, _P]
+    lib.decode_gate_up.argtypes = [_P, _P, _P, _P, _P]
+    for name in ("decode_layer", "decode_qkv", "decode_attention_o", "decode_gate_up"):
+        getattr(lib, name).restype = None
     lib.vectorized.argtypes = []
     lib.vectorized.restype = _I
     return lib
@@ -259,3 +268,70 @@ def rotary_write_kv_(
     lib.rotary_write_kv(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(), sin_signed.data_ptr(),
                         k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3], slots.data_ptr(), t, heads,
                         k_cache.shape[2], d, width, k_cache.shape[1])  # fmt: skip
+
+
+class DecodeLayer(ctypes.Structure):
+    """decode_layer's view of one decoder layer (cpu_decode.c): shapes, and pointers into the layer's norm weights
+    and int4 linears (q|k|v, o, gate|up in torch's CPU int4 layout at row block 64, one group size), which its
+    builder keeps alive."""
+
+    _fields_ = [
+        *((name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "rotary_dim", "intermediate", "group")),
+        *((name, _F) for name in ("eps", "scale", "softcap")),
+        ("window", _I),
+        *((name, _P) for name in ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "qkv_sz", "o_sz", "gate_up_sz")),
+    ]
+
+
+class DecodeStep(ctypes.Structure):
+    """decode_layer's view of one decode step, shared by its layers: M rows (one token of each sequence), the caches'
+    block size and strides, pointers to the rotary rows, slots, block tables and lengths, and work buffers."""
+
+    _fields_ = [
+        *((name, _I) for name in ("M", "block_size", "max_blocks")),
+        *((name, _L) for name in ("block_stride", "slot_stride", "head_stride")),
+        *((name, _P) for name in ("cos", "sin_signed", "slots", "block_tables", "seq_lens", "qkv", "attn", "scratch")),
+    ]
+
+
+def int4_scratch_bytes(m: int, k: int, group: int) -> int:
+    """The scratch int4_gemv fills for m rows of k columns (their int8 parts, block scales and group sums)."""
+    return m * (2 * k + 4 * (k // 32 + k // group))
+
+
+def decode_layer_(
+    lib: ctypes.CDLL,
+    layer: DecodeLayer,
+    step: DecodeStep,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    add: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    gate_up: torch.Tensor,
+) -> None:
+    """In place, on float32 rows x, residual [M, hidden] (contiguous): add_rms_norm_ (residual += x where ``add``,
+    else residual is the layer's input), q|k|v, rotary and the KV write into k_cache, v_cache (``step``'s strides),
+    decode attention, o, add_rms_norm_ into x and residual, and gate|up into gate_up [M, 2 * intermediate]: what
+    int4_gemv, rotary_write_kv_, decode_attention and add_rms_norm_ compute one by one, bit for bit."""
+    lib.decode_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), residual.data_ptr(), int(add),
+                     k_cache.data_ptr(), v_cache.data_ptr(), gate_up.data_ptr())  # fmt: skip
+
+
+def decode_qkv_(lib: ctypes.CDLL, layer: DecodeLayer, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor,
+                add: bool) -> None:  # fmt: skip
+    """decode_layer_'s first part: the input norm into x (and residual, where ``add``), q|k|v into the step's qkv."""
+    lib.decode_qkv(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), residual.data_ptr(), int(add))
+
+
+def decode_attention_o_(lib: ctypes.CDLL, layer: DecodeLayer, step: DecodeStep, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, o: torch.Tensor) -> None:  # fmt: skip
+    """Its second: rotary and the KV write, decode attention into the step's attn, its o projection into o."""
+    lib.decode_attention_o(ctypes.byref(layer), ctypes.byref(step), k_cache.data_ptr(), v_cache.data_ptr(),
+                           o.data_ptr())  # fmt: skip
+
+
+def decode_gate_up_(lib: ctypes.CDLL, layer: DecodeLayer, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor,
+                    gate_up: torch.Tensor) -> None:  # fmt: skip
+    """Its third: residual += x, x = the MLP norm of it, gate|up into gate_up."""
+    lib.decode_gate_up(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), residual.data_ptr(), gate_up.data_ptr())

@@ -43,3 +43,9 @@ def kernel_cache_dir() -> str:
 def cpu_kernels_enabled() -> bool:
     """LORA_SERVER_CPU_KERNELS=0 keeps the CPU decode step on torch's kernels (else kernels.cpu_decode is built)."""
     return os.environ.get("LORA_SERVER_CPU_KERNELS", "1") != "0"
+
+
+def fused_decode_enabled() -> bool:
+    """LORA_SERVER_FUSED_DECODE=0 keeps each decoder layer's CPU decode calls one by one (model.fused_decode makes
+    them one C call a layer, with the same numbers: the switch is for comparing the two)."""
+    return os.environ.get("LORA_SERVER_FUSED_DECODE", "1") != "0"

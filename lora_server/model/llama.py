@@ -24,6 +24,7 @@ from lora_server.kernels import ops
 from lora_server.model.arch import ModelArch
 from lora_server.model.batch import ForwardBatch
 from lora_server.model.checkpoint import Checkpoint
+from lora_server.model.fused_decode import FusedDecode, LayerParts
 from lora_server.model.lora import LoraBatch, LoraLinear, VocabTerms
 from lora_server.model.quant import (
     QuantLinear,
@@ -235,6 +236,35 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm: RMSNorm | None = post_norms[1] if post_norms is not None else None
         self.local_rope = local_rope
 
+    def fused_parts(self) -> LayerParts | None:
+        """What model.fused_decode reads of this layer, where it is the plain Llama block (no q/k or post norms, one
+        rotary table, SiLU, the linears its own LoRA wrappers with the CPU's kernels chosen: not tensor
+        parallelism's); else None."""
+        attn, mlp = self.attn, self.mlp
+        wrappers = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (
+            attn.cpu_kernels is None
+            or attn.q_norm is not None
+            or self.post_attn_norm is not None
+            or self.local_rope
+            or mlp.act_and_mul is not ops.silu_and_mul
+            or any(type(w) is not LoraLinear for w in wrappers)
+            or self.attn_norm.eps != self.mlp_norm.eps
+        ):
+            return None
+        return LayerParts(
+            self.attn_norm.weight,
+            self.mlp_norm.weight,
+            self.attn_norm.eps,
+            attn.qkv_proj,
+            attn.o_proj,
+            mlp.gate_up_proj,
+            mlp.down_proj,
+            attn.scale,
+            attn.window,
+            attn.softcap,
+        )
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTable, kv_cache: LayerKV
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +303,7 @@ class LlamaModel(nn.Module):
         self.lm_head = lm_head  # None: tied to the embedding
         # table page -> that resident adapter's embedding / head changes, or None (set by the runner: its arena)
         self.vocab_terms: Callable[[int], VocabTerms | None] | None = None
+        self._fused: FusedDecode | None | bool = False  # False: not built yet (fused_decode, on first use)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
@@ -288,12 +319,25 @@ class LlamaModel(nn.Module):
         rope = self.rotary.table(batch.positions, self.dtype)
         local = rope if self.local_rotary is None else self.local_rotary.table(batch.positions, self.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, batch, local if layer.local_rope else rope, kv_cache)
+        fused = self.fused_decode()
+        if fused is not None and fused.takes(x, batch, rope.cos, kv_caches[0].k, kv_caches[0].k_scale is not None):
+            x, residual = fused.forward(x, batch, rope.cos, rope.sin_signed, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, batch, local if layer.local_rope else rope, kv_cache)
         if residual is None:
             return self.norm(x)
         self.norm.add_and_norm(x, residual)
         return x
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The CPU decode step's layers one C call each (model.fused_decode), built on the first step (after any
+        module swap); None where a layer does not qualify."""
+        if self._fused is False:
+            layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+            self._fused = FusedDecode.build(self.arch, [layer.fused_parts() for layer in layers])
+        assert not isinstance(self._fused, bool)
+        return self._fused
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
         """[layer][group] -> the LoRA wrapper of each fused linear (groups as in kernels.lora_table.GROUPS)."""

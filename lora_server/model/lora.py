@@ -71,9 +71,14 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in] -> [T, out_total]
         out = self.base(x)
+        self.add_lora(x, out, lora)
+        return out
+
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor, lora: LoraBatch | None) -> None:
+        """In place: out [T, out_total] (the base's output for x [T, in]) += each token's adapter's LoRA of x."""
         workspace = self.workspace
         if lora is None or workspace is None:
-            return out
+            return
         layer, group, terms = self.layer, self.group, workspace.terms
         ops.apply_lora(
             x,
@@ -89,7 +94,6 @@ class LoraLinear(nn.Module):
             slice_align=self.slice_align,
             host_segments=lambda: [(s, e, terms(page, layer, group)) for s, e, page in lora.host_segments],
         )
-        return out
 
 
 RowRuns = list[tuple[int, int, torch.Tensor]]  # a matrix held in runs of rows: (row0, row1, view [row1 - row0, width])
