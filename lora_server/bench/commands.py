@@ -158,9 +158,15 @@ def _bench_gpu_args(p: argparse.ArgumentParser) -> None:
         help="quantization modes, one engine each; takes commas (default: none,int8,int4,fp8; none runs in the "
         "engine's dtype, bfloat16 on CUDA)",
     )
-    p.add_argument("--batch", type=_ints, default=[1, 16, 64, 128], help="batch sizes (default: 1,16,64,128)")
+    p.add_argument("--batch", type=_ints, default=[1, 64, 256], help="batch sizes (default: 1,64,256)")
     p.add_argument("--adapters", type=_ints, default=[0, 16, 64], help="distinct adapters (default: 0,16,64)")
-    p.add_argument("--prompt-len", type=_ints, default=[128, 1024], help="prompt lengths (default: 128,1024)")
+    p.add_argument(
+        "--prompt-len",
+        type=_ints,
+        default=[128, 1024],
+        help="prompt lengths: the first for every batch and adapter count, the others at batch 1 without adapters "
+        "(prefill) (default: 128,1024)",
+    )
     p.add_argument("--output-len", type=int, default=64, help="tokens per request (default: 64, as the HF + PEFT peer)")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank (default: 16)")
     p.add_argument("--out", default="results", help="where the JSON, XML and PNG go (default: results)")

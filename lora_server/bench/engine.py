@@ -185,8 +185,17 @@ def _make_resident(engine: Engine, names: list[str]) -> None:
         engine.step()
 
 
+def bench_points(args) -> list[tuple[int, int, int]]:
+    """The (batch, adapters, prompt length) points to run: ``args.points`` where given (bench-gpu's), else every
+    combination of ``args.prompt_len``, ``args.batch`` and ``args.adapters``."""
+    given = getattr(args, "points", None)
+    if given is not None:
+        return list(given)
+    return [(b, n, p) for p in args.prompt_len for b in args.batch for n in args.adapters]
+
+
 def bench(args, base: EngineConfig) -> dict:
-    """Every (prompt length, batch, distinct adapters) point on an engine built from ``base``, sized for them."""
+    """Every point of bench_points on an engine built from ``base``, sized for them."""
     config = dataclasses.replace(
         base,
         max_num_seqs=max(args.batch),
@@ -208,20 +217,18 @@ def bench(args, base: EngineConfig) -> dict:
         # an adapter's bytes as held on the device (model dtype; the host copy is fp32)
         first = engine.adapters.info(names[0]) if names else None
         adapter_bytes = first.device_bytes if first else 0
-        for prompt_len in args.prompt_len:
-            for batch in args.batch:
-                for n in args.adapters:
-                    point = run_point(
-                        engine,
-                        batch,
-                        names[: min(n, batch)] if n else [],
-                        prompt_len,
-                        args.output_len,
-                        bandwidth,
-                        adapter_bytes,
-                    )
-                    points.append(point)
-                    print(_row(point), flush=True)
+        for batch, n, prompt_len in bench_points(args):
+            point = run_point(
+                engine,
+                batch,
+                names[: min(n, batch)] if n else [],
+                prompt_len,
+                args.output_len,
+                bandwidth,
+                adapter_bytes,
+            )
+            points.append(point)
+            print(_row(point), flush=True)
     result = dict(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         model=config.model,
