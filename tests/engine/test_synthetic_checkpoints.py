@@ -39,7 +39,10 @@ SHAPES = {  # HF's config and model classes, and what a shape adds
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
 }
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+DEVICES = [  # the CPU tier's run of the GPU checks is slow-marked: the quick tier has the model's own CPU checks
+    pytest.param("cpu", id="cpu", marks=pytest.mark.slow),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
 ADAPTERS = {  # PEFT configs of different ranks and targets
     "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "all-r8": dict(
