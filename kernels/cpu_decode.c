@@ -207,6 +207,7 @@ static inline __attribute__((always_inline)) void int8_tile(const float *x, int 
     default: CALL(4); break; \
     }
 
+__attribute__((noinline))
 void int4_gemv(const float *x, int M, int K, const uint8_t *packed, const uint16_t *scales_and_zeros, int N,
                int group, void *scratch, float *y) {
     /* packed: torch's CPU int4 layout at row block 64, [N / 64, K, 32] (byte (b, k, d) = code of row b * 64 + d at
@@ -252,13 +253,15 @@ void int8_gemv(const float *x, int M, int K, const int8_t *q, const float *scale
 }
 
 /* Decode attention over a paged float32 cache, one query per sequence (paged_attention's decode rows, as
- * kernels.gathered_attention computes them): q [B, H, D] (rows q_row floats apart, heads D apart), out [B, H, D]; k_cache, v_cache [blocks,
- * block_size, KVH, D] with strides (in floats) block_stride, slot_stride, head_stride and D contiguous; block_tables [B, max_blocks]
- * int32, seq_lens [B] int32. Query head h reads KV head h / (H / KVH) over keys max(0, L - window) .. L - 1 (all
- * of them where window <= 0), scores scale * q . k, soft-capped where softcap > 0 (softcap * tanh(s / softcap));
- * softmax in one pass with a running maximum; a sequence of length 0 gives zeros. D <= 512. */
+ * kernels.gathered_attention computes them): q [B, H, D] (rows q_row floats apart, heads D apart; decode_attention:
+ * contiguous), out [B, H, D]; k_cache, v_cache [blocks, block_size, KVH, D] with strides (in floats) block_stride,
+ * slot_stride, head_stride and D contiguous; block_tables [B, max_blocks] int32, seq_lens [B] int32. Query head h
+ * reads KV head h / (H / KVH) over keys max(0, L - window) .. L - 1 (all of them where window <= 0), scores
+ * scale * q . k, soft-capped where softcap > 0 (softcap * tanh(s / softcap)); softmax in one pass with a running
+ * maximum; a sequence of length 0 gives zeros. D <= 512. */
 
-static void attention_rows(const float *q, long q_row, const float *k_cache, const float *v_cache,
+static __attribute__((noinline))
+void attention_rows(const float *q, long q_row, const float *k_cache, const float *v_cache,
                            long block_stride, long slot_stride, long head_stride, const int32_t *block_tables,
                            const int32_t *seq_lens, int B, int H, int KVH, int D, int block_size, int max_blocks,
                            float scale, int window, float softcap, float *out) {
@@ -304,6 +307,7 @@ void decode_attention(const float *q, const float *k_cache, const float *v_cache
 
 /* In place, rows of float32 [T, hidden] contiguous: residual += x (when add), then x = weight * (residual *
  * 1 / sqrt(mean(residual^2) + eps)), the sum of squares in float32 (HF's LlamaRMSNorm at float32). */
+__attribute__((noinline))
 void add_rms_norm(float *x, float *residual, const float *weight, int T, int hidden, float eps, int add) {
     for (int t = 0; t < T; t++) {
         float *xr = x + (size_t)t * hidden, *rr = residual + (size_t)t * hidden;
@@ -326,6 +330,7 @@ void add_rms_norm(float *x, float *residual, const float *weight, int T, int hid
  * v_row) go to their slots of k_cache, v_cache [blocks, block_size, KVH, D] (strides block_stride, slot_stride,
  * head_stride); a
  * negative slot writes nothing. D <= 512. */
+__attribute__((noinline))
 void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const float *cos, const float *sin_signed,
                      float *k_cache, float *v_cache, long block_stride, long slot_stride, long head_stride,
                      const int64_t *slots, int T, int HK,
@@ -351,6 +356,9 @@ void rotary_write_kv(float *qk, long qk_row, const float *v, long v_row, const f
         }
     }
 }
+
+/* The functions the layer below calls are noinline: one compiled body serves it and the model's calls one by one,
+ * so that their reductions sum in one order (a compiler may vectorize an inlined copy's otherwise). */
 
 /* One decoder layer's decode step up to its MLP's activation, for M rows of float32, each the one new token of its
  * sequence, every linear in torch's CPU int4 layout without a bias: the calls the model makes one by one

@@ -28,15 +28,15 @@ from lora_server.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Issue 45's decode goals: (name, mode, point key, bound on decode ms over floor ms). A point key is (batch, distinct
-# adapters, prompt length). "none" runs in the engine's dtype (bfloat16 on CUDA).
+# Issue 45's decode goals: (name, mode, (batch, distinct adapters), bound on decode ms over floor ms), at the decode
+# prompt length (evaluate's). "none" runs in the engine's dtype (bfloat16 on CUDA).
 DECODE_GOALS = (
-    ("decode within 1.25x of the floor, batch 1, no adapter", "none", (1, 0, 128), 1.25),
-    ("decode within 1.35x of the floor, batch 1, one adapter", "none", (1, 1, 128), 1.35),
-    ("decode within 1.4x of the floor, batch 64, 16 adapters", "none", (64, 16, 128), 1.4),
-    ("decode within 1.8x of the floor, batch 256, 16 adapters", "none", (256, 16, 128), 1.8),
-    ("int4 decode within 1.6x of its floor, batch 1", "int4", (1, 0, 128), 1.6),
-    ("fp8 decode within 1.35x of its floor, batch 1", "fp8", (1, 0, 128), 1.35),
+    ("decode within 1.25x of the floor, batch 1, no adapter", "none", (1, 0), 1.25),
+    ("decode within 1.35x of the floor, batch 1, one adapter", "none", (1, 1), 1.35),
+    ("decode within 1.4x of the floor, batch 64, 16 adapters", "none", (64, 16), 1.4),
+    ("decode within 1.8x of the floor, batch 256, 16 adapters", "none", (256, 16), 1.8),
+    ("int4 decode within 1.6x of its floor, batch 1", "int4", (1, 0), 1.6),
+    ("fp8 decode within 1.35x of its floor, batch 1", "fp8", (1, 0), 1.35),
 )
 # LoRA's cost beyond its bytes at (batch, adapters), against the same batch without adapters (lora_cost): at most
 # this share of the step with them
@@ -91,23 +91,32 @@ def run_peer(script: Path, out: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if code == 0 and path.exists() else None
 
 
-def evaluate(modes: dict[str, dict], peak_tflops: float | None, peer: dict | None) -> list[dict[str, Any]]:
+def evaluate(
+    modes: dict[str, dict],
+    peak_tflops: float | None,
+    peer: dict | None,
+    decode_prompt: int = 128,
+    prefill_prompt: int = 1024,
+) -> list[dict[str, Any]]:
     """Every goal against the figures: name, measured value, bound and met (None where its mode, point or peer
-    did not run). ``modes``: mode -> bench-engine's result (its "points")."""
+    did not run). ``modes``: mode -> bench-engine's result (its "points"); the decode goals read the points at
+    ``decode_prompt`` tokens, the prefill goal the one at ``prefill_prompt`` (suite_points' first and last)."""
     goals = []
-    for name, mode, key, bound in DECODE_GOALS:
+    for name, mode, (batch, adapters), bound in DECODE_GOALS:
         for m in [mode] if mode else list(modes):
-            point = _point(modes.get(m), key)
+            point = _point(modes.get(m), (batch, adapters, decode_prompt))
             ratio = None if point is None else point["decode_ms_per_step"] / point["floor_ms_per_step"]
             goals.append(_goal(f"{name} [{m}]", "x floor", ratio, bound, at_most=True))
     for batch, adapters in LORA_COST_POINTS:
-        cost = lora_cost(_point(modes.get("none"), (batch, adapters, 128)), _point(modes.get("none"), (batch, 0, 128)))
+        with_lora = _point(modes.get("none"), (batch, adapters, decode_prompt))
+        cost = lora_cost(with_lora, _point(modes.get("none"), (batch, 0, decode_prompt)))
         name = f"LoRA's cost beyond its bytes, batch {batch}, {adapters} adapter{'s' * (adapters > 1)} [none]"
         goals.append(_goal(name, "of the step", cost, LORA_COST_SHARE, at_most=True))
-    prefill = _point(modes.get("none"), (1, 0, 1024))
+    prefill = _point(modes.get("none"), (1, 0, prefill_prompt))
     share = None if prefill is None or not peak_tflops else prefill["prefill_tflops"] / peak_tflops
-    goals.append(_goal("prefill at 1,024 tokens against the matmul peak [none]", "share", share, PREFILL_SHARE))
-    served = _point(modes.get("none"), (64, 16, 128))
+    name = f"prefill at {prefill_prompt:,} tokens against the matmul peak [none]"
+    goals.append(_goal(name, "share", share, PREFILL_SHARE))
+    served = _point(modes.get("none"), (64, 16, decode_prompt))
     theirs = (peer or {}).get("results_tok_s__ms_per_step", {}).get(PEER_KEY)
     ratio = None if served is None or theirs is None else served["total_tok_per_s"] / theirs[0]
     goals.append(_goal("throughput against HF + PEFT, 16 mixed adapters, batch 64 [none]", "x", ratio, PEER_RATIO))
@@ -119,6 +128,7 @@ def suite_points(batches: list[int], adapters: list[int], prompt_lens: list[int]
     the batch) at the first prompt length, then each further prompt length at batch 1 without adapters (its prefill
     rate: a long prompt at every batch would take more KV than the arena holds at the largest and more time than one
     device call has). Each point once."""
+    assert prompt_lens, "at least one prompt length"
     first, *longer = prompt_lens
     points = [(b, min(a, b), first) for b in batches for a in adapters] + [(1, 0, n) for n in longer]
     return list(dict.fromkeys(points))
@@ -217,7 +227,7 @@ def suite(args: argparse.Namespace, base: EngineConfig) -> dict[str, Any]:
         peer = run_peer(Path(args.peer_script), out)
     for line in point_lines(modes):
         print(line)
-    goals = evaluate(modes, peak, peer)
+    goals = evaluate(modes, peak, peer, args.prompt_len[0], args.prompt_len[-1])
     summary: dict[str, Any] = dict(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         matmul_peak_tflops=round(peak, 2),

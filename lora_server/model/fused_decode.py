@@ -92,7 +92,7 @@ class FusedDecode:
                     qkv.scales_and_zeros.data_ptr(),
                     o.scales_and_zeros.data_ptr(),
                     gate_up.scales_and_zeros.data_ptr(),
-                )  # fmt: skip
+                )
             )
         return cls(lib, arch, layers, [p for p in parts if p is not None], groups.pop())
 

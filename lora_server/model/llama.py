@@ -244,6 +244,8 @@ class DecoderLayer(nn.Module):
         wrappers = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if (
             attn.cpu_kernels is None
+            or self.attn_norm.cpu_kernels is None
+            or self.mlp_norm.cpu_kernels is None
             or attn.q_norm is not None
             or self.post_attn_norm is not None
             or self.local_rope
@@ -332,7 +334,8 @@ class LlamaModel(nn.Module):
 
     def fused_decode(self) -> FusedDecode | None:
         """The CPU decode step's layers one C call each (model.fused_decode), built on the first step (after any
-        module swap); None where a layer does not qualify."""
+        module swap); None where a layer does not qualify. It points into the layers' weights: once a step has run,
+        the model's modules and their tensors must not be replaced or moved."""
         if self._fused is False:
             layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
             self._fused = FusedDecode.build(self.arch, [layer.fused_parts() for layer in layers])

@@ -105,7 +105,7 @@ def test_gpu_test_files_hold_every_gpu_test():
 @pytest.mark.slow
 def test_bench_gpu_quick_on_the_cpu(tmp_path):
     """The whole command on a tiny Llama: every mode's points, TFLOP/s consistent with the prefill rate, the goals
-    recorded as not measured (their shapes did not run), the PNG drawn."""
+    at the run's prompt lengths (those of shapes that did not run recorded as not measured), the PNG drawn."""
     subprocess.run(
         [sys.executable, "-m", "lora_server.cli", "bench-gpu", "--quick", "--out", str(tmp_path)],
         cwd=REPO,
@@ -124,5 +124,12 @@ def test_bench_gpu_quick_on_the_cpu(tmp_path):
             flops = p["prefill_tok_per_s"] * prefill_flops_per_token(TINY, p["prompt_len"]) / 1e12
             assert p["prefill_tflops"] == pytest.approx(flops, abs=1e-4)
             assert p["total_tok_per_s"] > 0 and p["floor_ms_per_step"] > 0
-    assert all(g["met"] is None for g in summary["goals"])
+    unmeasured = {g["goal"] for g in summary["goals"] if g["measured"] is None}
+    assert unmeasured == {  # the shapes that did not run; the others are measured at the tiny shapes (meaningless)
+        "decode within 1.4x of the floor, batch 64, 16 adapters [none]",
+        "decode within 1.8x of the floor, batch 256, 16 adapters [none]",
+        "LoRA's cost beyond its bytes, batch 64, 16 adapters [none]",
+        "throughput against HF + PEFT, 16 mixed adapters, batch 64 [none]",
+    }
+    assert "prefill at 32 tokens against the matmul peak [none]" in {g["goal"] for g in summary["goals"]}
     assert (tmp_path / "bench-gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,11 +2,11 @@
 (nothing to download or carry; the embedded model's GPU tests, test_gpu_engine.py, stay where it is installed): a
 small Llama and a small Qwen3 (its q/k norms) in HF's layout (config.json + safetensors, random weights) and PEFT
 adapters of them, served in fp32 against HF transformers (+ PEFT) in fp32 on the CPU, by test_gpu_engine's check
-(the engine's own tokens teacher-forced through the reference): each quantization mode against HF holding the
-weights the mode holds (the modes' torch twins, below), a batch of three adapters and the base against PEFT, KV
-pushed to the host tier and back. On CUDA the decode steps replay their CUDA graphs (the engine's default), so the
-graphs are checked against HF and PEFT too. Each check runs on the CPU as well (the CPU tier: it keeps the checks
-honest where no GPU is lent)."""
+(the engine's own tokens teacher-forced through the reference): the none, int8 and int4 modes against HF holding the
+weights the mode holds (the modes' torch twins, below; fp8 quantizes activations too and has no such twin), a batch
+of three adapters and the base against PEFT, KV pushed to the host tier and back. On CUDA the decode steps replay
+their CUDA graphs (the engine's default), so the graphs are checked against HF and PEFT too. Each check runs on the
+CPU as well (the CPU tier: it keeps the checks honest where no GPU is lent)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,11 @@ ADAPTERS = {  # PEFT configs of different ranks and targets
     "mlp-r16": dict(r=16, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
 }
 NEW_TOKENS = 12
-# The CPU's int4 prefill multiplies in bfloat16 where the CPU has bfloat16 matmuls (model.quant.Int4CpuLinear: the
-# activations rounded to 2^-9 of themselves), so int4 on the CPU is no fp32 path: measured on these shapes, its
-# logprobs within 0.026 of HF's holding the same weights (CUDA's int4 kernel multiplies in fp32: LOGPROB_TOL).
+# int4 on the CPU is no fp32 path (model.quant.Int4CpuLinear): it keeps the scales and zeros in bfloat16 (the
+# twin's are fp16), and its prefill multiplies in bfloat16 where the CPU has bfloat16 matmuls. Measured on these
+# shapes: logprobs within 0.026 of HF's holding the twin's weights (CUDA's int4 kernel multiplies the fp16 scales in
+# fp32: LOGPROB_TOL). These 6 prompts decode 6 rows a step, above CPU_GEMV_MAX_ROWS: the CPU's int4 decode kernel
+# and its fused step are checked by tests/model/test_fused_decode.py and tests/kernels/test_cpu_decode_kernels.py.
 INT4_CPU_TOL = 0.06
 
 

@@ -1,8 +1,8 @@
 """The CPU decode step with one C call a layer (model.fused_decode) against the same layers' calls one by one
 (LORA_SERVER_FUSED_DECODE=0, the path the model tests check against HF): on the embedded model (Q4_1, int4 on the
 CPU) the same tokens and log-probabilities bit for bit, for one sequence and for four decoding together, and with
-requests of an adapter among them (their steps take the calls one by one). A model whose layers are not int4 does
-not take it."""
+an adapter's request among them (its steps run the layer in three C calls, the LoRA added between them). Every case
+checks that the fused step did run. A model whose layers are not int4 does not take it."""
 
 from __future__ import annotations
 
@@ -42,10 +42,16 @@ def _served(engine: Engine, prompts: list[str], adapters: list[str | None], salt
     [[None], [None] * 4, ["pirate", None, None]],
     ids=["one", "four", "with-an-adapter"],
 )
-def test_the_same_tokens_and_logprobs_as_the_calls_one_by_one(engines, adapters):
+def test_the_same_tokens_and_logprobs_as_the_calls_one_by_one(engines, adapters, monkeypatch):
     fused, plain = engines
+    steps = fused.model.fused_decode()
+    assert steps is not None
+    ran = []
+    forward = steps.forward
+    monkeypatch.setattr(steps, "forward", lambda *a: ran.append(a[1].lora is not None) or forward(*a))
     prompts = CHAT_PROMPTS[: len(adapters)]
     assert _served(fused, prompts, adapters, "fused") == _served(plain, prompts, adapters, "plain")
+    assert len(ran) >= PARAMS.max_tokens - 1 and any(ran) == any(adapters)  # decode steps, with the adapter's LoRA
     fused.check_integrity()
 
 
