@@ -6,7 +6,7 @@ fields)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -72,8 +72,13 @@ class PoolReport:
     def as_json(self) -> JsonObject:
         """The figures as JSON: the pool's stats beside the other fields, cache salts' tokens by name, the adapter
         histograms under ``adapter_load_seconds``."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("stats", "adapter_load", "adapter_activate")}
-        out["adapters"] = [_placement_json(a) for a in self.adapters]
+        out: JsonObject = {}
+        for f in fields(self):  # in the fields' order; the adapters' placements made once, each as the page reads it
+            value = getattr(self, f.name)
+            if f.name == "adapters":
+                out[f.name] = [_placement_json(a) for a in value]
+            elif f.name not in ("stats", "adapter_load", "adapter_activate"):
+                out[f.name] = asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
         stats = asdict(self.stats)
         stats["kv_tokens_by_salt"] = {
             salt: {"prompt_tokens": p, "cached_tokens": c} for salt, (p, c) in self.stats.kv_tokens_by_salt.items()

@@ -305,7 +305,8 @@ class LlamaModel(nn.Module):
         self.lm_head = lm_head  # None: tied to the embedding
         # table page -> that resident adapter's embedding / head changes, or None (set by the runner: its arena)
         self.vocab_terms: Callable[[int], VocabTerms | None] | None = None
-        self._fused: FusedDecode | None | bool = False  # False: not built yet (fused_decode, on first use)
+        self._fused: FusedDecode | None = None  # fused_decode's, built on first use
+        self._fused_built = False
 
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K and V into the caches."""
@@ -336,10 +337,10 @@ class LlamaModel(nn.Module):
         """The CPU decode step's layers one C call each (model.fused_decode), built on the first step (after any
         module swap); None where a layer does not qualify. It points into the layers' weights: once a step has run,
         the model's modules and their tensors must not be replaced or moved."""
-        if self._fused is False:
+        if not self._fused_built:
             layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
             self._fused = FusedDecode.build(self.arch, [layer.fused_parts() for layer in layers])
-        assert not isinstance(self._fused, bool)
+            self._fused_built = True
         return self._fused
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
