@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_server.errors import ModelLoadError
-from lora_server.model.checkpoint_checks import HF_NAMES, check_arch, check_hf_config, head_width
+from lora_server.model.checkpoint_checks import (
+    HF_NAMES,
+    MAX_LAYERS,
+    Int,
+    check_arch,
+    check_hf_config,
+    check_int,
+    check_value,
+    head_width,
+)
 
 # HF architecture -> family: "llama" is the Llama forward pass (Qwen2 adds biases on q, k, v); the others are
 # described by ModelArch's fields (qk_norm, gemma_norms, activation, windows, soft-capping, fused projections...)
@@ -23,7 +32,11 @@ FAMILIES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
 }
+# Mixture-of-experts architectures: some or all layers' MLP is a router and num_experts gated MLPs (model.moe)
+MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM", "MixtralForCausalLM"})
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # Image-text models whose language model is served alone: its settings are config.json's text_config, its tensors
 # are named under language_model (model.loader), and its vision tower and projector are not loaded. Requests with
@@ -174,6 +187,14 @@ class ModelArch:
     local_rope_theta: float = 0.0  # the sliding layers' own RoPE base, unscaled (Gemma 3; 0: as the others)
     rope_attention_factor: float = 1.0  # cos and sin times this (LongRoPE's attention factor)
     fused_projections: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
+    # mixture of experts (MOE_ARCHITECTURES; 0: a dense model): each sparse layer's MLP is a router [experts,
+    # hidden] and num_experts gated MLPs of moe_intermediate_size, each token through its experts_per_token
+    # best-scored experts, weighted by their softmax probabilities (renormalized over those k with norm_topk_prob)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # the layers whose MLP is dense (intermediate_size) in an MoE model
 
     @property
     def q_size(self) -> int:
@@ -214,6 +235,10 @@ class ModelArch:
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         """The model's shape from an HF config.json's dict (a multimodal one's: its language model's, see
@@ -251,6 +276,7 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         gemma = family in ("gemma2", "gemma3")
         num_layers = cfg["num_hidden_layers"]
+        moe = _moe_fields(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else {}
         built = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -285,9 +311,39 @@ class ModelArch:
             local_rope_theta=float(local_rope.get("rope_theta", 0.0)) if local_rope else 0.0,
             rope_attention_factor=attention_factor,
             fused_projections=family == "phi3",
+            **moe,
         )
         check_arch(built, HF_NAMES)
         return built
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields as HF reads config.json: Mixtral's experts are intermediate_size wide,
+    every layer sparse, the top k always renormalized; Qwen3-MoE's moe_intermediate_size wide, a layer sparse unless
+    it is in mlp_only_layers or (its index + 1) is not a multiple of decoder_sparse_step, renormalized with
+    norm_topk_prob (HF's default: false)."""
+    if arch == "MixtralForCausalLM":
+        experts, k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
+        width, norm, dense = cfg["intermediate_size"], True, ()
+    else:
+        named = {key: cfg[key] for key in ("num_experts", "num_local_experts") if cfg.get(key) is not None}
+        if len(set(map(repr, named.values()))) > 1:  # the hub's key, and transformers 5's name for it
+            raise ModelLoadError(f"num_experts {named['num_experts']} and num_local_experts {named['num_local_experts']} differ")
+        experts, k = next(iter(named.values()), 128), cfg.get("num_experts_per_tok", 8)
+        width, norm = cfg.get("moe_intermediate_size", 768), cfg.get("norm_topk_prob", False)
+        step, only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+        check_value(norm, "norm_topk_prob", bool)
+        check_int(step, "decoder_sparse_step", Int(high=MAX_LAYERS))
+        if not isinstance(only, list) or not all(type(i) is int and 0 <= i < num_layers for i in only):
+            raise ModelLoadError(f"mlp_only_layers = {only!r}: expected a list of layer indices below {num_layers}")
+        dense = tuple(i for i in range(num_layers) if i in only or experts == 0 or (i + 1) % step)
+    for key, value in (("experts", experts), ("experts per token", k), ("expert width", width)):
+        check_int(value, key, Int())
+    if k > experts:
+        raise ModelLoadError(f"num_experts_per_tok {k} is more than the {experts} experts")
+    return dict(
+        num_experts=experts, experts_per_token=k, moe_intermediate_size=width, norm_topk_prob=norm, dense_layers=dense
+    )
 
 
 def _text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -41,6 +41,10 @@ class ArchSizes(Protocol):
     @property
     def head_dim(self) -> int: ...
     @property
+    def num_experts(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
     def q_size(self) -> int: ...
     @property
     def kv_size(self) -> int: ...
@@ -393,6 +397,17 @@ class TensorShapes:
             "gate_up": ((2 * i, h), mf + hf),
             "rope_freqs": ((arch.rotary_width // 2,), ("head_dim",)),
         }
+        e, w = arch.num_experts, arch.moe_intermediate_size
+        if e:  # an MoE model's (model.moe): the router, each expert's linears, or all experts' stacked (HF 5's)
+            ef, wf = ("num_experts",), ("moe_intermediate_size",)
+            self.shapes.update(
+                router=((e, h), ef + hf),
+                expert_gate=((w, h), wf + hf),
+                expert_up=((w, h), wf + hf),
+                expert_down=((h, w), hf + wf),
+                experts_gate_up=((e, 2 * w, h), ef + wf + hf),
+                experts_down=((e, h, w), ef + hf + wf),
+            )
 
     def check(self, canonical: str, shape: tuple[int, ...], tensor: str) -> None:
         """``tensor`` (the file's name for it) holds ``canonical``: its layer is one of the arch's, its shape the
@@ -404,7 +419,7 @@ class TensorShapes:
                 raise ModelLoadError(
                     f"{tensor} belongs to layer {layer}, but {self._name('num_layers')} is {arch.num_layers}"
                 )
-        expected, fields = self.shapes[canonical.rsplit(".", 1)[-1]]
+        expected, fields = self.shapes[shape_key(canonical)]
         if tuple(shape) != expected:
             made = ", ".join(f"{self._name(f)} {getattr(arch, f)}" for f in fields)
             raise ModelLoadError(f"{tensor} has shape {tuple(shape)}, but {made} make it {expected}")
@@ -423,6 +438,15 @@ class TensorShapes:
 
     def _name(self, field: str) -> str:
         return self.names.get(field, field)
+
+
+def shape_key(canonical: str) -> str:
+    """TensorShapes' key of a canonical name: its last part; an expert's linear (layers.0.experts.3.gate)
+    expert_gate, all experts' stacked (layers.0.experts.gate_up) experts_gate_up."""
+    parts = canonical.split(".")
+    if len(parts) > 3 and parts[2] == "experts":
+        return ("expert_" if parts[3].isdigit() else "experts_") + parts[-1]
+    return parts[-1]
 
 
 # ---- GGUF layout --------------------------------------------------------------------------------------------

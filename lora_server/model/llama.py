@@ -26,6 +26,7 @@ from lora_server.model.batch import ForwardBatch
 from lora_server.model.checkpoint import Checkpoint
 from lora_server.model.fused_decode import FusedDecode, LayerParts
 from lora_server.model.lora import LoraBatch, LoraLinear, VocabTerms
+from lora_server.model.moe import SparseMoE
 from lora_server.model.quant import (
     QuantLinear,
     cat_linears,
@@ -226,7 +227,7 @@ class DecoderLayer(nn.Module):
         attn_norm: RMSNorm,
         attn: Attention,
         mlp_norm: RMSNorm,
-        mlp: MLP,
+        mlp: MLP | SparseMoE,
         post_norms: tuple[RMSNorm, RMSNorm] | None = None,
         local_rope: bool = False,
     ) -> None:
@@ -241,6 +242,8 @@ class DecoderLayer(nn.Module):
         rotary table, SiLU, the linears its own LoRA wrappers with the CPU's kernels chosen: not tensor
         parallelism's); else None."""
         attn, mlp = self.attn, self.mlp
+        if not isinstance(mlp, MLP):
+            return None
         wrappers = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if (
             attn.cpu_kernels is None
@@ -344,12 +347,20 @@ class LlamaModel(nn.Module):
         return self._fused
 
     def lora_wrappers(self) -> list[dict[str, LoraLinear]]:
-        """[layer][group] -> the LoRA wrapper of each fused linear (groups as in kernels.lora_table.GROUPS)."""
+        """[layer][group] -> the LoRA wrapper of each fused linear (groups as in kernels.lora_table.GROUPS; a
+        mixture-of-experts layer has no dense gate_up and down: its experts' LoRA is model.moe's)."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        return [
-            dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
-            for layer in layers
-        ]
+        wrappers = []
+        for layer in layers:
+            found = dict(qkv=layer.attn.qkv_proj, o=layer.attn.o_proj)
+            if isinstance(layer.mlp, MLP):
+                found.update(gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
+            wrappers.append(found)
+        return wrappers
+
+    def sparse_mlps(self) -> list[SparseMoE]:
+        """The mixture-of-experts layers' MLPs (empty for a dense model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]  # type: ignore[union-attr]
 
     def compute_logits(
         self, hidden: torch.Tensor, segments: Sequence[tuple[int, int, int]] = ()
@@ -414,7 +425,21 @@ def build_llama(
         )
         qk_norms = (norm(p + "q_norm"), norm(p + "k_norm")) if arch.qk_norm else None
         attn = Attention(arch, i, qkv, linear(p + "o"), qk_norms)
-        mlp = MLP(arch, i, cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
+        mlp: MLP | SparseMoE
+        if arch.sparse(i):
+            if p + "router" not in w:
+                raise ModelLoadError(f"checkpoint lacks {p}router")
+            experts = [f"{p}experts.{e}." for e in range(arch.num_experts)]
+            mlp = SparseMoE(
+                i,
+                w[p + "router"].dense(dtype, device),
+                [cat_linears([linear(e + "gate"), linear(e + "up")], dtype) for e in experts],
+                [linear(e + "down") for e in experts],
+                arch.experts_per_token,
+                arch.norm_topk_prob,
+            )
+        else:
+            mlp = MLP(arch, i, cat_linears([linear(p + "gate"), linear(p + "up")], dtype), linear(p + "down"))
         post_norms = (norm(p + "post_attn_norm"), norm(p + "post_mlp_norm")) if arch.gemma_norms else None
         local = arch.local_rope_theta > 0 and arch.window(i) > 0
         layers.append(DecoderLayer(norm(p + "attn_norm"), attn, norm(p + "mlp_norm"), mlp, post_norms, local))

@@ -122,9 +122,24 @@ _HF_FUSED = [
 ]
 
 
+# A mixture of experts' router and experts (model.moe), as the hub's files name them (Qwen3-MoE's mlp.experts.N,
+# Mixtral's block_sparse_moe.experts.N with w1 gate, w3 up, w2 down; transformers 5's save_pretrained writes these
+# too) and as transformers 5's modules hold them: every expert's gate|up and down stacked, [experts, 2 * width,
+# hidden] and [experts, hidden, width]
+_HF_EXPERTS = [
+    (r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight", "layers.{}.router"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "layers.{}.experts.{}.{}"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", "layers.{}.experts.{}.gate"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight", "layers.{}.experts.{}.up"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", "layers.{}.experts.{}.down"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", "layers.{}.experts.{}"),
+]
+
+
 def _hf_names(arch: ModelArch) -> list[tuple[re.Pattern, str]]:
     """(pattern, canonical template) of every tensor the architecture's model reads."""
     names = _HF_NAMES + (_HF_GEMMA_NORMS if arch.gemma_norms else _HF_MLP_NORM)
+    names += _HF_EXPERTS if arch.num_experts else []
     names += _HF_QK_NORMS if arch.qk_norm else []
     names += _HF_FUSED if arch.fused_projections else []
     return [(re.compile(pattern), template) for pattern, template in names]
@@ -181,6 +196,23 @@ def _split_fused(arch: ModelArch, canonical: str, read: Callable[[], torch.Tenso
     }
 
 
+def _expert_rows(read: Callable[[], torch.Tensor], expert: int, start: int, end: int) -> torch.Tensor:
+    return read()[expert, start:end]
+
+
+def _split_experts(arch: ModelArch, canonical: str, read: Callable[[], torch.Tensor]) -> dict[str, WeightSource]:
+    """All experts' stacked weight as each expert's: experts.gate_up [E, 2 * width, hidden] -> experts.e.gate and
+    .up (its first and last width rows, HF's chunk(2)), experts.down [E, hidden, width] -> experts.e.down."""
+    prefix, fused = canonical.rsplit(".", 1)
+    width, hidden = arch.moe_intermediate_size, arch.hidden_size
+    parts = [("gate", 0, width), ("up", width, 2 * width)] if fused == "gate_up" else [("down", 0, hidden)]
+    return {
+        f"{prefix}.{e}.{part}": FloatWeight(functools.partial(_expert_rows, read, e, start, end))
+        for e in range(arch.num_experts)
+        for part, start, end in parts
+    }
+
+
 def _hf_checkpoint(path: Path) -> Checkpoint:
     config = _hf_config_json(path)
     with about(path / "config.json"):
@@ -191,6 +223,11 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
         raise ModelLoadError(
             f"pre-quantized {arch.architecture} checkpoints are not implemented (their quantized modules are named "
             "under language_model); serve the unquantized checkpoint, with --quantization if needed"
+        )
+    if arch.num_experts and scheme is not None:
+        raise ModelLoadError(
+            f"pre-quantized {arch.architecture} checkpoints are not implemented (their experts' packed weights are "
+            "not read); serve the unquantized checkpoint, with --quantization if needed"
         )
     tensors = _safetensors(path)
     readers: dict[str, Callable[[], torch.Tensor]] = {
@@ -215,7 +252,9 @@ def _hf_checkpoint(path: Path) -> Checkpoint:
         if canonical is not None:
             sources[canonical] = name
             _check_float_tensor(tensors[name], name, canonical, shapes)
-        if canonical is not None and canonical.endswith((".qkv", ".gate_up")):
+        if canonical is not None and canonical.split(".")[-2:-1] == ["experts"]:  # all experts stacked
+            weights.update(_split_experts(arch, canonical, read))
+        elif canonical is not None and canonical.endswith((".qkv", ".gate_up")):
             weights.update(_split_fused(arch, canonical, read))
         elif canonical is not None:
             weights[canonical] = FloatWeight(read)
@@ -404,6 +443,13 @@ def _dummy_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             shapes.update(post_attn_norm=(h,), post_mlp_norm=(h,))
         if arch.attention_bias:
             shapes.update(q_bias=(arch.q_size,), k_bias=(arch.kv_size,), v_bias=(arch.kv_size,))
+        if arch.sparse(layer):
+            width = arch.moe_intermediate_size
+            del shapes["gate"], shapes["up"], shapes["down"]
+            shapes["router"] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                shapes.update({f"experts.{e}.gate": (width, h), f"experts.{e}.up": (width, h)})
+                shapes[f"experts.{e}.down"] = (h, width)
         for key, shape in shapes.items():
             weights[f"layers.{layer}.{key}"] = shape
     return weights

@@ -1,0 +1,111 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral) with each token's LoRA on the experts its router picked.
+
+The router is a dense [experts, hidden] matrix in the model's dtype, never quantized (a quantized router moves
+routing decisions, which are discrete); each expert is a gated MLP whose gate|up and down are linears of the
+model's quantization (model.quant), like a dense layer's. As HF computes it: the router's logits in the model's
+dtype, their softmax in float32, the top experts_per_token probabilities (renormalized to sum to 1 where the family
+does), rounded to the model's dtype; then expert by expert, in index order, the tokens it was picked for go through
+it, times their weight, added into the output.
+
+LoRA on the experts (adapters.expert_lora) follows the routing: each token's adapter's A/B of the expert, where the
+adapter has them, add to that expert's gate|up and down outputs for that token. A step's tokens come ordered so that
+each adapter's are one run (model.lora.LoraBatch.host_segments); an expert's tokens, taken in order, keep that
+order, so each adapter's are again one run of them, and its LoRA is one shrink and expand per run (segment_lora)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_server.kernels import ops
+from lora_server.kernels.segment_lora import LoraTerm, apply_lora_segments
+from lora_server.model.lora import LoraBatch
+
+# (table page, layer) -> expert -> (its gate|up terms, its down terms): one resident adapter's LoRA on one layer's
+# experts, views into the arena (model.arena); an expert it leaves alone is not in the dict
+ExpertTerms = dict[int, tuple[list[LoraTerm], list[LoraTerm]]]
+ExpertTermsOf = Callable[[int, int], ExpertTerms]
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        layer: int,
+        router: torch.Tensor,
+        gate_up: list[nn.Module],
+        down: list[nn.Module],
+        experts_per_token: int,
+        norm_topk_prob: bool,
+    ) -> None:
+        """``router`` [experts, hidden]; ``gate_up``: each expert's fused gate|up linear [2 * width, hidden];
+        ``down``: each expert's [hidden, width]."""
+        super().__init__()
+        assert len(gate_up) == len(down) == router.shape[0], (len(gate_up), len(down), tuple(router.shape))
+        self.layer = layer
+        self.router = nn.Parameter(router, requires_grad=False)
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+        self.top_k, self.norm_topk_prob = experts_per_token, norm_topk_prob
+        self.expert_terms: ExpertTermsOf | None = None  # set by model.arena.attach_arena
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64): each token's top k experts."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        picked = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        picked.scatter_(1, experts, weights)  # [T, experts]: a token's weight for each expert, 0 where not picked
+        hit = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [experts]: tokens each was picked for
+        runs = self._lora_runs(lora)
+        for e in hit.nonzero().flatten().tolist():
+            tokens = picked[:, e].nonzero().flatten()  # ascending
+            rows = x[tokens]
+            gate_up = self.gate_up[e](rows)
+            segments = _expert_segments(tokens, runs, e) if runs else []
+            if segments:
+                apply_lora_segments(rows, gate_up, [(s, t, terms[0]) for s, t, terms in segments])
+            hidden = ops.silu_and_mul(gate_up)
+            y = self.down[e](hidden)
+            if segments:
+                apply_lora_segments(hidden, y, [(s, t, terms[1]) for s, t, terms in segments])
+            out.index_add_(0, tokens, y * picked[tokens, e, None])
+        return out
+
+    def _lora_runs(self, lora: LoraBatch | None) -> list[tuple[int, int, ExpertTerms]]:
+        """(first token, end token, that adapter's terms on this layer's experts) of each run of tokens whose
+        adapter has LoRA on them."""
+        of = self.expert_terms
+        if lora is None or of is None:
+            return []
+        runs = []
+        for start, end, page in lora.host_segments:
+            terms = of(page, self.layer)
+            if terms:
+                runs.append((start, end, terms))
+        return runs
+
+
+def _expert_segments(
+    tokens: torch.Tensor, runs: list[tuple[int, int, ExpertTerms]], expert: int
+) -> list[tuple[int, int, tuple[list[LoraTerm], list[LoraTerm]]]]:
+    """(first row, end row, the adapter's terms of ``expert``) of the rows of an expert's tokens (ascending token
+    indices [n]) that fall in each run whose adapter has LoRA on that expert."""
+    wanted = [(start, end, terms[expert]) for start, end, terms in runs if expert in terms]
+    if not wanted:
+        return []
+    bounds = torch.tensor([b for start, end, _ in wanted for b in (start, end)], dtype=tokens.dtype)
+    at = torch.searchsorted(tokens.cpu(), bounds).tolist()
+    return [(at[2 * i], at[2 * i + 1], w[2]) for i, w in enumerate(wanted) if at[2 * i] < at[2 * i + 1]]
