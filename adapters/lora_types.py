@@ -48,6 +48,13 @@ class BaseShapes:
     # where the engine refuses LoRA on the embedding or head and trainable tokens (VocabLora), why; "" serves them
     vocab_refusal: str = "this engine does not serve them"
     max_positions: int = 0  # the context length, max_position_embeddings (0: not known): what a prompt can hold
+    # a mixture of experts (model.moe; 0 experts: a dense base): its experts' width, the layers whose MLP stays
+    # dense, where PEFT's per-expert modules are ({experts_path}.N.{name}) and their names -> gate, up, down
+    experts: int = 0
+    expert_width: int = 0
+    dense_layers: tuple[int, ...] = ()
+    experts_path: str = "mlp.experts"
+    expert_modules: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def llama(
@@ -88,6 +95,11 @@ class BaseShapes:
     @property
     def hidden(self) -> int:
         return self.features["q"][0]
+
+    def expert_features(self, module: str) -> tuple[int, int]:
+        """(in, out) of an expert's gate, up, gate_up (both halves) or down."""
+        width = self.expert_width * (2 if module == "gate_up" else 1)
+        return (width, self.hidden) if module == "down" else (self.hidden, width)
 
     def module_features(self, module: str) -> tuple[int, int]:
         """(in, out) of a PEFT module (a path of ``modules``): a fused one's out is its parts' together."""
@@ -156,6 +168,9 @@ class LoraAdapter:
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     # LoRA on the embedding or the output head, trainable tokens (None: the adapter leaves the vocabulary alone)
     vocab: VocabLora | None = None
+    # LoRA on a mixture of experts' experts (adapters.peft_experts): (layer, gate | up | gate_up | down, expert) ->
+    # A [r, in], B [out, r] (B scaled), each token's applying on the experts its router picked (model.moe)
+    experts: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def modules(self) -> set[str]:
@@ -163,8 +178,13 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        layers = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        pairs = [*self.weights.values(), *self.experts.values()]
+        layers = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in pairs)
         return layers + (0 if self.vocab is None else self.vocab.nbytes)
+
+    def expert_parts(self) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]]:
+        """(layer, module, expert) -> (A, B, 1.0): PeftAdapter.expert_parts's form."""
+        return {key: (a, b, 1.0) for key, (a, b) in self.experts.items()}
 
     @property
     def ranks(self) -> dict[tuple[int, str], int]:
@@ -188,6 +208,10 @@ def content_hash(adapter: LoraAdapter) -> str:
     for (layer, module), magnitude in sorted(adapter.magnitudes.items()):  # DoRA's: the same A, B scale otherwise
         digest.update(f"dora.{layer}.{module}.{tuple(magnitude.shape)};".encode())
         digest.update(magnitude.float().contiguous().numpy().tobytes())
+    for (layer, module, expert), (a, b) in sorted(adapter.experts.items()):
+        digest.update(f"expert.{layer}.{module}.{expert}.{tuple(a.shape)}.{tuple(b.shape)};".encode())
+        digest.update(a.float().contiguous().numpy().tobytes())
+        digest.update(b.float().contiguous().numpy().tobytes())
     for key, tensor in ({} if adapter.vocab is None else adapter.vocab.tensors()).items():  # the embedding's, head's
         digest.update(f"vocab.{key}.{tuple(tensor.shape)};".encode())
         digest.update(tensor.contiguous().numpy().tobytes())  # float32 weights, int64 ids

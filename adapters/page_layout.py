@@ -59,6 +59,17 @@ def vocab_pieces(vocab: VocabLora | None) -> dict[str, torch.Tensor]:
     return pieces
 
 
+# (layer, module, expert) -> (rank, in, out) of an adapter's LoRA on the experts (LoraAdapter.experts)
+ExpertShapes = tuple[tuple[tuple[int, str, int], tuple[int, int, int]], ...]
+
+
+def expert_shapes(adapter: LoraAdapter | PeftAdapter) -> ExpertShapes:
+    """What a PageLayout needs to place an adapter's LoRA on the experts, in a fixed order."""
+    return tuple(
+        (key, (a.shape[0], a.shape[1], b.shape[0])) for key, (a, b, _) in sorted(adapter.expert_parts().items())
+    )
+
+
 def vocab_shapes(vocab: VocabLora | None) -> dict[str, tuple[int, int]]:
     """vocab_pieces' [rows, width] by name: what a PageLayout needs to place them."""
     return {name: (t.shape[0], t.shape[1]) for name, t in vocab_pieces(vocab).items()}
@@ -121,6 +132,7 @@ class Block:
     page: int  # index into the adapter's pages
     offset: int  # element offset inside that page
     dora: bool = False  # a row of DoRA's epilogue (is_b is then False)
+    expert: int = -1  # an expert's A or B^T (module gate, up, gate_up or down; adapters.peft_experts); -1: not one
 
 
 class PageLayout:
@@ -134,6 +146,7 @@ class PageLayout:
         ranks: dict[tuple[int, str], int],
         dora: Collection[tuple[int, str]] = (),
         vocab: Mapping[str, tuple[int, int]] | None = None,
+        experts: ExpertShapes = (),
     ) -> None:
         geometry.check_fits()
         if any(r > geometry.max_rank for r in ranks.values()):
@@ -156,7 +169,11 @@ class PageLayout:
                         self.blocks.append(Block(layer, m, False, row, row + 1, features[m][1], page, offset, True))
         self.vocab = dict(vocab or {})
         for name, (rows, width) in self.vocab.items():
-            self._place_rows(name, rows, width, item)
+            self._place_rows(VOCAB_LAYER, name, rows, width, item)
+        self.experts = experts
+        for (layer, module, expert), (rank, in_f, out_f) in experts:  # A, then B^T, each in runs of whole rows
+            self._place_rows(layer, module, rank, in_f, item, expert=expert)
+            self._place_rows(layer, module, rank, out_f, item, expert=expert, is_b=True)
         self.gaps = self._gaps()
 
     def _gaps(self) -> list[tuple[int, int, int]]:
@@ -176,9 +193,12 @@ class PageLayout:
                 gaps.append((page, at, page_elems))
         return gaps
 
-    def _place_rows(self, name: str, rows: int, width: int, item: int) -> None:
-        """Put a vocabulary piece [rows, width] in runs of whole rows: as many as what is left of the page holds,
-        the rest on the next pages (a row is at most hidden wide: check_fits makes room for 16 of those)."""
+    def _place_rows(
+        self, layer: int, name: str, rows: int, width: int, item: int, expert: int = -1, is_b: bool = False
+    ) -> None:
+        """Put a vocabulary piece or an expert's A or B^T [rows, width] in runs of whole rows: as many as what is
+        left of the page holds, the rest on the next pages (a row is at most hidden wide: check_fits makes room for
+        16 of those)."""
         page_elems, row0 = self.geometry.page_elems, 0
         while row0 < rows:
             fit = (page_elems - self._cursor) // width
@@ -187,7 +207,7 @@ class PageLayout:
                 fit = page_elems // width
             row1 = min(rows, row0 + fit)
             page, offset = self._claim((row1 - row0) * width, item)
-            self.blocks.append(Block(VOCAB_LAYER, name, False, row0, row1, width, page, offset))
+            self.blocks.append(Block(layer, name, is_b, row0, row1, width, page, offset, expert=expert))
             row0 = row1
 
     def _place_unit(self, layer: int, is_b: bool, pieces: list[tuple[str, int, int]], item: int) -> None:
@@ -254,12 +274,17 @@ class PageLayout:
         if out is not None:  # what no block writes (a reused buffer's old bytes)
             for page, start, end in self.gaps:
                 values[page, start:end].zero_()
-        parts = adapter.scaled_parts()
+        parts, experts = adapter.scaled_parts(), adapter.expert_parts()
+        assert expert_shapes(adapter) == self.experts, "the adapter's experts are not the layout's"
         for block in self.blocks:
             dst = values[block.page, block.offset : block.offset + (block.row1 - block.row0) * block.width]
             dst = dst.view(block.row1 - block.row0, block.width)
             if block.layer == VOCAB_LAYER:
                 dst.copy_(pieces[block.module][block.row0 : block.row1])
+            elif block.expert >= 0:
+                a, b, scaling = experts[(block.layer, block.module, block.expert)]
+                src = b[:, block.row0 : block.row1].t() if block.is_b else a[block.row0 : block.row1]
+                _scaled_copy(dst, src, scaling if block.is_b else 1.0)
             elif dora and block.dora:
                 dst.copy_(dora[(block.layer, block.module)][block.row0 : block.row1])
             else:
@@ -281,7 +306,7 @@ class PageLayout:
             table[layer, MODULE_INDEX[module], 0] = r
         page_elems = g.page_elems
         for block in self.blocks:
-            if block.layer == VOCAB_LAYER:
+            if block.layer == VOCAB_LAYER or block.expert >= 0:  # read through views (model.arena)
                 continue
             base = pages[block.page] * page_elems + block.offset
             if block.dora:

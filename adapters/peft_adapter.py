@@ -35,6 +35,11 @@ class PeftAdapter:
     invocation_tokens: tuple[int, ...] = ()  # LoraAdapter.invocation_tokens
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # LoraAdapter's, float32, checked
     vocab: VocabLora | None = None  # LoraAdapter's, float32, checked
+    # LoRA on the experts (adapters.peft_experts): (layer, module, expert) -> A [r, in], B [out, r] as stored, scaling
+    experts: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+
+    def expert_parts(self) -> dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]]:
+        return self.experts
 
     def scaled_parts(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
         """(layer, canonical module) -> (A [r, in], B [out, r], scaling), as stored: a fused module's B cut into its
@@ -59,7 +64,8 @@ class PeftAdapter:
     @property
     def nbytes(self) -> int:
         """Its bytes as a LoraAdapter (float32, A once per canonical module): LoraAdapter.nbytes."""
-        layers = sum(4 * (a.numel() + b.numel()) for a, b, _ in self.scaled_parts().values())
+        parts = [*self.scaled_parts().values(), *self.experts.values()]
+        layers = sum(4 * (a.numel() + b.numel()) for a, b, _ in parts)
         return layers + (0 if self.vocab is None else self.vocab.nbytes)
 
     def check_weights(self) -> None:
@@ -70,6 +76,9 @@ class PeftAdapter:
             for (layer, module), (a, b, _) in sorted(self.modules.items()):
                 if not (torch.isfinite(a.float()).all() and torch.isfinite(b.float()).all()):
                     raise AdapterError(f"layer {layer} {module.split('.')[-1]} has NaN or Inf weights")
+        for (layer, module, expert), (a, b, scaling) in sorted(self.experts.items()):
+            if not (torch.isfinite(a.float()).all() and torch.isfinite(b.float() * scaling).all()):
+                raise AdapterError(f"layer {layer} expert {expert} {module} has NaN or Inf weights (or overflows)")
         for (layer, module), (_, b, scaling) in sorted(self.modules.items()):
             if b.numel() == 0 or abs(scaling) * torch.finfo(b.dtype).max < _F32_MAX / 2:
                 continue
@@ -122,6 +131,13 @@ class PeftAdapter:
         for (layer, module), magnitude in sorted(self.magnitudes.items()):
             digest.update(f"dora.{layer}.{module}.{tuple(magnitude.shape)};".encode())
             digest.update(_bytes(magnitude))
+        for (layer, module, expert), (a, b, scaling) in sorted(self.experts.items()):
+            digest.update(
+                f"expert.{layer}.{module}.{expert}.{a.dtype}{tuple(a.shape)}.{b.dtype}{tuple(b.shape)}".encode()
+            )
+            digest.update(f".{scaling!r};".encode())
+            digest.update(_bytes(a))
+            digest.update(_bytes(b))
         for key, tensor in ({} if self.vocab is None else self.vocab.tensors()).items():
             digest.update(f"vocab.{key}.{tensor.dtype}{tuple(tensor.shape)};".encode())
             digest.update(_bytes(tensor))
@@ -144,6 +160,7 @@ class PeftAdapter:
             self.invocation_tokens,
             magnitudes=self.magnitudes,
             vocab=self.vocab,
+            experts={k: (a.float(), (b.float() * scaling).contiguous()) for k, (a, b, scaling) in self.experts.items()},
         )
 
 

@@ -28,6 +28,7 @@ from lora_server.adapters.lora_types import (
     content_hash,
 )
 from lora_server.adapters.peft_adapter import PeftAdapter
+from lora_server.adapters.peft_experts import RankRule, take_expert_lora
 from lora_server.adapters.peft_files import (
     FLOAT_DTYPES,
     FilesIdentity,
@@ -221,7 +222,10 @@ def read_peft_adapter(
     tensors = weights_file.views()
     layers = _layers_path(name, tensors)  # before the config: target_modules regexes match the names under it
     try:
-        plan, vocab_plan = _plan(config, base, max_rank, layers)
+        experts = take_expert_lora(config, tensors, base, LAYER_PATHS, _rank_rule(config, base, max_rank))
+        if base.experts:  # read by take_expert_lora; a dense base's is refused by _check_keys
+            config = {k: v for k, v in config.items() if k != "target_parameters"}
+        plan, vocab_plan = _plan(config, base, max_rank, layers, bool(experts))
         token_indices = _token_indices(config, base, vocab_plan)
     except AdapterError:
         raise
@@ -237,6 +241,7 @@ def read_peft_adapter(
             "applies to the decoder's linear modules only"
         )
     rank = max((r for r, _ in [*plan.values(), *vocab_plan.values()]), default=0)
+    rank = max([rank, *(a.shape[0] for a, _, _ in experts.values())])
     return PeftAdapter(
         name,
         root,
@@ -248,7 +253,27 @@ def read_peft_adapter(
         invocation,
         magnitudes=magnitudes,
         vocab=vocab,
+        experts=experts,
     )
+
+
+def _rank_rule(config: dict, base: BaseShapes, max_rank: int) -> RankRule:
+    """_plan's rank and scaling rules for the experts' LoRA (adapters.peft_experts)."""
+    if not base.experts:
+        return RankRule(lambda path: (0, 0.0), None, [])
+    rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
+    rank_patterns = _patterns(config, "rank_pattern", _rank)
+    alpha_patterns = _patterns(config, "alpha_pattern", _alpha)
+    rslora = _flag(config, "use_rslora")
+
+    def of(full: str) -> tuple[int, float]:
+        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))
+        a = next((v for p, v in alpha_patterns if p.fullmatch(full)), alpha)
+        if r > max_rank:
+            raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
+        return r, a / math.sqrt(r) if rslora else a / r
+
+    return RankRule(of, config.get("target_modules"), _layers(config, base.num_layers))
 
 
 def _resolve(path: Path, what: str, public: str) -> Path:
@@ -289,7 +314,7 @@ def _layers_path(name: str, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _plan(
-    config: dict, base: BaseShapes, max_rank: int, layers_path: str = TEXT_LAYERS
+    config: dict, base: BaseShapes, max_rank: int, layers_path: str = TEXT_LAYERS, experts: bool = False
 ) -> tuple[dict[tuple[int, str], tuple[int, float]], dict[str, tuple[int, float]]]:
     """(layer, PEFT module path) -> (rank, scaling) for every decoder module the config targets, and ("embed_tokens"
     or "lm_head") -> (rank, scaling) for the vocabulary modules it targets, after every config check; PEFT's
@@ -307,16 +332,22 @@ def _plan(
     names = {path.split(".")[-1]: path for path in base.modules}  # q_proj -> self_attn.q_proj
     if targets == ALL_LINEAR:
         targets = list(names)
-    candidates = {(layer, path): f"{layers_path}.{layer}.{path}" for layer in layers for path in base.modules}
+    candidates = {  # a mixture of experts' sparse layers have no dense MLP (their experts: peft_experts)
+        (layer, path): f"{layers_path}.{layer}.{path}"
+        for layer in layers
+        for path in base.modules
+        if not (base.experts and layer not in base.dense_layers and path.startswith("mlp."))
+    }
     if isinstance(targets, str):
         regex = _regex(targets, f"target_modules {targets!r}")
         chosen = {k for k, full in candidates.items() if regex.fullmatch(full)}
         vocab = [m for m, full in VOCAB_PATHS.items() if regex.fullmatch(full)]
-        if not chosen and not vocab:
+        if not chosen and not vocab and not experts:
             raise AdapterError(f"target_modules regex {targets!r} matches no module of the base model")
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
         vocab = sorted({t.split(".")[-1] for t in targets if t.split(".")[-1] in VOCAB_MODULES})
-        unknown = [t for t in targets if t.split(".")[-1] not in names and t.split(".")[-1] not in VOCAB_MODULES]
+        known = {*names, *VOCAB_MODULES, *base.expert_modules}
+        unknown = [t for t in targets if t.split(".")[-1] not in known]
         if unknown:
             raise AdapterError(
                 f"target modules {unknown} are not in the base model (supported: {', '.join(names)}, "

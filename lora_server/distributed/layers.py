@@ -18,7 +18,7 @@ from torch import nn
 from lora_server.distributed.group import Comm
 from lora_server.distributed.shard import Shard
 from lora_server.errors import TensorParallelError
-from lora_server.model.llama import DecoderLayer, LlamaModel
+from lora_server.model.llama import MLP, DecoderLayer, LlamaModel
 from lora_server.model.lora import LoraBatch, LoraLinear
 from lora_server.model.quant import QuantLinear
 
@@ -87,4 +87,5 @@ def parallelize(model: LlamaModel, shard: Shard, comm: Comm) -> None:
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
     for layer in layers:
         layer.attn.o_proj = RowParallelLoraLinear(layer.attn.o_proj, comm)
+        assert isinstance(layer.mlp, MLP), "tensor parallelism of a mixture of experts (shard.check_tensor_parallel)"
         layer.mlp.down_proj = RowParallelLoraLinear(layer.mlp.down_proj, comm)

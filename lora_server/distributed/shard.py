@@ -123,6 +123,11 @@ def check_tensor_parallel(arch: ModelArch, config: EngineConfig) -> None:
     """Refuse (ConfigError) a world that does not divide the heads, the kv heads or the MLP (a quantized weight
     that cannot be cut where its rank's share begins is refused as it is read: shard_linear)."""
     n = config.tensor_parallel_size
+    if arch.num_experts and n > 1:
+        raise ConfigError(
+            f"--tensor-parallel-size {n} with a mixture-of-experts model ({arch.architecture}): not implemented; "
+            "serve it on one device"
+        )
     uneven = [
         f"{what} ({count})"
         for what, count in (

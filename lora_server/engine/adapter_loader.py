@@ -39,7 +39,7 @@ import torch
 
 from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
 from lora_server.adapters.load import adapter_digest, read_adapter
-from lora_server.adapters.page_layout import PageLayout, vocab_shapes
+from lora_server.adapters.page_layout import ExpertShapes, PageLayout, expert_shapes, vocab_shapes
 from lora_server.adapters.peft_adapter import PeftAdapter
 from lora_server.adapters.peft_files import FilesIdentity, ReadBuffer
 from lora_server.adapters.peft_format import AdapterError, LoraAdapter, VocabLora
@@ -283,7 +283,9 @@ class AdapterLoader:
                 raise AdapterError(f"adapter `{content.name}` is a DoRA adapter, which this engine cannot serve")
             assert lora is not None
             dora = dora_epilogues(lora, self.row_norms, g.dtype)
-        layout = self._layout(content.ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab))
+        layout = self._layout(
+            content.ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab), expert_shapes(adapter)
+        )
         image = self.buffers.take(layout.num_pages)
         if self.form.shards is None:
             return StagedAdapter(adapter_id, layout, layout.image(adapter, image, dora), adapter.vocab)
@@ -297,16 +299,17 @@ class AdapterLoader:
         ranks: tuple[tuple[int, str, int], ...],
         dora: Collection[tuple[int, str]],
         vocab: dict[str, tuple[int, int]],
+        experts: ExpertShapes = (),
     ) -> PageLayout:
         """The page layout of an adapter of these ranks, DoRA modules and vocabulary pieces: one per form, kept
         (adapters of one shape share it; laying one out costs about as much as staging a small adapter)."""
-        key = (ranks, frozenset(dora), tuple(sorted(vocab.items())))
+        key = (ranks, frozenset(dora), tuple(sorted(vocab.items())), experts)
         with self._lock:
             layout = self._layouts.get(key)
             if layout is not None:
                 self._layouts.move_to_end(key)
                 return layout
-        layout = PageLayout(self.geometry, {(layer, m): r for layer, m, r in ranks}, dora, vocab)
+        layout = PageLayout(self.geometry, {(layer, m): r for layer, m, r in ranks}, dora, vocab, experts)
         with self._lock:
             self._layouts[key] = layout
             while len(self._layouts) > LAYOUTS_KEPT:

@@ -324,11 +324,13 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, An
     norm_topk_prob (HF's default: false)."""
     if arch == "MixtralForCausalLM":
         experts, k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-        width, norm, dense = cfg["intermediate_size"], True, ()
+        width, norm, dense = cfg["intermediate_size"], True, tuple[int, ...]()
     else:
         named = {key: cfg[key] for key in ("num_experts", "num_local_experts") if cfg.get(key) is not None}
         if len(set(map(repr, named.values()))) > 1:  # the hub's key, and transformers 5's name for it
-            raise ModelLoadError(f"num_experts {named['num_experts']} and num_local_experts {named['num_local_experts']} differ")
+            raise ModelLoadError(
+                f"num_experts {named['num_experts']} and num_local_experts {named['num_local_experts']} differ"
+            )
         experts, k = next(iter(named.values()), 128), cfg.get("num_experts_per_tok", 8)
         width, norm = cfg.get("moe_intermediate_size", 768), cfg.get("norm_topk_prob", False)
         step, only = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []

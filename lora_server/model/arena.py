@@ -25,6 +25,7 @@ from lora_server.kernels.segment_lora import LoraTerm
 from lora_server.model.arch import ModelArch
 from lora_server.model.llama import LlamaModel
 from lora_server.model.lora import LoraWorkspace, RowRuns, VocabTerms
+from lora_server.model.moe import ExpertTerms
 
 
 class Arena:
@@ -73,7 +74,7 @@ def adapter_shapes(arch: ModelArch) -> BaseShapes:
     embedding and head is served on every device: model.lora.VocabTerms), its context (what an aLoRA's invocation
     must fit in). With tensor parallelism, ``arch`` is the whole model's for validating adapters and a rank's (its
     share of the heads and the MLP) for their pages."""
-    return BaseShapes.llama(
+    shapes = BaseShapes.llama(
         arch.num_layers,
         arch.hidden_size,
         arch.intermediate_size,
@@ -86,6 +87,18 @@ def adapter_shapes(arch: ModelArch) -> BaseShapes:
         tied_embeddings=arch.tie_word_embeddings,
         vocab_refusal="",
         max_positions=arch.max_position_embeddings,
+    )
+    if not arch.num_experts:
+        return shapes
+    mixtral = arch.architecture == "MixtralForCausalLM"  # PEFT's per-expert module names (adapters.peft_experts)
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    return dataclasses.replace(
+        shapes,
+        experts=arch.num_experts,
+        expert_width=arch.moe_intermediate_size,
+        dense_layers=arch.dense_layers,
+        experts_path="block_sparse_moe.experts" if mixtral else "mlp.experts",
+        expert_modules=dict(zip(names, ("gate", "up", "down"), strict=True)),
     )
 
 
@@ -116,8 +129,11 @@ def attach_arena(
     """Serve ``model``'s adapters from ``arena``: its resident adapters (none yet), which every LoRA wrapper and
     the embedding's and head's changes read from then on. ``lora_y``: the LoRA kernels' workspace, where they run."""
     wrappers = model.lora_wrappers()
-    adapters = ResidentAdapters(arena, geometry, {g: w.slice_starts for g, w in wrappers[0].items()})
+    starts = {g: w.slice_starts for layer in wrappers for g, w in layer.items()}  # MoE layers: no dense gate_up
+    adapters = ResidentAdapters(arena, geometry, starts)
     model.vocab_terms = adapters.vocab
+    for moe in model.sparse_mlps():
+        moe.expert_terms = adapters.expert_terms
     lora_arena = ops.LoraArena(arena.weights, arena.table, arena.table_stride, geometry.max_rank)
     workspace = LoraWorkspace(lora_arena, adapters.terms, lora_y)
     for layer in wrappers:
@@ -134,6 +150,8 @@ class ResidentAdapter:
     terms: list[dict[str, list[LoraTerm]]] | None = None
     # its changes to the embedding and head: views of its pages, and the trainable tokens' ids
     vocab: VocabTerms | None = None
+    # its LoRA on the experts: [layer] -> expert -> (gate|up terms, down terms), views of its pages (model.moe)
+    experts: list[ExpertTerms] | None = None
 
 
 class ResidentAdapters:
@@ -184,6 +202,8 @@ class ResidentAdapters:
             resident.vocab = VocabTerms(pieces, ids, self.geometry.shapes.vocab_size, arena.pages.device)
         if self._cpu:
             resident.terms = self._terms(layout, pages)
+        if layout.experts:
+            resident.experts = self._expert_terms(layout, pages)
         self._by_page[pages[0]] = resident
 
     def pages(self) -> set[int]:
@@ -212,12 +232,48 @@ class ResidentAdapters:
         assert terms is not None, "LoRA terms are built on the CPU only"
         return terms[layer].get(group, [])
 
+    def expert_terms(self, table_page: int, layer: int) -> ExpertTerms:
+        """One resident adapter's LoRA on one layer's experts (empty: it has none there)."""
+        experts = self._by_page[table_page].experts
+        return {} if experts is None else experts[layer]
+
+    def _expert_terms(self, layout: PageLayout, pages: list[int]) -> list[ExpertTerms]:
+        """Each layer's expert -> (gate|up terms, down terms): one term per A run (an expert's A rows on one page),
+        its outputs the B^T runs of the same rows; gate and up write their half of gate|up, gate_up both."""
+        weights, page_elems = self.arena.weights, self.geometry.page_elems
+        runs: dict[tuple[int, str, int, bool], list[tuple[int, torch.Tensor]]] = {}
+        for block in layout.blocks:
+            if block.expert >= 0:
+                start = pages[block.page] * page_elems + block.offset
+                rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
+                runs.setdefault((block.layer, block.module, block.expert, block.is_b), []).append((block.row0, rows))
+        width = self.geometry.shapes.expert_width
+        columns = {"gate": (0, width), "up": (width, 2 * width), "gate_up": (0, 2 * width), "down": (0, -1)}
+        out: list[ExpertTerms] = [{} for _ in range(self.geometry.shapes.num_layers)]
+        for (layer, module, expert, is_b), a_runs in sorted(runs.items(), key=lambda item: item[0]):
+            if is_b:
+                continue
+            c0, c1 = columns[module]
+            b_runs = runs[(layer, module, expert, True)]
+            terms = []
+            for row0, a_rows in a_runs:
+                row1 = row0 + a_rows.shape[0]
+                outputs = []
+                for b0, bt in b_runs:
+                    lo, hi = max(row0, b0), min(row1, b0 + bt.shape[0])
+                    if lo < hi:
+                        outputs.append((lo - row0, hi - row0, c0, c1 if c1 > 0 else bt.shape[1], bt[lo - b0 : hi - b0]))
+                terms.append(LoraTerm(a_rows.T, outputs))
+            gate_up, down = out[layer].setdefault(expert, ([], []))
+            (down if module == "down" else gate_up).extend(terms)
+        return out
+
     def _vocab_pieces(self, layout: PageLayout, pages: list[int]) -> dict[str, RowRuns]:
         """Views of an adapter's vocabulary pieces in the arena, by name, each as its runs of rows."""
         weights, page_elems = self.arena.weights, self.geometry.page_elems
         pieces: dict[str, RowRuns] = {}
         for block in layout.blocks:
-            if block.layer == VOCAB_LAYER:
+            if block.layer == VOCAB_LAYER and block.expert < 0:
                 start = pages[block.page] * page_elems + block.offset
                 rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
                 pieces.setdefault(block.module, []).append((block.row0, block.row1, rows))
@@ -228,7 +284,7 @@ class ResidentAdapters:
         found: dict[tuple[int, str, bool], list[tuple[int, torch.Tensor]]] = {}
         dora: dict[tuple[int, str], list[torch.Tensor]] = {}  # (layer, module) -> [scale, shift], each [out]
         for block in layout.blocks:
-            if block.layer == VOCAB_LAYER:
+            if block.layer == VOCAB_LAYER or block.expert >= 0:
                 continue
             start = pages[block.page] * page_elems + block.offset
             rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
@@ -240,6 +296,8 @@ class ResidentAdapters:
         for layer in range(self.geometry.shapes.num_layers):
             by_group: dict[str, list[LoraTerm]] = {}
             for group, modules in GROUPS.items():
+                if group not in self.slice_starts:  # every layer's MLP a mixture of experts
+                    continue
                 terms = self._group_terms(layer, group, modules, found)
                 starts, epilogues = self.slice_starts[group], []
                 for k, module in enumerate(modules):

@@ -153,7 +153,9 @@ class ModelRunner:
         if ops.use_kernels(self.device):
             shape = workspace_shape(max_tokens, config.max_lora_rank)
             self.lora_y = torch.empty(shape, dtype=torch.float32, device=self.device)
-        eager = config.enforce_eager or self.device.type == "cpu"
+        # a mixture of experts routes on the host (model.moe: which experts a step's tokens took), which a CUDA
+        # graph cannot capture: its steps run eagerly
+        eager = config.enforce_eager or self.device.type == "cpu" or self.arch.num_experts > 0
         self.decode_buckets: list[int] = [] if eager else decode_buckets(max_seqs)
         self.graph_layout = self.device.type == "cuda" and not eager
 
