@@ -97,12 +97,25 @@ def write_random_adapters(
     for i in range(n):
         rank_i = ranks[i % len(ranks)]
         tensors = {}
+        experts = arch.num_experts
+        on_experts = experts > 0 and any(module.startswith("mlp.") for module in chosen)
         for layer in range(arch.num_layers):
             for module, parts in chosen.items():
+                if module.startswith("mlp.") and arch.sparse(layer):
+                    continue
                 in_f, out_f = shapes[parts[0]][0], sum(shapes[part][1] for part in parts)
                 key = f"base_model.model.model.layers.{layer}.{module}"
                 tensors[f"{key}.lora_A.weight"] = (torch.randn(rank_i, in_f, generator=gen) * 0.01).half()
                 tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank_i, generator=gen) * 0.01).half()
+            if on_experts and arch.sparse(layer):  # nested as PEFT saves two parameters of one module
+                hidden, width = arch.hidden_size, arch.moe_intermediate_size
+                for key, (in_f, out_f) in (("experts.base_layer", (hidden, 2 * width)), ("experts", (width, hidden))):
+                    key = f"base_model.model.model.layers.{layer}.mlp.{key}"
+                    a = torch.randn(rank_i * experts, in_f, generator=gen) * 0.01
+                    tensors[f"{key}.lora_A.weight"] = a.half()
+                    tensors[f"{key}.lora_B.weight"] = (
+                        torch.randn(out_f, rank_i * experts, generator=gen) * 0.01
+                    ).half()
         path = root / f"bench-{i}"
         path.mkdir(parents=True)
         save_file(tensors, str(path / "adapter_model.safetensors"))
@@ -114,6 +127,11 @@ def write_random_adapters(
                     lora_alpha=2 * rank_i,
                     target_modules=[module.split(".")[-1] for module in chosen],
                     bias="none",
+                    **(
+                        {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+                        if on_experts
+                        else {}
+                    ),
                 )
             )
         )

@@ -268,7 +268,8 @@ def _common_fields(reader, meta: _Meta) -> dict:
     name = meta.name
     if meta.get("expert_count"):
         raise ModelLoadError(
-            f"GGUF {name}.expert_count {meta.get('expert_count')}: mixture-of-experts models are not implemented"
+            f"GGUF {name}.expert_count {meta.get('expert_count')}: mixture-of-experts GGUF files are not "
+            "implemented (serve the model's HF directory)"
         )
     # what the arithmetic below and the per-layer lists need are required and checked first
     heads = meta.size("attention.head_count", required=True)
