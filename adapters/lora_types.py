@@ -96,6 +96,10 @@ class BaseShapes:
     def hidden(self) -> int:
         return self.features["q"][0]
 
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (ModelArch.sparse)."""
+        return self.experts > 0 and layer not in self.dense_layers
+
     def expert_features(self, module: str) -> tuple[int, int]:
         """(in, out) of an expert's gate, up, gate_up (both halves) or down."""
         width = self.expert_width * (2 if module == "gate_up" else 1)

@@ -7,7 +7,9 @@
   ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``, one A [r * experts, in] and B [out, r * experts] each
   (PEFT's ParamWrapper: expert e's A is rows e*r .. e*r + r - 1, its B columns e, e + experts, ...). Two targeted
   parameters of one module nest: the first wrapped is ``experts.base_layer.lora_*``, the other ``experts.lora_*``;
-  which is which is read from their shapes (gate_up's B has 2 * width rows, down's A width columns).
+  which is which is read from their shapes (gate_up's B has 2 * width rows, down's A width columns). As in PEFT,
+  they wrap every sparse layer's experts (layers_to_transform does not apply to target_parameters), and a
+  rank_pattern / alpha_pattern key matches ``{layers}.{i}.mlp.experts.gate_up_proj`` (the parameter's path).
 
 Each is read into (layer, module, expert) -> (A [r, in], B [out, r], scaling) with module gate, up, gate_up (the
 fused layout's: one A for both halves) or down. Refused, naming it: LoRA on the router, DoRA or an activated LoRA
@@ -92,7 +94,7 @@ def _per_expert(
                 f"{key}: not an expert module of this base (its experts are {base.experts_path}.N with "
                 f"{', '.join(base.expert_modules)})"
             )
-        if layer not in rule.layers or layer in base.dense_layers or layer >= base.num_layers or expert >= base.experts:
+        if layer not in rule.layers or not base.sparse(layer) or layer >= base.num_layers or expert >= base.experts:
             raise AdapterError(f"{key}: layer {layer} has no expert {expert}, or the config does not target it")
         full = f"{layers}.{layer}.{container}.experts.{expert}.{name}"
         if not rule.targets_path(full):
@@ -130,6 +132,7 @@ def _fused(
         wanted.add(TARGET_PARAMETERS[name])
     pattern = _key(layers_paths, r"mlp\.experts\.((?:base_layer\.)*)(lora_[AB])(?:\.[\w-]+)?\.weight")
     found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    paths: dict[int, str] = {}  # layer -> its experts' module path, what rank_pattern keys match (with the parameter)
     for key in [k for k in tensors if pattern.fullmatch(k)]:
         m = pattern.fullmatch(key)
         assert m is not None
@@ -137,6 +140,7 @@ def _fused(
         if not wanted:
             raise AdapterError(f"tensor {key} is LoRA on a parameter the config's target_parameters does not name")
         found.setdefault((layer, depth), {})[which] = tensors.pop(key)
+        paths[layer] = f"{m.group(1)}.{layer}.mlp.experts"
     parts: ExpertParts = {}
     seen: set[tuple[int, str]] = set()
     hidden, width, experts = base.hidden, base.expert_width, base.experts
@@ -152,18 +156,18 @@ def _fused(
                 f"layer {layer} experts: LoRA of shapes {tuple(a.shape)} / {tuple(b.shape)} fits no "
                 "targeted parameter (or one twice)"
             )
-        if layer not in rule.layers or layer in base.dense_layers or layer >= base.num_layers:
-            raise AdapterError(f"layer {layer} has no experts the config targets")
+        if layer >= base.num_layers or not base.sparse(layer):
+            raise AdapterError(f"layer {layer} has no experts")
         seen.add((layer, module))
-        r, scaling = rule.of(f"model.layers.{layer}.mlp.experts")
+        param = next(name for name, m in TARGET_PARAMETERS.items() if m == module)
+        r, scaling = rule.of(f"{paths[layer]}.{param}")  # PEFT matches rank_pattern on module path.parameter
         in_f, out_f = base.expert_features(module)
         _checked(a, b, r * experts, in_f, out_f, layer, module)
         b_by_expert = b.unflatten(1, (r, experts))  # [out, r, experts]: expert e's columns e, e + experts, ...
         for expert in range(experts):
             parts[(layer, module, expert)] = (a[expert * r : (expert + 1) * r], b_by_expert[:, :, expert], scaling)
-    missing = sorted(
-        (layer, m) for layer in rule.layers if layer not in base.dense_layers for m in wanted if (layer, m) not in seen
-    )
+    sparse = [layer for layer in range(base.num_layers) if base.sparse(layer)]  # every one: see the module docstring
+    missing = sorted((layer, m) for layer in sparse for m in wanted if (layer, m) not in seen)
     if missing:
         raise AdapterError(
             f"layer {missing[0][0]} experts {missing[0][1]}: target_parameters names it, but the "

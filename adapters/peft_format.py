@@ -13,6 +13,7 @@ import math
 import re
 import reprlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -258,22 +259,29 @@ def read_peft_adapter(
 
 
 def _rank_rule(config: dict, base: BaseShapes, max_rank: int) -> RankRule:
-    """_plan's rank and scaling rules for the experts' LoRA (adapters.peft_experts)."""
+    """_plan's rank and scaling rule and targets, for the experts' LoRA (adapters.peft_experts)."""
     if not base.experts:
         return RankRule(lambda path: (0, 0.0), None, [])
+    return RankRule(_rank_scaling(config, max_rank), config.get("target_modules"), _layers(config, base.num_layers))
+
+
+def _rank_scaling(config: dict, max_rank: int) -> Callable[[str], tuple[int, float]]:
+    """The module at a full path -> its (rank, scaling), PEFT's way: r and lora_alpha (defaults 8 and 8), unless a
+    rank_pattern / alpha_pattern key matches the path; alpha / r, or alpha / sqrt(r) with use_rslora. A rank above
+    ``max_rank`` is refused."""
     rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
     rank_patterns = _patterns(config, "rank_pattern", _rank)
     alpha_patterns = _patterns(config, "alpha_pattern", _alpha)
     rslora = _flag(config, "use_rslora")
 
     def of(full: str) -> tuple[int, float]:
-        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))
+        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))  # _rank checked: an int
         a = next((v for p, v in alpha_patterns if p.fullmatch(full)), alpha)
         if r > max_rank:
             raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
         return r, a / math.sqrt(r) if rslora else a / r
 
-    return RankRule(of, config.get("target_modules"), _layers(config, base.num_layers))
+    return of
 
 
 def _resolve(path: Path, what: str, public: str) -> Path:
@@ -321,10 +329,7 @@ def _plan(
     semantics, and its defaults (r 8, lora_alpha 8). A regex target_modules, rank_pattern and alpha_pattern
     match the modules' names in the model PEFT wrapped: ``{layers_path}.{layer}.{module path}``, VOCAB_PATHS."""
     _check_keys(config)
-    rank, alpha = _rank(config.get("r", 8), "r"), _alpha(config.get("lora_alpha", 8), "lora_alpha")
-    rank_patterns = _patterns(config, "rank_pattern", _rank)
-    alpha_patterns = _patterns(config, "alpha_pattern", _alpha)
-    rslora = _flag(config, "use_rslora")
+    rank_scaling = _rank_scaling(config, max_rank)
     layers = _layers(config, base.num_layers)
     targets = config.get("target_modules")
     if isinstance(targets, str) and config.get("layers_to_transform") is not None:
@@ -336,7 +341,7 @@ def _plan(
         (layer, path): f"{layers_path}.{layer}.{path}"
         for layer in layers
         for path in base.modules
-        if not (base.experts and layer not in base.dense_layers and path.startswith("mlp."))
+        if not (base.sparse(layer) and path.startswith("mlp."))
     }
     if isinstance(targets, str):
         regex = _regex(targets, f"target_modules {targets!r}")
@@ -361,12 +366,7 @@ def _plan(
         )
     plan: dict[tuple[int, str], tuple[int, float]] = {}
     for key in chosen:
-        full = candidates[key]
-        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))  # _rank checked: an int
-        a = next((v for p, v in alpha_patterns if p.fullmatch(full)), alpha)
-        if r > max_rank:
-            raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
-        plan[key] = (r, a / math.sqrt(r) if rslora else a / r)
+        plan[key] = rank_scaling(candidates[key])
     vocab_plan: dict[str, tuple[int, float]] = {}
     if vocab:
         _check_vocab_served(base, f"target modules {vocab} (LoRA on the embedding or the output head)")
@@ -382,12 +382,7 @@ def _plan(
         if _flag(config, "use_dora"):
             raise AdapterError(f"use_dora with LoRA on {vocab}: DoRA on the embedding or head is not served")
     for module in vocab:
-        full = VOCAB_PATHS[module]
-        r = int(next((v for p, v in rank_patterns if p.fullmatch(full)), rank))
-        a = next((v for p, v in alpha_patterns if p.fullmatch(full)), alpha)
-        if r > max_rank:
-            raise AdapterError(f"rank {r} is above the server's maximum LoRA rank {max_rank}")
-        vocab_plan[module] = (r, a / math.sqrt(r) if rslora else a / r)
+        vocab_plan[module] = rank_scaling(VOCAB_PATHS[module])
     return plan, vocab_plan
 
 

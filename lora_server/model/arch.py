@@ -322,9 +322,10 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, An
     every layer sparse, the top k always renormalized; Qwen3-MoE's moe_intermediate_size wide, a layer sparse unless
     it is in mlp_only_layers or (its index + 1) is not a multiple of decoder_sparse_step, renormalized with
     norm_topk_prob (HF's default: false)."""
+    dense: tuple[int, ...] = ()
     if arch == "MixtralForCausalLM":
         experts, k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-        width, norm, dense = cfg["intermediate_size"], True, tuple[int, ...]()
+        width, norm = cfg["intermediate_size"], True
     else:
         named = {key: cfg[key] for key in ("num_experts", "num_local_experts") if cfg.get(key) is not None}
         if len(set(map(repr, named.values()))) > 1:  # the hub's key, and transformers 5's name for it
@@ -338,7 +339,7 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, An
         check_int(step, "decoder_sparse_step", Int(high=MAX_LAYERS))
         if not isinstance(only, list) or not all(type(i) is int and 0 <= i < num_layers for i in only):
             raise ModelLoadError(f"mlp_only_layers = {only!r}: expected a list of layer indices below {num_layers}")
-        dense = tuple(i for i in range(num_layers) if i in only or experts == 0 or (i + 1) % step)
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     for key, value in (("experts", experts), ("experts per token", k), ("expert width", width)):
         check_int(value, key, Int())
     if k > experts:

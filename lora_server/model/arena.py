@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lora_server.adapters.lora_types import BaseShapes, LoraAdapter, TokenIds
-from lora_server.adapters.page_layout import VOCAB_LAYER, PageGeometry, PageLayout
+from lora_server.adapters.page_layout import VOCAB_LAYER, Block, PageGeometry, PageLayout
 from lora_server.adapters.peft_adapter import PeftAdapter
 from lora_server.kernels import ops
 from lora_server.kernels.lora_table import GROUPS
@@ -240,54 +240,46 @@ class ResidentAdapters:
     def _expert_terms(self, layout: PageLayout, pages: list[int]) -> list[ExpertTerms]:
         """Each layer's expert -> (gate|up terms, down terms): one term per A run (an expert's A rows on one page),
         its outputs the B^T runs of the same rows; gate and up write their half of gate|up, gate_up both."""
-        weights, page_elems = self.arena.weights, self.geometry.page_elems
         runs: dict[tuple[int, str, int, bool], list[tuple[int, torch.Tensor]]] = {}
         for block in layout.blocks:
             if block.expert >= 0:
-                start = pages[block.page] * page_elems + block.offset
-                rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
-                runs.setdefault((block.layer, block.module, block.expert, block.is_b), []).append((block.row0, rows))
-        width = self.geometry.shapes.expert_width
-        columns = {"gate": (0, width), "up": (width, 2 * width), "gate_up": (0, 2 * width), "down": (0, -1)}
+                runs.setdefault((block.layer, block.module, block.expert, block.is_b), []).append(
+                    (block.row0, self._rows(block, pages))
+                )
+        width, hidden = self.geometry.shapes.expert_width, self.geometry.shapes.hidden
+        columns = {"gate": [0, width], "up": [width, 2 * width], "gate_up": [0, 2 * width], "down": [0, hidden]}
         out: list[ExpertTerms] = [{} for _ in range(self.geometry.shapes.num_layers)]
         for (layer, module, expert, is_b), a_runs in sorted(runs.items(), key=lambda item: item[0]):
             if is_b:
                 continue
-            c0, c1 = columns[module]
             b_runs = runs[(layer, module, expert, True)]
-            terms = []
-            for row0, a_rows in a_runs:
-                row1 = row0 + a_rows.shape[0]
-                outputs = []
-                for b0, bt in b_runs:
-                    lo, hi = max(row0, b0), min(row1, b0 + bt.shape[0])
-                    if lo < hi:
-                        outputs.append((lo - row0, hi - row0, c0, c1 if c1 > 0 else bt.shape[1], bt[lo - b0 : hi - b0]))
-                terms.append(LoraTerm(a_rows.T, outputs))
+            terms = [
+                LoraTerm(a.T, _outputs(0, row0, row0 + a.shape[0], 0, columns[module], b_runs)) for row0, a in a_runs
+            ]
             gate_up, down = out[layer].setdefault(expert, ([], []))
             (down if module == "down" else gate_up).extend(terms)
         return out
 
+    def _rows(self, block: Block, pages: list[int]) -> torch.Tensor:
+        """The view [rows, width] of the arena that holds ``block`` of an adapter laid out in ``pages``."""
+        start = pages[block.page] * self.geometry.page_elems + block.offset
+        return self.arena.weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
+
     def _vocab_pieces(self, layout: PageLayout, pages: list[int]) -> dict[str, RowRuns]:
         """Views of an adapter's vocabulary pieces in the arena, by name, each as its runs of rows."""
-        weights, page_elems = self.arena.weights, self.geometry.page_elems
         pieces: dict[str, RowRuns] = {}
         for block in layout.blocks:
-            if block.layer == VOCAB_LAYER and block.expert < 0:
-                start = pages[block.page] * page_elems + block.offset
-                rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
-                pieces.setdefault(block.module, []).append((block.row0, block.row1, rows))
+            if block.layer == VOCAB_LAYER:
+                pieces.setdefault(block.module, []).append((block.row0, block.row1, self._rows(block, pages)))
         return pieces
 
     def _terms(self, layout: PageLayout, pages: list[int]) -> list[dict[str, list[LoraTerm]]]:
-        weights, page_elems = self.arena.weights, self.geometry.page_elems
         found: dict[tuple[int, str, bool], list[tuple[int, torch.Tensor]]] = {}
         dora: dict[tuple[int, str], list[torch.Tensor]] = {}  # (layer, module) -> [scale, shift], each [out]
         for block in layout.blocks:
             if block.layer == VOCAB_LAYER or block.expert >= 0:
                 continue
-            start = pages[block.page] * page_elems + block.offset
-            rows = weights[start : start + (block.row1 - block.row0) * block.width].view(-1, block.width)
+            rows = self._rows(block, pages)
             if block.dora:
                 dora.setdefault((block.layer, block.module), [rows[0], rows[0]])[block.row0] = rows[0]
                 continue

@@ -7,7 +7,7 @@ dtype, their softmax in float32, the top experts_per_token probabilities (renorm
 does), rounded to the model's dtype; then expert by expert, in index order, the tokens it was picked for go through
 it, times their weight, added into the output.
 
-LoRA on the experts (adapters.expert_lora) follows the routing: each token's adapter's A/B of the expert, where the
+LoRA on the experts (adapters.peft_experts) follows the routing: each token's adapter's A/B of the expert, where the
 adapter has them, add to that expert's gate|up and down outputs for that token. A step's tokens come ordered so that
 each adapter's are one run (model.lora.LoraBatch.host_segments); an expert's tokens, taken in order, keep that
 order, so each adapter's are again one run of them, and its LoRA is one shrink and expand per run (segment_lora)."""

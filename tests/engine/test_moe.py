@@ -107,8 +107,9 @@ def _per_expert_adapter(family: str, model: torch.nn.Module, path: Path, rank: i
 
 @pytest.fixture(scope="module")
 def adapters(moe, tmp_path_factory) -> tuple[Path, dict[str, torch.nn.Module]]:
-    """Three adapters and a PEFT model of each: fused expert parameters (PEFT-saved, with o_proj), per-expert
-    modules (written here), dense-only (q_proj, v_proj)."""
+    """Four adapters and a reference model of each: fused expert parameters (PEFT-saved, with o_proj; once more
+    with rank and alpha patterns and layers_to_transform), per-expert modules (written here), dense-only (q_proj,
+    v_proj)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     family, _, model = moe
@@ -121,6 +122,17 @@ def adapters(moe, tmp_path_factory) -> tuple[Path, dict[str, torch.nn.Module]]:
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         ),
         "dense": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        # rank and alpha patterns on the parameters' paths; layers_to_transform, which PEFT applies to
+        # target_modules (o_proj of layer 0 only) and not to target_parameters (every sparse layer's experts)
+        "fused_ranks": dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["o_proj"],
+            layers_to_transform=[0],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            rank_pattern={"gate_up_proj": 8},
+            alpha_pattern={"down_proj": 2},
+        ),
     }
     for i, (name, cfg) in enumerate(configs.items()):
         torch.manual_seed(100 + i)
@@ -132,8 +144,7 @@ def adapters(moe, tmp_path_factory) -> tuple[Path, dict[str, torch.nn.Module]]:
         peft.save_pretrained(root / name)
     _per_expert_adapter(family, model, root / "per_expert")
     references = {
-        name: PeftModel.from_pretrained(copy.deepcopy(model), root / name, adapter_name=name).eval()
-        for name in ("fused", "dense")
+        name: PeftModel.from_pretrained(copy.deepcopy(model), root / name, adapter_name=name).eval() for name in configs
     }
     references["per_expert"] = _merged(model, root / "per_expert")
     return root, references
@@ -243,7 +254,7 @@ def test_each_adapter_and_a_mixed_batch_follow_peft(moe, adapters):
     engine = _engine(path, max_loras=4)
     for name in references:
         engine.adapters.add(name, root / name)
-    plan = [None, "fused", "per_expert", "dense", "fused", None, "per_expert"]
+    plan = [None, "fused", "per_expert", "dense", "fused", None, "per_expert", "fused_ranks"]
     prompts = _prompts(len(plan))
     for prompt, adapter, out in zip(prompts, plan, engine.generate(prompts, PARAMS, adapters=plan), strict=True):
         reference = references[adapter or "fused"]
