@@ -147,7 +147,10 @@ def run_point(
     output_len: int,
     bandwidth: float,
     adapter_bytes: int,
+    rank: int = 0,
 ) -> BenchPoint:
+    """One point; the floor reads the weights once, the batch's distinct adapters once and every sequence's KV; on
+    a mixture of experts, the experts (and adapters' experts) the decode steps ran, on average, not all of them."""
     info = engine.describe()
     gen = torch.Generator().manual_seed(batch * 1000 + prompt_len)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -157,6 +160,7 @@ def run_point(
         engine.add(engine.make_request(prompt, params, adapter, request_id=f"bench-{batch}-{i}"))
     decode_times: list[float] = []
     contexts: list[float] = []
+    experts_read = [0, 0]  # over the decode steps: experts run, (expert, adapter run) LoRAs (model.moe)
     prefill_time = 0.0
     while engine.has_work():
         before = engine.snapshot()
@@ -168,12 +172,22 @@ def run_point(
         if before.decoding:
             decode_times.append(elapsed)
             contexts.append(before.context_tokens)
+            after = engine.snapshot()
+            experts_read[0] += after.experts_read - before.experts_read
+            experts_read[1] += after.expert_loras_read - before.expert_loras_read
         else:
             prefill_time += elapsed
     engine.check_integrity()
     step = sum(decode_times) / max(1, len(decode_times))
     mean_context = sum(contexts) / max(1, len(contexts))
-    floor_bytes = info.weight_bytes + adapter_bytes * len(adapter_names) + info.kv_bytes_per_token * mean_context
+    steps = max(1, len(decode_times))
+    weights, adapters = float(info.weight_bytes), float(adapter_bytes * len(adapter_names))
+    if info.expert_bytes:  # a mixture of experts' step reads the experts its tokens took, not all of them
+        expert_lora = expert_lora_bytes(info, rank) if adapter_names else 0
+        sparse = sum(info.arch.sparse(layer) for layer in range(info.arch.num_layers))
+        weights += (experts_read[0] / steps - sparse * info.arch.num_experts) * info.expert_bytes
+        adapters += (experts_read[1] / steps - len(adapter_names) * sparse * info.arch.num_experts) * expert_lora
+    floor_bytes = weights + adapters + info.kv_bytes_per_token * mean_context
     floor = floor_bytes / (bandwidth * 1e9)
     prefill_rate = batch * prompt_len / prefill_time
     return BenchPoint(
@@ -188,6 +202,13 @@ def run_point(
         round(prefill_rate * prefill_flops_per_token(info.arch, prompt_len) / 1e12, 4),
         round(batch * output_len / (prefill_time + sum(decode_times)), 1),
     )
+
+
+def expert_lora_bytes(info: ModelInfo, rank: int) -> int:
+    """One expert's LoRA at ``rank`` on the device (write_random_adapters': gate_up and down): A [r, hidden] and
+    B^T [r, 2 * width], A [r, width] and B^T [r, hidden]."""
+    hidden, width = info.arch.hidden_size, info.arch.moe_intermediate_size
+    return rank * (2 * hidden + 3 * width) * info.dtype.itemsize
 
 
 def _make_resident(engine: Engine, names: list[str]) -> None:
@@ -244,6 +265,7 @@ def bench(args, base: EngineConfig) -> dict:
                 args.output_len,
                 bandwidth,
                 adapter_bytes,
+                args.rank,
             )
             points.append(point)
             print(_row(point), flush=True)
@@ -280,6 +302,14 @@ def _header(info: ModelInfo, config: EngineConfig, bandwidth: float, args) -> st
             "must read once (weights + the batch's distinct adapters + every sequence's KV) / that bandwidth; share: "
             "floor / decode (1.0 = reading every byte once at copy speed); prefill: prompt tokens / time of the other "
             "steps, and its TFLOP/s (decoder linears and causal attention, the head and adapters left out)",
+            *(
+                [
+                    f"mixture of experts: {a.num_experts} experts, top {a.experts_per_token}; the floor counts the "
+                    "experts (and adapters' experts) the decode steps ran, on average, not all of them"
+                ]
+                if a.num_experts
+                else []
+            ),
         ]
     )
 

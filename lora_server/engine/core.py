@@ -382,6 +382,8 @@ class EngineCore:
             dataclasses.replace(self.step_times),
             spec_draft_tokens=scheduler.num_draft_tokens,
             spec_accepted_tokens=scheduler.num_accepted_drafts,
+            experts_read=sum(moe.experts_read for moe in self.runner.model.sparse_mlps()),
+            expert_loras_read=sum(moe.expert_loras_read for moe in self.runner.model.sparse_mlps()),
         )
 
     def describe(self) -> ModelInfo:
@@ -400,6 +402,7 @@ class EngineCore:
             runner.memory.activations,
             runner.memory.graphs,
             self.copy_costs,
+            _expert_bytes(runner.model),
         )
 
     @property
@@ -429,3 +432,10 @@ class EngineCore:
             self.ttft.figures(),
             self.activate_times.figures(),
         )
+
+
+def _expert_bytes(model: LlamaModel) -> int:
+    """One expert's resident weights, gate|up and down (every expert of a model is held alike); 0 for a dense
+    model."""
+    sparse = model.sparse_mlps()
+    return resident_bytes(sparse[0].gate_up[0]) + resident_bytes(sparse[0].down[0]) if sparse else 0

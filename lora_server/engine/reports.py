@@ -147,6 +147,7 @@ class ModelInfo:
     activation_bytes: int  # device memory of the largest step's activations, measured at warm-up (CUDA; else 0)
     graph_bytes: int  # the decode graphs' share, estimated at warm-up (CUDA with graphs; else 0)
     copy_costs: CopyCosts  # the pool's copies as measured at start (their prices in the pool's cost model)
+    expert_bytes: int = 0  # a mixture of experts': one expert's resident weights (gate|up and down; 0: dense)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,3 +166,6 @@ class EngineSnapshot:
     step_times: StepTimes  # where the steps spent their time since start (a copy)
     spec_draft_tokens: int = 0  # speculative draft tokens verified since start
     spec_accepted_tokens: int = 0  # of them, those accepted
+    # a mixture of experts' reads since start, over its layers (model.moe): experts run, (expert, adapter run) LoRAs
+    experts_read: int = 0
+    expert_loras_read: int = 0

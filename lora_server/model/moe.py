@@ -50,6 +50,9 @@ class SparseMoE(nn.Module):
         self.down = nn.ModuleList(down)
         self.top_k, self.norm_topk_prob = experts_per_token, norm_topk_prob
         self.expert_terms: ExpertTermsOf | None = None  # set by model.arena.attach_arena
+        # what the steps read, since start (bench-engine's floor): experts run, and (expert, adapter run) LoRAs
+        self.experts_read = 0
+        self.expert_loras_read = 0
 
     @property
     def num_experts(self) -> int:
@@ -70,11 +73,14 @@ class SparseMoE(nn.Module):
         picked.scatter_(1, experts, weights)  # [T, experts]: a token's weight for each expert, 0 where not picked
         hit = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [experts]: tokens each was picked for
         runs = self._lora_runs(lora)
-        for e in hit.nonzero().flatten().tolist():
+        hit_experts = hit.nonzero().flatten().tolist()
+        self.experts_read += len(hit_experts)
+        for e in hit_experts:
             tokens = picked[:, e].nonzero().flatten()  # ascending
             rows = x[tokens]
             gate_up = self.gate_up[e](rows)
             segments = _expert_segments(tokens, runs, e) if runs else []
+            self.expert_loras_read += len(segments)
             if segments:
                 apply_lora_segments(rows, gate_up, [(s, t, terms[0]) for s, t, terms in segments])
             hidden = ops.silu_and_mul(gate_up)
