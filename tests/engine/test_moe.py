@@ -316,3 +316,29 @@ def test_what_the_server_does_not_reproduce_is_refused_by_name(moe, adapters, tm
     assert engine.adapters.names() == []  # nothing registered by a refusal
     engine.adapters.add("fused", root / "fused")  # and the engine still takes a good one
     assert engine.adapters.names() == ["fused"]
+
+
+def test_speculative_decoding_and_the_prefix_cache_keep_an_adapters_tokens(moe, adapters):
+    """Prompt-lookup drafts verified through the experts, and a second turn from each adapter's cached prefix,
+    give the tokens the plain engine gives (greedy), for the base and adapters of both layouts."""
+    _, path, _ = moe
+    root, _ = adapters
+    plan = [None, "fused", "per_expert", "fused_ranks"]
+    gen = torch.Generator().manual_seed(3)
+    # prompts that repeat themselves: the n-gram drafter finds drafts in them
+    prompts = [torch.randint(3, 40, (6,), generator=gen).tolist() * 12 for _ in plan]  # a 64-token block and more
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = {}
+    for speculative in (0, 3):
+        engine = _engine(path, max_loras=4, speculative_ngram=speculative)
+        for name in plan[1:]:
+            engine.adapters.add(name, root / name)
+        first = engine.generate(prompts, params, adapters=plan)
+        again = engine.generate(prompts, params, adapters=plan)  # the same prompts: each adapter's cached prefix
+        assert all(out.num_cached_tokens > 0 for out in again)
+        assert [o.token_ids for o in again] == [o.token_ids for o in first]
+        outputs[speculative] = [o.token_ids for o in first]
+        if speculative:  # drafts were proposed, and some were taken
+            assert engine.snapshot().spec_accepted_tokens > 0
+        engine.check_integrity()
+    assert outputs[3] == outputs[0]
