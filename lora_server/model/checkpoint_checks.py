@@ -406,6 +406,8 @@ class TensorShapes:
                 expert_up=((w, h), wf + hf),
                 expert_down=((h, w), hf + wf),
                 experts_gate_up=((e, 2 * w, h), ef + wf + hf),
+                experts_gate=((e, w, h), ef + wf + hf),  # GGUF's, gate and up stacked apart
+                experts_up=((e, w, h), ef + wf + hf),
                 experts_down=((e, h, w), ef + hf + wf),
             )
 

@@ -116,7 +116,23 @@ GGUF_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+MIXTRAL = "MixtralForCausalLM"  # a llama file with experts (llama.cpp's converter writes Mixtral as llama)
+# a mixture of experts' tensors (model.moe): the router, and each projection of every expert stacked [E, out, in]
+_GGUF_EXPERTS = {
+    "ffn_gate_inp": "router",
+    "ffn_gate_exps": "experts.gate",
+    "ffn_up_exps": "experts.up",
+    "ffn_down_exps": "experts.down",
+}
+
+
+def gguf_architecture(architecture: str) -> str:
+    """The GGUF general.architecture a ModelArch.architecture was read from."""
+    return "llama" if architecture == MIXTRAL else next(k for k, v in GGUF_ARCHITECTURES.items() if v == architecture)
+
+
 # every {arch}.* key the reader understands for the families whose unknown keys are refused: what the converter's
 # Gemma2Model, Gemma3Model (with TextModel.set_gguf_parameters) and Phi3MiniModel write, and llama.cpp reads
 _COMMON_KEYS = {
@@ -192,6 +208,8 @@ def gguf_names(name: str) -> dict[str, str]:
         attn_softcap="attn_logit_softcapping",
         final_softcap="final_logit_softcapping",
         local_rope_theta="rope.freq_base_swa",
+        num_experts="expert_count",
+        moe_intermediate_size="expert_feed_forward_length" if name == "qwen3moe" else "feed_forward_length",
     )
     return {field: f"GGUF {name}.{key}" for field, key in keys.items()}
 
@@ -266,11 +284,6 @@ def _refuse_unknown_keys(reader, name: str) -> None:
 def _common_fields(reader, meta: _Meta) -> dict:
     """The fields every architecture reads alike (head_dim and the family's own fields come after)."""
     name = meta.name
-    if meta.get("expert_count"):
-        raise ModelLoadError(
-            f"GGUF {name}.expert_count {meta.get('expert_count')}: mixture-of-experts GGUF files are not "
-            "implemented (serve the model's HF directory)"
-        )
     # what the arithmetic below and the per-layer lists need are required and checked first
     heads = meta.size("attention.head_count", required=True)
     hidden = meta.size("embedding_length", required=True)
@@ -281,8 +294,10 @@ def _common_fields(reader, meta: _Meta) -> dict:
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     llama_family = name not in _KNOWN_KEYS  # llama.cpp requires the norm epsilon of gemma2, gemma3, phi3 files
     eps = meta.real("attention.layer_norm_rms_epsilon", 1e-5, required=not llama_family)
+    experts = _expert_fields(meta, layers)
     return dict(
-        architecture=GGUF_ARCHITECTURES[name],
+        **experts,
+        architecture=MIXTRAL if name == "llama" and experts else GGUF_ARCHITECTURES[name],
         vocab_size=vocab if vocab is not None or tokens is None else len(tokens.data),
         hidden_size=hidden,
         intermediate_size=meta.size("feed_forward_length"),
@@ -296,6 +311,40 @@ def _common_fields(reader, meta: _Meta) -> dict:
         rope_scaling=_rope_scaling(meta),
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+    )
+
+
+def _expert_fields(meta: _Meta, layers: int) -> dict:
+    """ModelArch's mixture-of-experts fields as llama.cpp reads them (llama with expert_count: Mixtral; qwen3moe):
+    every layer sparse, a softmax over the experts, the top expert_used_count renormalized (build_moe_ffn's norm_w,
+    which both set), experts expert_feed_forward_length wide (llama's: feed_forward_length). What else llama.cpp
+    reads of its experts and these files' converters never write is refused by name; {} for a dense file."""
+    name = meta.name
+    count = meta.size("expert_count", 0, Int(low=0))
+    if not count:
+        if name == "qwen3moe":
+            raise ModelLoadError("GGUF qwen3moe.expert_count is missing: the qwen3moe architecture needs it")
+        return {}
+    if name not in ("llama", "qwen3moe"):
+        raise ModelLoadError(f"GGUF {name}.expert_count {count}: mixture-of-experts {name} files are not implemented")
+    for key, allowed in (
+        ("expert_shared_count", (0,)),
+        ("expert_group_count", (0, 1)),
+        ("expert_weights_scale", (0.0, 1.0)),
+        ("expert_gating_func", (1,)),  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        ("expert_weights_norm", (True,)),
+    ):
+        value = meta.get(key)
+        if value is not None and value not in allowed:
+            raise ModelLoadError(f"GGUF {name}.{key} {value!r}: not implemented (only {allowed})")
+    width_key = "expert_feed_forward_length" if name == "qwen3moe" else "feed_forward_length"
+    used = meta.size("expert_used_count", required=True, spec=Int(high=count))
+    return dict(
+        num_experts=count,
+        experts_per_token=used,
+        moe_intermediate_size=meta.size(width_key, required=True),
+        norm_topk_prob=True,
+        dense_layers=(),
     )
 
 
@@ -324,8 +373,8 @@ def _llama_fields(meta: _Meta, common: dict) -> dict:
     return dict(
         head_dim=key_length or rotary or _head_width(meta, common),
         attention_bias=name == "qwen2",
-        family="qwen3" if name == "qwen3" else "llama",
-        qk_norm=name == "qwen3",
+        family="qwen3" if name in ("qwen3", "qwen3moe") else "llama",
+        qk_norm=name in ("qwen3", "qwen3moe"),
     )
 
 
@@ -529,6 +578,8 @@ def _tensor_sources(t, canonical: str, arch: ModelArch) -> dict[str, WeightSourc
     """The weights one GGUF tensor holds, by canonical name: Gemma's norms as w (the file's w + 1, less 1, in
     float32), a fused projection's parts by rows, llama's Q and K rows unpermuted, the rest as they are."""
     prefix, module = canonical.rpartition(".")[::2]
+    if prefix.endswith(".experts"):  # every expert's [out, in] stacked: expert e's rows are data[e]
+        return {f"{prefix}.{e}.{module}": _weight_source(t, t.data[e]) for e in range(arch.num_experts)}
     if arch.gemma_norms and module.endswith("norm"):
         shifted = _float_array(t) - np.float32(1.0)
         return {canonical: FloatWeight(functools.partial(tensor_copy, shifted))}
@@ -536,7 +587,7 @@ def _tensor_sources(t, canonical: str, arch: ModelArch) -> dict[str, WeightSourc
         parts = arch.part_rows(_FUSED_PARTS[module])
         return {f"{prefix}.{part}": _weight_source(t, t.data[start:end]) for part, start, end in parts}
     # llama.cpp permutes the rows of Q and K for llama files only (its converter's LlamaModel)
-    permuted = arch.architecture == "LlamaForCausalLM"
+    permuted = arch.architecture in ("LlamaForCausalLM", MIXTRAL)
     heads = {"q": arch.num_heads, "k": arch.num_kv_heads}.get(module) if permuted else None
     data = unpermute_rope_rows(t.data, heads) if heads else t.data
     return {canonical: _weight_source(t, data)}
@@ -576,6 +627,10 @@ def _layer_names(arch: ModelArch) -> dict[str, str]:
         names.update(_GGUF_GEMMA_NORMS)
     if arch.qk_norm:
         names.update(_GGUF_QK_NORMS)
+    if arch.num_experts:  # every layer sparse (_expert_fields): no dense MLP
+        for dense in ("ffn_gate", "ffn_up", "ffn_down"):
+            del names[dense]
+        names.update(_GGUF_EXPERTS)
     return names
 
 

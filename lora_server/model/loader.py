@@ -27,7 +27,7 @@ from lora_server.model import prequant
 from lora_server.model.arch import PRESETS, ModelArch
 from lora_server.model.checkpoint import Checkpoint, FloatWeight, WeightSource, refuse_unread
 from lora_server.model.checkpoint_checks import HF_NAMES, TensorShapes, about, read_json_object
-from lora_server.model.gguf_checkpoint import GGUF_ARCHITECTURES, gguf_names, open_gguf, read_gguf
+from lora_server.model.gguf_checkpoint import gguf_architecture, gguf_names, open_gguf, read_gguf
 from lora_server.model.prequant.source import PackedSource, split_rows
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def open_checkpoint(config: EngineConfig) -> Checkpoint:
 def _field_names(checkpoint: Checkpoint) -> Mapping[str, str]:
     """ModelArch field -> the checkpoint's own name for it (config.json's key, or the GGUF metadata key)."""
     if checkpoint.format == "gguf":
-        return gguf_names(next(k for k, v in GGUF_ARCHITECTURES.items() if v == checkpoint.arch.architecture))
+        return gguf_names(gguf_architecture(checkpoint.arch.architecture))
     return HF_NAMES
 
 

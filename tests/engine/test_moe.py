@@ -16,6 +16,7 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -23,9 +24,9 @@ from safetensors.torch import save_file
 from lora_server.adapters.errors import AdapterError
 from lora_server.config import EngineConfig
 from lora_server.engine import Engine
-from lora_server.model.quant import Int4CpuLinear
+from lora_server.model.quant import DenseLinear, Int4CpuLinear, Int8Linear
 from lora_server.sampling_params import SamplingParams
-from tests.conftest import peft_log_softmax
+from tests.conftest import peft_log_softmax, runner_of
 from tests.engine.test_gpu_engine import NEAR_TIE, _follows
 from tests.engine.test_synthetic_checkpoints import _int4_round_trip, _int8_round_trip
 from tests.model.test_model_vs_hf import LOGPROB_TOL, _hf_logprobs
@@ -240,7 +241,7 @@ def test_quantized_experts_follow_hf_holding_their_weights(moe, quantization, mo
     if quantization == "int4":
         monkeypatch.setattr(Int4CpuLinear, "available", staticmethod(lambda: False))
     engine = _engine(path, quantization=quantization)
-    assert not any(isinstance(m, Int4CpuLinear) for m in engine.core.runner.model.modules())
+    assert not any(isinstance(m, Int4CpuLinear) for m in runner_of(engine).model.modules())
     reference = functools.partial(_hf_logprobs, _hf_holding(model, quantization))
     tol = LOGPROB_TOL
     prompts = _prompts(3)
@@ -342,3 +343,125 @@ def test_speculative_decoding_and_the_prefix_cache_keep_an_adapters_tokens(moe, 
             assert engine.snapshot().spec_accepted_tokens > 0
         engine.check_integrity()
     assert outputs[3] == outputs[0]
+
+
+# ---- GGUF: what llama.cpp's converter writes (convert_hf_to_gguf.py: LlamaModel for Mixtral, Qwen3MoeModel) ----
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """LlamaModel.permute: a llama file's Q and K rows, interleaved per head for llama.cpp's rotary."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_moe_gguf(family: str, model: torch.nn.Module, path: Path, experts_q8: bool = False) -> None:
+    """The HF model as a float32 GGUF as the converter writes it: Mixtral as a llama file with expert_count (Q and
+    K rows permuted), Qwen3-MoE as qwen3moe (expert_feed_forward_length); each layer's experts stacked per
+    projection (ffn_gate_exps, ffn_up_exps [E, width, hidden], ffn_down_exps [E, hidden, width]), the router
+    ffn_gate_inp. A made-up vocabulary: prompts here are token ids. ``experts_q8``: the experts stored as Q8_0
+    blocks, and written back into ``model`` as they dequantize (its reference then holds the file's numbers)."""
+    import gguf
+
+    cfg = model.config
+    arch = "llama" if family == "mixtral" else "qwen3moe"
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(["<pad>", "<bos>", "<eos>", "a", "b", "ab", *(f"w{i}" for i in range(6, cfg.vocab_size))])
+    writer.add_token_types([3, 3, 3] + [1] * (cfg.vocab_size - 3))
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_expert_feed_forward_length(width)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        q, k = state[p + "self_attn.q_proj.weight"], state[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _llama_permute(q, cfg.num_attention_heads), _llama_permute(k, cfg.num_key_value_heads)
+        else:
+            writer.add_tensor(b + "attn_q_norm.weight", state[p + "self_attn.q_norm.weight"])
+            writer.add_tensor(b + "attn_k_norm.weight", state[p + "self_attn.k_norm.weight"])
+        writer.add_tensor(b + "attn_q.weight", q)
+        writer.add_tensor(b + "attn_k.weight", k)
+        writer.add_tensor(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        writer.add_tensor(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
+        writer.add_tensor(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
+        writer.add_tensor(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
+        writer.add_tensor(b + "ffn_gate_inp.weight", state[p + "mlp.gate.weight"])
+        gate_up = state[p + "mlp.experts.gate_up_proj"]  # [E, 2 * width, hidden]: gate rows, then up rows
+        stacks = {
+            "ffn_gate_exps": np.ascontiguousarray(gate_up[:, :width]),
+            "ffn_up_exps": np.ascontiguousarray(gate_up[:, width:]),
+            "ffn_down_exps": state[p + "mlp.experts.down_proj"],
+        }
+        for name, array in stacks.items():
+            if not experts_q8:
+                writer.add_tensor(f"{b}{name}.weight", array)
+                continue
+            kind = gguf.GGMLQuantizationType.Q8_0
+            blocks = gguf.quants.quantize(array, kind)
+            writer.add_tensor(f"{b}{name}.weight", blocks, raw_dtype=kind)
+            stacks[name] = gguf.quants.dequantize(blocks, kind)
+        experts_of = model.model.layers[i].mlp.experts
+        with torch.no_grad():
+            experts_of.gate_up_proj.copy_(
+                torch.from_numpy(np.concatenate([stacks["ffn_gate_exps"], stacks["ffn_up_exps"]], 1))
+            )
+            experts_of.down_proj.copy_(torch.from_numpy(stacks["ffn_down_exps"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("experts_q8", [False, True], ids=["f32", "q8_0-experts"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_gguf_file_llama_cpp_writes_follows_hf(family, experts_q8, tmp_path):
+    """A mixture of experts from GGUF (every layer sparse, as llama.cpp's qwen3moe and Mixtral are): the same model
+    as HF's (holding the Q8_0 experts' numbers where the file stores them so; the engine keeps the blocks), and an
+    adapter of it (fused experts, PEFT-saved) against PEFT."""
+    import transformers
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    config_name, model_name, extra = FAMILIES[family]
+    extra = {k: v for k, v in extra.items() if k != "mlp_only_layers"}
+    torch.manual_seed(1)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+    _write_moe_gguf(family, model, tmp_path / "model.gguf", experts_q8)
+    engine = _engine(tmp_path / "model.gguf", max_loras=2, quantization="auto")
+    held = runner_of(engine).model.sparse_mlps()[0].gate_up[0]
+    assert isinstance(held, Int8Linear if experts_q8 else DenseLinear), type(held)  # Q8_0 blocks kept as they are
+    prompts = _prompts(3)
+    for prompt, out in zip(prompts, engine.generate(prompts, PARAMS), strict=True):
+        _follows(out, prompt, functools.partial(_hf_logprobs, model), LOGPROB_TOL, NEAR_TIE)
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **cfg))
+    peft.save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapter", adapter_name="a").eval()
+    engine.adapters.add("a", tmp_path / "adapter")
+    out = engine.generate([prompts[0]], PARAMS, adapters=["a"])[0]
+    _follows(out, prompts[0], functools.partial(peft_log_softmax, reference, "a"), LOGPROB_TOL, NEAR_TIE)
+    engine.check_integrity()

@@ -172,7 +172,7 @@ def test_gguf_parts_the_loader_does_not_read_are_refused(tmp_path):
 
     for key, value, named in [
         ("llama.rope.scaling.type", "yarn", "rope.scaling.type 'yarn'"),
-        ("llama.expert_count", 8, "expert_count 8"),
+        ("llama.expert_count", 8, "expert_used_count is missing"),  # a mixture of experts without its top k
     ]:
         path = tmp_path / f"{key}.gguf"
         writer = gguf.GGUFWriter(str(path), "llama")
