@@ -59,15 +59,14 @@ def vocab_pieces(vocab: VocabLora | None) -> dict[str, torch.Tensor]:
     return pieces
 
 
-# (layer, module, expert) -> (rank, in, out) of an adapter's LoRA on the experts (LoraAdapter.experts)
-ExpertShapes = tuple[tuple[tuple[int, str, int], tuple[int, int, int]], ...]
+# ((layer, module, expert), rank) of an adapter's LoRA on the experts (LoraAdapter.experts), in order: its widths
+# are the geometry's (BaseShapes.expert_features; a rank's share with tensor parallelism), as a module's are
+ExpertRanks = tuple[tuple[tuple[int, str, int], int], ...]
 
 
-def expert_shapes(adapter: LoraAdapter | PeftAdapter) -> ExpertShapes:
+def expert_ranks(adapter: LoraAdapter | PeftAdapter) -> ExpertRanks:
     """What a PageLayout needs to place an adapter's LoRA on the experts, in a fixed order."""
-    return tuple(
-        (key, (a.shape[0], a.shape[1], b.shape[0])) for key, (a, b, _) in sorted(adapter.expert_parts().items())
-    )
+    return tuple((key, a.shape[0]) for key, (a, _, _) in sorted(adapter.expert_parts().items()))
 
 
 def vocab_shapes(vocab: VocabLora | None) -> dict[str, tuple[int, int]]:
@@ -146,7 +145,7 @@ class PageLayout:
         ranks: dict[tuple[int, str], int],
         dora: Collection[tuple[int, str]] = (),
         vocab: Mapping[str, tuple[int, int]] | None = None,
-        experts: ExpertShapes = (),
+        experts: ExpertRanks = (),
     ) -> None:
         geometry.check_fits()
         if any(r > geometry.max_rank for r in ranks.values()):
@@ -171,7 +170,8 @@ class PageLayout:
         for name, (rows, width) in self.vocab.items():
             self._place_rows(VOCAB_LAYER, name, rows, width, item)
         self.experts = experts
-        for (layer, module, expert), (rank, in_f, out_f) in experts:  # A, then B^T, each in runs of whole rows
+        for (layer, module, expert), rank in experts:  # A, then B^T, each in runs of whole rows
+            in_f, out_f = geometry.shapes.expert_features(module)
             self._place_rows(layer, module, rank, in_f, item, expert=expert)
             self._place_rows(layer, module, rank, out_f, item, expert=expert, is_b=True)
         self.gaps = self._gaps()
@@ -275,7 +275,7 @@ class PageLayout:
             for page, start, end in self.gaps:
                 values[page, start:end].zero_()
         parts, experts = adapter.scaled_parts(), adapter.expert_parts()
-        assert expert_shapes(adapter) == self.experts, "the adapter's experts are not the layout's"
+        assert expert_ranks(adapter) == self.experts, "the adapter's experts are not the layout's"
         for block in self.blocks:
             dst = values[block.page, block.offset : block.offset + (block.row1 - block.row0) * block.width]
             dst = dst.view(block.row1 - block.row0, block.width)

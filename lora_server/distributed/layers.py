@@ -2,6 +2,8 @@
 code (model.llama) runs unchanged on every rank:
 
 - RowParallelLoraLinear (o, down): the rank's partial product and its adapters' partial LoRA, then one all-reduce
+- RowParallelMoE (a mixture of experts' MLP): the rank's share of each expert (and of its adapters' LoRA on it),
+  weighted and summed over a token's experts, then one all-reduce
 - VocabParallelEmbedding: the rank's vocabulary rows looked up (zero rows for ids it does not hold), then one
   all-reduce: each token's row comes from exactly one rank, so the sum is that row exactly
 - VocabParallelHead: the rank's logits columns, padded to ceil(V/N), gathered to rank 0, which gets [S, V]; the
@@ -20,6 +22,7 @@ from lora_server.distributed.shard import Shard
 from lora_server.errors import TensorParallelError
 from lora_server.model.llama import MLP, DecoderLayer, LlamaModel
 from lora_server.model.lora import LoraBatch, LoraLinear
+from lora_server.model.moe import SparseMoE
 from lora_server.model.quant import QuantLinear
 
 
@@ -34,6 +37,18 @@ class RowParallelLoraLinear(LoraLinear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, in / N] -> [T, out]
+        return self.comm.all_reduce(super().forward(x, lora))
+
+
+class RowParallelMoE(SparseMoE):
+    """A mixture of experts whose experts hold the rank's share of their width (distributed.shard): its output, a
+    partial sum over the ranks (the down projections are row-parallel), all-reduced."""
+
+    def __init__(self, moe: SparseMoE, comm: Comm) -> None:
+        super().__init__(moe.layer, moe.router.data, list(moe.gate_up), list(moe.down), moe.top_k, moe.norm_topk_prob)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.comm.all_reduce(super().forward(x, lora))
 
 
@@ -78,8 +93,8 @@ class VocabParallelHead(nn.Module):
 
 def parallelize(model: LlamaModel, shard: Shard, comm: Comm) -> None:
     """Swap in this rank's parallel modules (in place), before the LoRA wrappers are attached to an arena: o and
-    down row-parallel, the embedding and the head vocabulary-parallel (build_llama built them from the rank's
-    slices: shard.shard_checkpoint)."""
+    down row-parallel (a mixture of experts as a whole), the embedding and the head vocabulary-parallel
+    (build_llama built them from the rank's slices: shard.shard_checkpoint)."""
     first, end = shard.vocab_range
     head = model.embed if model.lm_head is None else model.lm_head  # None: tied, and used as it is
     model.embed = VocabParallelEmbedding(model.embed, first, end, comm)  # type: ignore[assignment]
@@ -87,5 +102,7 @@ def parallelize(model: LlamaModel, shard: Shard, comm: Comm) -> None:
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
     for layer in layers:
         layer.attn.o_proj = RowParallelLoraLinear(layer.attn.o_proj, comm)
-        assert isinstance(layer.mlp, MLP), "tensor parallelism of a mixture of experts (shard.check_tensor_parallel)"
-        layer.mlp.down_proj = RowParallelLoraLinear(layer.mlp.down_proj, comm)
+        if isinstance(layer.mlp, MLP):
+            layer.mlp.down_proj = RowParallelLoraLinear(layer.mlp.down_proj, comm)
+        else:
+            layer.mlp = RowParallelMoE(layer.mlp, comm)

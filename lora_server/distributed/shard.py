@@ -7,6 +7,12 @@ Rank r of N holds (H q heads, KVH kv heads, I intermediate, V vocabulary rows):
   (grouped-query attention stays within a rank: q head h reads kv head h // (H/KVH))
 - gate, up: rows [r I/N, (r+1) I/N); o, down: the matching columns (row-parallel: each rank's product is a partial
   sum, all-reduced by distributed.layers.RowParallelLinear)
+- a mixture of experts' experts (model.moe): each expert split as a dense MLP is, over its own width W (gate, up:
+  rows [r W/N, (r+1) W/N); down: those columns), so that each rank's weighted sum over a token's experts is a
+  partial sum of the whole, all-reduced once after the layer's experts (distributed.layers.RowParallelMoE); the
+  router whole on every rank (every rank routes alike: the same input, the same weights). vLLM's tensor-parallel
+  MoE splits the experts so too: every rank holds every expert, 1/N of each, the memory divided, the routing
+  unchanged (expert parallelism, whole experts per rank, would balance only as the routing does)
 - embed, lm_head: the vocabulary rows of ``vocab_range`` (ceil(V/N) a rank, the last fewer)
 - the norms, rope_freqs: whole on every rank.
 
@@ -22,7 +28,8 @@ An adapter's LoRA follows its module's split (vLLM's layout, not its fully shard
   output shard; the rank's LoRA lands in its own output columns
 - row-parallel o, down: A's columns of the rank's input shard, B [out, r] whole; the rank's LoRA, x_local @
   A_local.T @ B.T, is a partial sum like its base product, and joins it before the one all-reduce
-  (distributed.layers.RowParallelLoraLinear): sum over ranks of x_r A_r^T B^T = x A^T B^T."""
+  (distributed.layers.RowParallelLoraLinear): sum over ranks of x_r A_r^T B^T = x A^T B^T
+- an expert's LoRA alike: gate, up, gate_up (both halves' rows of the rank) column-parallel, down row-parallel."""
 
 from __future__ import annotations
 
@@ -65,7 +72,11 @@ class Shard:
         vocabulary stays whole: the vocabulary-parallel modules know their rows)."""
         a, n = self.arch, self.world
         return dataclasses.replace(
-            a, num_heads=a.num_heads // n, num_kv_heads=a.num_kv_heads // n, intermediate_size=a.intermediate_size // n
+            a,
+            num_heads=a.num_heads // n,
+            num_kv_heads=a.num_kv_heads // n,
+            intermediate_size=a.intermediate_size // n,
+            moe_intermediate_size=a.moe_intermediate_size // n,
         )
 
     @property
@@ -93,6 +104,8 @@ class Shard:
             "up": local.intermediate_size,
         }
         cols = {"o": local.q_size, "down": local.intermediate_size}
+        if ".experts." in name:  # layers.{i}.experts.{e}.gate / up / down: the expert's own width
+            rows["gate"] = rows["up"] = cols["down"] = local.moe_intermediate_size
         if name in ("embed", "lm_head"):
             return (0, *self.vocab_range)
         if name.startswith("layers.") and kind in rows:
@@ -116,32 +129,37 @@ class Shard:
                 width = a.shape[1] // self.world
                 a = a[:, self.rank * width : (self.rank + 1) * width]
             weights[(layer, module)] = (a.contiguous(), b.contiguous())
-        return dataclasses.replace(adapter, weights=weights)
+        width, full = self.local_arch.moe_intermediate_size, self.arch.moe_intermediate_size
+        rows = torch.arange(self.rank * width, (self.rank + 1) * width)
+        experts = {}
+        for (layer, module, expert), (a, b) in adapter.experts.items():
+            if module == "down":
+                a = a[:, rows]
+            else:  # gate, up: the rank's rows; gate_up: the rank's rows of each half
+                b = b[torch.cat([rows, rows + full])] if module == "gate_up" else b[rows]
+            experts[(layer, module, expert)] = (a.contiguous(), b.contiguous())
+        return dataclasses.replace(adapter, weights=weights, experts=experts)
 
 
 def check_tensor_parallel(arch: ModelArch, config: EngineConfig) -> None:
     """Refuse (ConfigError) a world that does not divide the heads, the kv heads or the MLP (a quantized weight
     that cannot be cut where its rank's share begins is refused as it is read: shard_linear)."""
     n = config.tensor_parallel_size
-    if arch.num_experts and n > 1:
-        raise ConfigError(
-            f"--tensor-parallel-size {n} with a mixture-of-experts model ({arch.architecture}): not implemented; "
-            "serve it on one device"
-        )
     uneven = [
         f"{what} ({count})"
         for what, count in (
             ("num_heads", arch.num_heads),
             ("num_kv_heads", arch.num_kv_heads),
             ("intermediate_size", arch.intermediate_size),
+            ("moe_intermediate_size", arch.moe_intermediate_size),
         )
         if count % n
     ]
     if uneven:
         raise ConfigError(
             f"--tensor-parallel-size {n} must divide the model's num_heads ({arch.num_heads}) and num_kv_heads "
-            f"({arch.num_kv_heads}) and its intermediate_size ({arch.intermediate_size}); it does not divide "
-            + ", ".join(uneven)
+            f"({arch.num_kv_heads}) and its intermediate_size ({arch.intermediate_size}; a mixture of experts' "
+            "moe_intermediate_size too); it does not divide " + ", ".join(uneven)
         )
 
 

@@ -15,10 +15,12 @@ runs of table pages; and ``copy_ops``, the pool's copy operations rank 0 made si
 
   SWAP_OUT, device page, host block | SWAP_IN, host block, device page   (KV, one block each)
   LOAD, n, n pages (table page first), m, m x (layer, module index, rank), v, v x (piece index, rows, width),
-        e, e embedding token ids, h, h head token ids                     (an adapter: its layout's ranks and
-                                                                           vocabulary pieces, its trainable tokens'
-                                                                           ids, e or h -1 for none; its pages'
-                                                                           bytes come next in the scatter)
+        x, x x (layer, expert module index, expert, rank),
+        e, e embedding token ids, h, h head token ids                     (an adapter: its layout's ranks,
+                                                                           vocabulary pieces and experts' LoRA, its
+                                                                           trainable tokens' ids, e or h -1 for
+                                                                           none; its pages' bytes come next in the
+                                                                           scatter)
   UNLOAD, table page
 
 A CHECK message carries copy ops only: the workers make them and answer with their fingerprint (the integrity
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from lora_server.adapters.page_layout import VOCAB_PIECES
+from lora_server.adapters.page_layout import VOCAB_PIECES, ExpertRanks
 from lora_server.adapters.peft_format import TokenIds
 from lora_server.distributed.group import Comm
 from lora_server.kernels.lora_table import MODULE_INDEX, MODULES
@@ -58,6 +60,7 @@ STEP_ARRAYS: dict[str, torch.dtype] = {
 SWAP_OUT, SWAP_IN, LOAD, UNLOAD = 0, 1, 2, 3
 HEADER = 7 + len(STEP_ARRAYS)
 _SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
+EXPERT_MODULES = ("gate", "up", "gate_up", "down")  # an expert's LoRA modules (adapters.peft_experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class LoadedAdapter:
     ranks: Mapping[tuple[int, str], int]  # (layer, module) -> rank
     vocab: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # piece name -> (rows, width)
     token_ids: TokenIds = TokenIds()
+    experts: ExpertRanks = ()  # its LoRA on a mixture of experts' experts (page_layout.expert_ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,8 @@ def encode_copy_ops(ops: Sequence[CopyOp], loaded: Mapping[AdapterKey, LoadedAda
             pieces = [(VOCAB_PIECES.index(name), rows, width) for name, (rows, width) in adapter.vocab.items()]
             values += (LOAD, len(op.dst), *op.dst, len(ranks), *(v for entry in ranks for v in entry))
             values += (len(pieces), *(v for entry in pieces for v in entry))
+            experts = [(layer, EXPERT_MODULES.index(m), e, r) for (layer, m, e), r in adapter.experts]
+            values += (len(experts), *(v for entry in experts for v in entry))
             for ids in adapter.token_ids:
                 values += (-1,) if ids is None else (ids.numel(), *ids.tolist())
         else:
@@ -123,11 +129,17 @@ def decode_copy_ops(values: list[int]) -> Iterator[CopyStep]:
             ranks = {(entries[j], MODULES[entries[j + 1]]): entries[j + 2] for j in range(0, len(entries), 3)}
             pieces = take(3 * take(1)[0])
             vocab = {VOCAB_PIECES[pieces[j]]: (pieces[j + 1], pieces[j + 2]) for j in range(0, len(pieces), 3)}
+            entries = take(4 * take(1)[0])
+            experts = tuple(
+                ((entries[j], EXPERT_MODULES[entries[j + 1]], entries[j + 2]), entries[j + 3])
+                for j in range(0, len(entries), 4)
+            )
             ids = []
             for _ in TokenIds._fields:
                 (n,) = take(1)
                 ids.append(None if n < 0 else torch.tensor(take(n), dtype=torch.int64))
-            yield CopyStep(kind, pages=tuple(pages), adapter=LoadedAdapter(ranks, vocab, TokenIds(*ids)))
+            loaded = LoadedAdapter(ranks, vocab, TokenIds(*ids), experts)
+            yield CopyStep(kind, pages=tuple(pages), adapter=loaded)
         else:
             yield CopyStep(kind, pages=tuple(take(1)))
 

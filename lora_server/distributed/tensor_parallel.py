@@ -219,4 +219,4 @@ class TensorParallel:
 
 def _loaded(shares: StagedShares) -> LoadedAdapter:
     layout, vocab = shares.layout, shares.vocab
-    return LoadedAdapter(layout.ranks, layout.vocab, TokenIds() if vocab is None else vocab.token_ids)
+    return LoadedAdapter(layout.ranks, layout.vocab, TokenIds() if vocab is None else vocab.token_ids, layout.experts)

@@ -292,7 +292,7 @@ def _run_step(model: LlamaModel, step: StepMessage, block_tables: torch.Tensor, 
 
 def _copy(step: StepMessage, adapters: ResidentAdapters, host: torch.Tensor) -> None:
     """Rank 0's copy operations since its last step, in its order: KV swaps, adapter loads (their layout rebuilt
-    from its ranks and vocabulary pieces, their pages from the step's scatter) and unloads."""
+    from its ranks, vocabulary pieces and experts' LoRA, their pages from the step's scatter) and unloads."""
     pages, geometry, image_at = adapters.arena.pages, adapters.geometry, 0
     for op in decode_copy_ops(step.arrays["copy_ops"].tolist()):
         if op.kind == SWAP_OUT:
@@ -301,7 +301,7 @@ def _copy(step: StepMessage, adapters: ResidentAdapters, host: torch.Tensor) -> 
             pages[op.dst].copy_(host[op.src])
         elif op.kind == LOAD:
             assert step.images is not None and op.adapter is not None, "an adapter load without its pages"
-            layout = PageLayout(geometry, dict(op.adapter.ranks), vocab=op.adapter.vocab)
+            layout = PageLayout(geometry, dict(op.adapter.ranks), vocab=op.adapter.vocab, experts=op.adapter.experts)
             size = layout.num_pages * geometry.page_bytes
             image = step.images[image_at : image_at + size].view(layout.num_pages, geometry.page_bytes)
             adapters.load(list(op.pages), layout, image, op.adapter.token_ids)

@@ -39,7 +39,7 @@ import torch
 
 from lora_server.adapters.dora import BaseRowNorms, dora_epilogues
 from lora_server.adapters.load import adapter_digest, read_adapter
-from lora_server.adapters.page_layout import ExpertShapes, PageLayout, expert_shapes, vocab_shapes
+from lora_server.adapters.page_layout import ExpertRanks, PageLayout, expert_ranks, vocab_shapes
 from lora_server.adapters.peft_adapter import PeftAdapter
 from lora_server.adapters.peft_files import FilesIdentity, ReadBuffer
 from lora_server.adapters.peft_format import AdapterError, LoraAdapter, VocabLora
@@ -284,7 +284,7 @@ class AdapterLoader:
             assert lora is not None
             dora = dora_epilogues(lora, self.row_norms, g.dtype)
         layout = self._layout(
-            content.ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab), expert_shapes(adapter)
+            content.ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab), expert_ranks(adapter)
         )
         image = self.buffers.take(layout.num_pages)
         if self.form.shards is None:
@@ -299,7 +299,7 @@ class AdapterLoader:
         ranks: tuple[tuple[int, str, int], ...],
         dora: Collection[tuple[int, str]],
         vocab: dict[str, tuple[int, int]],
-        experts: ExpertShapes = (),
+        experts: ExpertRanks = (),
     ) -> PageLayout:
         """The page layout of an adapter of these ranks, DoRA modules and vocabulary pieces: one per form, kept
         (adapters of one shape share it; laying one out costs about as much as staging a small adapter)."""

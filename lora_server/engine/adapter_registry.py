@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lora_server.adapters.load import adapter_digest, read_adapter
-from lora_server.adapters.page_layout import PageLayout, expert_shapes, vocab_shapes
+from lora_server.adapters.page_layout import PageLayout, expert_ranks, vocab_shapes
 from lora_server.adapters.peft_adapter import PeftAdapter
 from lora_server.adapters.peft_files import FilesIdentity
 from lora_server.adapters.peft_format import AdapterError
@@ -189,7 +189,7 @@ class AdapterRegistry:
             adapter_digest(adapter),
             tuple((layer, module, r) for (layer, module), r in sorted(ranks.items())),
             PageLayout(
-                self.geometry, ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab), expert_shapes(adapter)
+                self.geometry, ranks, adapter.magnitudes.keys(), vocab_shapes(adapter.vocab), expert_ranks(adapter)
             ).num_pages,
             adapter.nbytes,
             invocation_tokens=adapter.invocation_tokens,

@@ -125,11 +125,12 @@ def test_the_copy_operations_stream_by_hand():
     ]
     ranks = {(0, "q"): 8, (1, "down"): 4}  # q is module 0, down module 6
     vocab = {"head_a": (4, 64), "head_rows": (2, 64)}  # pieces 2 and 5
-    loaded = LoadedAdapter(ranks, vocab, TokenIds(None, torch.tensor([5, 38])))
+    experts = (((1, "gate_up", 3), 4),)  # layer 1, gate_up (expert module 2), expert 3, rank 4
+    loaded = LoadedAdapter(ranks, vocab, TokenIds(None, torch.tensor([5, 38])), experts)
     values = encode_copy_ops(ops, {AdapterKey(3): loaded})
     assert values == [
         *(0, 4, 0, 0, 5, 1),
-        *(2, 2, 7, 9, 2, 0, 0, 8, 1, 6, 4, 2, 2, 4, 64, 5, 2, 64, -1, 2, 5, 38),
+        *(2, 2, 7, 9, 2, 0, 0, 8, 1, 6, 4, 2, 2, 4, 64, 5, 2, 64, 1, 1, 2, 3, 4, -1, 2, 5, 38),
         *(3, 2),
         *(1, 1, 6),
     ]
@@ -138,7 +139,7 @@ def test_the_copy_operations_stream_by_hand():
     assert [(s.src, s.dst) for s in steps if s.kind in (SWAP_OUT, SWAP_IN)] == [(4, 0), (5, 1), (1, 6)]
     load, unload = steps[2].adapter, steps[3]
     assert steps[2].pages == (7, 9) and unload.pages == (2,)
-    assert load.ranks == ranks and load.vocab == vocab and load.token_ids.embed is None
+    assert load.ranks == ranks and load.vocab == vocab and load.experts == experts and load.token_ids.embed is None
     assert load.token_ids.head.tolist() == [5, 38]
 
 

@@ -465,3 +465,24 @@ def test_a_gguf_file_llama_cpp_writes_follows_hf(family, experts_q8, tmp_path):
     out = engine.generate([prompts[0]], PARAMS, adapters=["a"])[0]
     _follows(out, prompts[0], functools.partial(peft_log_softmax, reference, "a"), LOGPROB_TOL, NEAR_TIE)
     engine.check_integrity()
+
+
+@pytest.mark.slow
+def test_tp2_splits_the_experts_and_follows_peft(moe, adapters):
+    """Tensor parallelism over two ranks: each expert split by its width (and its adapters' LoRA with it), the
+    router whole, one all-reduce after the experts (distributed.shard): the mixed batch of
+    test_each_adapter_and_a_mixed_batch_follow_peft, against the same references."""
+    _, path, _ = moe
+    root, references = adapters
+    engine = _engine(path, max_loras=4, tensor_parallel_size=2)
+    try:
+        for name in references:
+            engine.adapters.add(name, root / name)
+        plan = [None, "fused", "per_expert", "dense", "fused_ranks", None]
+        prompts = _prompts(len(plan))
+        for prompt, adapter, out in zip(prompts, plan, engine.generate(prompts, PARAMS, adapters=plan), strict=True):
+            reference = references[adapter or "fused"]
+            _follows(out, prompt, functools.partial(peft_log_softmax, reference, adapter), LOGPROB_TOL, NEAR_TIE)
+        engine.check_integrity()
+    finally:
+        engine.close()
