@@ -101,7 +101,9 @@ class BaseShapes:
         return self.experts > 0 and layer not in self.dense_layers
 
     def expert_features(self, module: str) -> tuple[int, int]:
-        """(in, out) of an expert's gate, up, gate_up (both halves) or down."""
+        """(in, out) of an expert's gate, up, gate_up (both halves) or down, or of the router."""
+        if module == "router":
+            return self.hidden, self.experts
         width = self.expert_width * (2 if module == "gate_up" else 1)
         return (width, self.hidden) if module == "down" else (self.hidden, width)
 

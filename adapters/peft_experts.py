@@ -11,9 +11,15 @@
   they wrap every sparse layer's experts (layers_to_transform does not apply to target_parameters), and a
   rank_pattern / alpha_pattern key matches ``{layers}.{i}.mlp.experts.gate_up_proj`` (the parameter's path).
 
+LoRA on the router, [experts, hidden], in either layout too: ``mlp.gate`` (``block_sparse_moe.gate``) named by
+target_modules (transformers 4.x's nn.Linear router), or target_parameters ``mlp.gate.weight`` (transformers 5's
+router parameter); an A [r, hidden] and B [experts, r] a layer, its scaled product added to the router's logits
+before the softmax (so it changes which experts a token takes, as in PEFT).
+
 Each is read into (layer, module, expert) -> (A [r, in], B [out, r], scaling) with module gate, up, gate_up (the
-fused layout's: one A for both halves) or down. Refused, naming it: LoRA on the router, DoRA or an activated LoRA
-on experts, a target parameter other than those two, an expert without its A or B, shapes that do not fit."""
+fused layout's: one A for both halves), down, or router (expert 0: one a layer). Refused, naming it: DoRA or an
+activated LoRA on experts or the router, a target parameter other than those three, an expert without its A or
+B, shapes that do not fit."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from lora_server.adapters.peft_files import FLOAT_DTYPES
 
 ExpertParts = dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]]
 TARGET_PARAMETERS = {"gate_up_proj": "gate_up", "down_proj": "down"}  # transformers 5's expert parameters
+ROUTER_PARAMETER = "mlp.gate.weight"  # transformers 5's router (Qwen3MoeTopKRouter, MixtralTopKRouter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,19 +67,76 @@ def take_expert_lora(
     config and the base; {} for a dense base (whose target_parameters peft_format refuses)."""
     if not base.experts:
         return {}
-    router = _key(layers_paths, r"(?:mlp|block_sparse_moe)\.gate\.(?:base_layer\.)*lora_\w+(?:\.[\w-]+)*")
-    on_router = sorted(k for k in tensors if router.fullmatch(k))
-    if on_router or (isinstance(rule.targets, list) and "gate" in rule.targets):
-        raise AdapterError(
-            f"LoRA on the router ({on_router[0] if on_router else 'target_modules gate'}) is not served: it would "
-            "change which experts each token takes"
-        )
-    parts = _per_expert(tensors, base, layers_paths, rule)
+    parts = _router(config, tensors, base, layers_paths, rule)
+    parts.update(_per_expert(tensors, base, layers_paths, rule))
     parts.update(_fused(config, tensors, base, layers_paths, rule))
     if parts and (config.get("use_dora") or config.get("alora_invocation_tokens")):
         what = "use_dora (DoRA)" if config.get("use_dora") else "alora_invocation_tokens (an activated LoRA)"
-        raise AdapterError(f"{what} with LoRA on the experts is not served")
+        raise AdapterError(f"{what} with LoRA on the experts or the router is not served")
     return parts
+
+
+def _router(
+    config: dict, tensors: dict[str, torch.Tensor], base: BaseShapes, layers_paths: tuple[str, ...], rule: RankRule
+) -> ExpertParts:
+    """The router's LoRA (the module's docstring): targeted by target_parameters (every sparse layer, each of which
+    must have it) or by target_modules (the layers it names)."""
+    by_parameter = ROUTER_PARAMETER in _parameters(config)
+    pattern = _key(layers_paths, r"(mlp|block_sparse_moe)\.gate\.(lora_[AB])(?:\.[\w-]+)?\.weight")
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    paths: dict[int, str] = {}
+    for key in [k for k in tensors if pattern.fullmatch(k)]:
+        m = pattern.fullmatch(key)
+        assert m is not None
+        layers, layer, container, which = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        full = f"{layers}.{layer}.{container}.gate"
+        # transformers 5 names every router mlp.gate; 4.x Mixtral's was block_sparse_moe.gate
+        if (
+            layer >= base.num_layers
+            or not base.sparse(layer)
+            or container not in ("mlp", base.experts_path.rsplit(".", 1)[0])
+        ):
+            raise AdapterError(f"{key}: layer {layer} of this base has no router there")
+        if not (by_parameter or (layer in rule.layers and rule.targets_path(full))):
+            raise AdapterError(f"tensor {key} targets a module the config does not (the router, {full})")
+        found.setdefault(layer, {})[which] = tensors.pop(key)
+        paths[layer] = full + (".weight" if by_parameter else "")  # what PEFT matches rank_pattern keys against
+    if by_parameter:
+        missing = [layer for layer in range(base.num_layers) if base.sparse(layer) and layer not in found]
+        if missing:
+            raise AdapterError(f"layer {missing[0]} router: target_parameters names it, but the adapter has no LoRA")
+    parts: ExpertParts = {}
+    in_f, out_f = base.expert_features("router")
+    for layer, pair in sorted(found.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"layer {layer} router: lacks lora_A or lora_B weights")
+        r, scaling = rule.of(paths[layer])
+        parts[(layer, "router", 0)] = (
+            *_checked(pair["lora_A"], pair["lora_B"], r, in_f, out_f, layer, "router"),
+            scaling,
+        )
+    return parts
+
+
+def _parameters(config: dict) -> list[str]:
+    """target_parameters, each as the served parameter it names (the experts' two, the router's): PEFT wraps the
+    parameters whose path ends with a target after a dot; a target naming one layer's (a longer path) is
+    refused."""
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"target_parameters must be a list of parameter names, got {targets!r}")
+    served = [f"mlp.experts.{name}" for name in TARGET_PARAMETERS] + [ROUTER_PARAMETER]
+    out = []
+    for target in targets:
+        # a dotted suffix of one of them, naming the parameter and its module (just "weight" would be every linear's)
+        match = [name for name in served if f".{name}".endswith(f".{target}") and target != "weight"]
+        if len(match) != 1:
+            raise AdapterError(
+                f"target_parameters {target!r}: only the experts' {' and '.join(TARGET_PARAMETERS)} and the "
+                "router's weight (mlp.gate.weight) are served"
+            )
+        out.append(match[0])
+    return out
 
 
 def _per_expert(
@@ -119,17 +183,7 @@ def _per_expert(
 def _fused(
     config: dict, tensors: dict[str, torch.Tensor], base: BaseShapes, layers_paths: tuple[str, ...], rule: RankRule
 ) -> ExpertParts:
-    targets = config.get("target_parameters") or []
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise AdapterError(f"target_parameters must be a list of parameter names, got {targets!r}")
-    wanted = set()
-    for target in targets:
-        name = target.split(".")[-1]
-        if name not in TARGET_PARAMETERS or not f".{target}".endswith(".experts." + name):
-            raise AdapterError(
-                f"target_parameters {target!r}: only the experts' {' and '.join(TARGET_PARAMETERS)} are served"
-            )
-        wanted.add(TARGET_PARAMETERS[name])
+    wanted = {TARGET_PARAMETERS[t.split(".")[-1]] for t in _parameters(config) if t != ROUTER_PARAMETER}
     pattern = _key(layers_paths, r"mlp\.experts\.((?:base_layer\.)*)(lora_[AB])(?:\.[\w-]+)?\.weight")
     found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     paths: dict[int, str] = {}  # layer -> its experts' module path, what rank_pattern keys match (with the parameter)

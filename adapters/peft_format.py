@@ -351,7 +351,7 @@ def _plan(
             raise AdapterError(f"target_modules regex {targets!r} matches no module of the base model")
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
         vocab = sorted({t.split(".")[-1] for t in targets if t.split(".")[-1] in VOCAB_MODULES})
-        known = {*names, *VOCAB_MODULES, *base.expert_modules}
+        known = {*names, *VOCAB_MODULES, *base.expert_modules, *(("gate",) if base.experts else ())}  # the router
         unknown = [t for t in targets if t.split(".")[-1] not in known]
         if unknown:
             raise AdapterError(

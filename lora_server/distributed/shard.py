@@ -133,7 +133,9 @@ class Shard:
         rows = torch.arange(self.rank * width, (self.rank + 1) * width)
         experts = {}
         for (layer, module, expert), (a, b) in adapter.experts.items():
-            if module == "down":
+            if module == "router":  # whole, as the router is
+                pass
+            elif module == "down":
                 a = a[:, rows]
             else:  # gate, up: the rank's rows; gate_up: the rank's rows of each half
                 b = b[torch.cat([rows, rows + full])] if module == "gate_up" else b[rows]

@@ -60,7 +60,7 @@ STEP_ARRAYS: dict[str, torch.dtype] = {
 SWAP_OUT, SWAP_IN, LOAD, UNLOAD = 0, 1, 2, 3
 HEADER = 7 + len(STEP_ARRAYS)
 _SWAPS = {OpKind.KV_SWAP_OUT: SWAP_OUT, OpKind.KV_SWAP_IN: SWAP_IN}
-EXPERT_MODULES = ("gate", "up", "gate_up", "down")  # an expert's LoRA modules (adapters.peft_experts)
+EXPERT_MODULES = ("gate", "up", "gate_up", "down", "router")  # LoRA on a mixture of experts (adapters.peft_experts)
 
 
 @dataclass(frozen=True, slots=True)

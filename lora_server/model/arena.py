@@ -150,8 +150,9 @@ class ResidentAdapter:
     terms: list[dict[str, list[LoraTerm]]] | None = None
     # its changes to the embedding and head: views of its pages, and the trainable tokens' ids
     vocab: VocabTerms | None = None
-    # its LoRA on the experts: [layer] -> expert -> (gate|up terms, down terms), views of its pages (model.moe)
-    experts: list[ExpertTerms] | None = None
+    # its LoRA on a mixture of experts: [layer] -> its router's and experts' terms (None: none on that layer),
+    # views of its pages (model.moe)
+    experts: list[ExpertTerms | None] | None = None
 
 
 class ResidentAdapters:
@@ -232,23 +233,26 @@ class ResidentAdapters:
         assert terms is not None, "LoRA terms are built on the CPU only"
         return terms[layer].get(group, [])
 
-    def expert_terms(self, table_page: int, layer: int) -> ExpertTerms:
-        """One resident adapter's LoRA on one layer's experts (empty: it has none there)."""
+    def expert_terms(self, table_page: int, layer: int) -> ExpertTerms | None:
+        """One resident adapter's LoRA on one layer's router and experts (None: it has none there)."""
         experts = self._by_page[table_page].experts
-        return {} if experts is None else experts[layer]
+        return None if experts is None else experts[layer]
 
-    def _expert_terms(self, layout: PageLayout, pages: list[int]) -> list[ExpertTerms]:
-        """Each layer's expert -> (gate|up terms, down terms): one term per A run (an expert's A rows on one page),
-        its outputs the B^T runs of the same rows; gate and up write their half of gate|up, gate_up both."""
+    def _expert_terms(self, layout: PageLayout, pages: list[int]) -> list[ExpertTerms | None]:
+        """Each layer's router terms and expert -> (gate|up terms, down terms): one term per A run (an expert's A
+        rows on one page), its outputs the B^T runs of the same rows; gate and up write their half of gate|up,
+        gate_up both."""
         runs: dict[tuple[int, str, int, bool], list[tuple[int, torch.Tensor]]] = {}
         for block in layout.blocks:
             if block.expert >= 0:
                 runs.setdefault((block.layer, block.module, block.expert, block.is_b), []).append(
                     (block.row0, self._rows(block, pages))
                 )
-        width, hidden = self.geometry.shapes.expert_width, self.geometry.shapes.hidden
+        shapes = self.geometry.shapes
+        width, hidden = shapes.expert_width, shapes.hidden
         columns = {"gate": [0, width], "up": [width, 2 * width], "gate_up": [0, 2 * width], "down": [0, hidden]}
-        out: list[ExpertTerms] = [{} for _ in range(self.geometry.shapes.num_layers)]
+        columns["router"] = [0, shapes.experts]
+        out: list[ExpertTerms | None] = [None] * shapes.num_layers
         for (layer, module, expert, is_b), a_runs in sorted(runs.items(), key=lambda item: item[0]):
             if is_b:
                 continue
@@ -256,7 +260,11 @@ class ResidentAdapters:
             terms = [
                 LoraTerm(a.T, _outputs(0, row0, row0 + a.shape[0], 0, columns[module], b_runs)) for row0, a in a_runs
             ]
-            gate_up, down = out[layer].setdefault(expert, ([], []))
+            layer_terms = out[layer] = out[layer] or ExpertTerms([], {})
+            if module == "router":
+                layer_terms.router.extend(terms)
+                continue
+            gate_up, down = layer_terms.experts.setdefault(expert, ([], []))
             (down if module == "down" else gate_up).extend(terms)
         return out
 

@@ -14,7 +14,8 @@ order, so each adapter's are again one run of them, and its LoRA is one shrink a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,17 @@ from lora_server.kernels import ops
 from lora_server.kernels.segment_lora import LoraTerm, apply_lora_segments
 from lora_server.model.lora import LoraBatch
 
-# (table page, layer) -> expert -> (its gate|up terms, its down terms): one resident adapter's LoRA on one layer's
-# experts, views into the arena (model.arena); an expert it leaves alone is not in the dict
-ExpertTerms = dict[int, tuple[list[LoraTerm], list[LoraTerm]]]
-ExpertTermsOf = Callable[[int, int], ExpertTerms]
+
+class ExpertTerms(NamedTuple):
+    """One resident adapter's LoRA on one layer's mixture of experts, views into the arena (model.arena): its
+    router's terms (empty: none), and expert -> (its gate|up terms, its down terms) (an expert it leaves alone is
+    not in the dict)."""
+
+    router: list[LoraTerm]
+    experts: dict[int, tuple[list[LoraTerm], list[LoraTerm]]]
+
+
+ExpertTermsOf = Callable[[int, int], ExpertTerms | None]  # (table page, layer) -> its terms there, None: none
 
 
 class SparseMoE(nn.Module):
@@ -58,21 +66,30 @@ class SparseMoE(nn.Module):
     def num_experts(self) -> int:
         return self.router.shape[0]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64): each token's top k experts."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+    def route(
+        self,
+        x: torch.Tensor,
+        runs: Sequence[tuple[int, int, ExpertTerms]] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64): each token's top k experts, from
+        the router's logits and, for the tokens of each run whose adapter has one, its router LoRA's."""
+        logits = F.linear(x, self.router)
+        router_runs = [(start, end, terms.router) for start, end, terms in runs if terms.router]
+        if router_runs:
+            apply_lora_segments(x, logits, router_runs)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        weights, experts = self.route(x)
+        runs = self._lora_runs(lora)
+        weights, experts = self.route(x, runs)
         out = torch.zeros_like(x)
         picked = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         picked.scatter_(1, experts, weights)  # [T, experts]: a token's weight for each expert, 0 where not picked
         hit = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [experts]: tokens each was picked for
-        runs = self._lora_runs(lora)
         hit_experts = hit.nonzero().flatten().tolist()
         self.experts_read += len(hit_experts)
         for e in hit_experts:
@@ -91,15 +108,15 @@ class SparseMoE(nn.Module):
         return out
 
     def _lora_runs(self, lora: LoraBatch | None) -> list[tuple[int, int, ExpertTerms]]:
-        """(first token, end token, that adapter's terms on this layer's experts) of each run of tokens whose
-        adapter has LoRA on them."""
+        """(first token, end token, that adapter's terms on this layer's router and experts) of each run of tokens
+        whose adapter has LoRA on them."""
         of = self.expert_terms
         if lora is None or of is None:
             return []
         runs = []
         for start, end, page in lora.host_segments:
             terms = of(page, self.layer)
-            if terms:
+            if terms is not None:
                 runs.append((start, end, terms))
         return runs
 
@@ -109,7 +126,7 @@ def _expert_segments(
 ) -> list[tuple[int, int, tuple[list[LoraTerm], list[LoraTerm]]]]:
     """(first row, end row, the adapter's terms of ``expert``) of the rows of an expert's tokens (ascending token
     indices [n]) that fall in each run whose adapter has LoRA on that expert."""
-    wanted = [(start, end, terms[expert]) for start, end, terms in runs if expert in terms]
+    wanted = [(start, end, terms.experts[expert]) for start, end, terms in runs if expert in terms.experts]
     if not wanted:
         return []
     bounds = torch.tensor([b for start, end, _ in wanted for b in (start, end)], dtype=tokens.dtype)

@@ -3,11 +3,12 @@
 Tiny random models of both families in HF's layout (transformers 5 builds them; its save_pretrained writes each
 expert's linears, the hub's layout), served in fp32 on the CPU: greedy tokens and their log-probabilities follow HF's
 (tests.engine.test_gpu_engine._follows: the engine's tokens teacher-forced through the reference). Adapters of both
-layouts PEFT trains: fused expert parameters (target_parameters, transformers 5) saved by PEFT itself, and per-expert
-modules (transformers 4.x's layout: experts.N.gate_proj / w1 ...) written here, which PEFT converts on loading
-(peft.utils.transformers_weight_conversion) into its reference; each alone and all in one batch with the base and
-a dense-only adapter. What the server does not reproduce (LoRA on the router, another target parameter, a missing
-expert) is refused, naming it."""
+layouts PEFT trains: fused expert parameters (target_parameters, transformers 5; the router's too) saved by PEFT
+itself, against PEFT, and per-expert modules with the router's (transformers 4.x's layout: experts.N.gate_proj /
+w1 ..., gate) written here, against HF with the adapter merged into its weights (see _merged); each alone and all
+in one batch with the base and a dense-only adapter; GGUF files, tensor parallelism, speculative decoding and the
+prefix cache on them. What the server does not reproduce (a router LoRA the config does not target, another
+target parameter, a missing expert, DoRA) is refused, naming it."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def moe(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
 
 def _per_expert_adapter(family: str, model: torch.nn.Module, path: Path, rank: int = 4, alpha: int = 8) -> None:
     """A per-expert adapter as PEFT on transformers 4.x saved them: every expert's gate, up and down its own
-    module (and q_proj), random A and B."""
+    module, the router (then an nn.Linear, ``gate``) and q_proj, random A and B."""
     container, names = PER_EXPERT[family]
     config = model.config
     hidden, experts = config.hidden_size, getattr(config, "num_experts", None) or config.num_local_experts
@@ -96,21 +97,24 @@ def _per_expert_adapter(family: str, model: torch.nn.Module, path: Path, rank: i
         else:
             shapes = [(hidden, width), (hidden, width), (width, hidden)]
             modules = {f"{container}.{e}.{n}": sh for e in range(experts) for n, sh in zip(names, shapes, strict=True)}
+            modules[container.rsplit(".", 1)[0] + ".gate"] = (hidden, experts)  # the router
         for module, (in_f, out_f) in modules.items():
             key = f"base_model.model.model.layers.{layer}.{module}"
             tensors[key + ".lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * 0.3
             tensors[key + ".lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * 0.3
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "adapter_model.safetensors")
-    cfg = dict(peft_type="LORA", r=rank, lora_alpha=alpha, target_modules=["q_proj", *names], task_type="CAUSAL_LM")
+    cfg = dict(
+        peft_type="LORA", r=rank, lora_alpha=alpha, target_modules=["q_proj", "gate", *names], task_type="CAUSAL_LM"
+    )
     (path / "adapter_config.json").write_text(json.dumps(cfg))
 
 
 @pytest.fixture(scope="module")
 def adapters(moe, tmp_path_factory) -> tuple[Path, dict[str, torch.nn.Module]]:
     """Four adapters and a reference model of each: fused expert parameters (PEFT-saved, with o_proj; once more
-    with rank and alpha patterns and layers_to_transform), per-expert modules (written here), dense-only (q_proj,
-    v_proj)."""
+    with the router's, rank and alpha patterns and layers_to_transform), per-expert modules and the router's
+    (written here), dense-only (q_proj, v_proj)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     family, _, model = moe
@@ -130,7 +134,7 @@ def adapters(moe, tmp_path_factory) -> tuple[Path, dict[str, torch.nn.Module]]:
             lora_alpha=8,
             target_modules=["o_proj"],
             layers_to_transform=[0],
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"],
             rank_pattern={"gate_up_proj": 8},
             alpha_pattern={"down_proj": 2},
         ),
@@ -163,7 +167,8 @@ def _merged(model: torch.nn.Module, adapter: Path, scaling: float = 2.0) -> torc
     with torch.no_grad():
         for key in [k for k in tensors if k.endswith("lora_A.weight")]:
             delta = scaling * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
-            path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight").split(".")
+            path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            path = path.replace("block_sparse_moe", "mlp").split(".")  # Mixtral's 4.x name, transformers 5's
             if "experts" not in path:
                 merged.get_submodule(".".join(path)).weight += delta
                 continue
@@ -287,9 +292,9 @@ def test_what_the_server_does_not_reproduce_is_refused_by_name(moe, adapters, tm
     hidden, experts = model.config.hidden_size, model.config.num_local_experts
     router = f"base_model.model.model.layers.0.{container}.gate"
     cases = {
-        "router": (  # LoRA on the router
+        "router": (  # LoRA on the router where the config does not target it
             _copy_adapter(
-                root / "per_expert",
+                root / "fused",
                 tmp_path / "router",
                 add={
                     router + ".lora_A.weight": torch.zeros(4, hidden),
