@@ -14,6 +14,7 @@ order, so each adapter's are again one run of them, and its LoRA is one shrink a
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -84,28 +85,32 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """Each token's top k (token, expert) pairs sorted by expert (tokens ascending within one): every expert's
+        pairs are one run of rows, each adapter's tokens one run of those; per projection, each expert's base on its
+        rows and one grouped LoRA pass over every (expert, adapter run); the weighted rows summed into their tokens
+        in expert order (HF's)."""
         runs = self._lora_runs(lora)
         weights, experts = self.route(x, runs)
-        out = torch.zeros_like(x)
-        picked = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-        picked.scatter_(1, experts, weights)  # [T, experts]: a token's weight for each expert, 0 where not picked
-        hit = torch.bincount(experts.flatten(), minlength=self.num_experts)  # [experts]: tokens each was picked for
-        hit_experts = hit.nonzero().flatten().tolist()
-        self.experts_read += len(hit_experts)
-        for e in hit_experts:
-            tokens = picked[:, e].nonzero().flatten()  # ascending
-            rows = x[tokens]
-            gate_up = self.gate_up[e](rows)
-            segments = _expert_segments(tokens, runs, e) if runs else []
-            self.expert_loras_read += len(segments)
-            if segments:
-                apply_lora_segments(rows, gate_up, [(s, t, terms[0]) for s, t, terms in segments])
-            hidden = ops.silu_and_mul(gate_up)
-            y = self.down[e](hidden)
-            if segments:
-                apply_lora_segments(hidden, y, [(s, t, terms[1]) for s, t, terms in segments])
-            out.index_add_(0, tokens, y * picked[tokens, e, None])
-        return out
+        k = experts.shape[1]
+        order = torch.argsort(experts.flatten(), stable=True)  # [P = T * k] pairs by expert, then token
+        tokens = order // k  # each sorted pair's token
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()  # pairs per expert
+        rows = x[tokens]  # [P, hidden]
+        slices = [
+            (e, start, start + n) for e, start, n in zip(range(len(counts)), _starts(counts), counts, strict=True) if n
+        ]
+        self.experts_read += len(slices)
+        gate_up = torch.cat([self.gate_up[e](rows[a:b]) for e, a, b in slices])  # [P, 2 * width]
+        segments = _lora_segments(tokens, slices, runs) if runs else []
+        self.expert_loras_read += len(segments)
+        if segments:
+            apply_lora_segments(rows, gate_up, [(a, b, terms[0]) for a, b, terms in segments])
+        hidden = ops.silu_and_mul(gate_up)  # [P, width]
+        y = torch.cat([self.down[e](hidden[a:b]) for e, a, b in slices])  # [P, hidden]
+        if segments:
+            apply_lora_segments(hidden, y, [(a, b, terms[1]) for a, b, terms in segments])
+        y *= weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, y)
 
     def _lora_runs(self, lora: LoraBatch | None) -> list[tuple[int, int, ExpertTerms]]:
         """(first token, end token, that adapter's terms on this layer's router and experts) of each run of tokens
@@ -121,14 +126,28 @@ class SparseMoE(nn.Module):
         return runs
 
 
-def _expert_segments(
-    tokens: torch.Tensor, runs: list[tuple[int, int, ExpertTerms]], expert: int
+def _starts(counts: list[int]) -> list[int]:
+    """Where each expert's run of sorted pairs starts."""
+    starts, at = [], 0
+    for n in counts:
+        starts.append(at)
+        at += n
+    return starts
+
+
+def _lora_segments(
+    tokens: torch.Tensor, slices: list[tuple[int, int, int]], runs: list[tuple[int, int, ExpertTerms]]
 ) -> list[tuple[int, int, tuple[list[LoraTerm], list[LoraTerm]]]]:
-    """(first row, end row, the adapter's terms of ``expert``) of the rows of an expert's tokens (ascending token
-    indices [n]) that fall in each run whose adapter has LoRA on that expert."""
-    wanted = [(start, end, terms.experts[expert]) for start, end, terms in runs if expert in terms.experts]
-    if not wanted:
-        return []
-    bounds = torch.tensor([b for start, end, _ in wanted for b in (start, end)], dtype=tokens.dtype)
-    at = torch.searchsorted(tokens.cpu(), bounds).tolist()
-    return [(at[2 * i], at[2 * i + 1], w[2]) for i, w in enumerate(wanted) if at[2 * i] < at[2 * i + 1]]
+    """(first row, end row, the adapter's terms of that expert) of every run of sorted pairs (``tokens`` [P], each
+    expert's ascending; ``slices``: (expert, first row, end row)) whose token's adapter has LoRA on its expert: a
+    run of tokens (first, end) is rows searchsorted(first) .. searchsorted(end) of its expert's."""
+    host = tokens.tolist()
+    out = []
+    for e, a, b in slices:
+        for start, end, terms in runs:
+            lora = terms.experts.get(e)
+            if lora is not None:
+                first, last = bisect.bisect_left(host, start, a, b), bisect.bisect_left(host, end, a, b)
+                if first < last:
+                    out.append((first, last, lora))
+    return out
