@@ -15,6 +15,7 @@ order, so each adapter's are again one run of them, and its LoRA is one shrink a
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -96,9 +97,8 @@ class SparseMoE(nn.Module):
         tokens = order // k  # each sorted pair's token
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()  # pairs per expert
         rows = x[tokens]  # [P, hidden]
-        slices = [
-            (e, start, start + n) for e, start, n in zip(range(len(counts)), _starts(counts), counts, strict=True) if n
-        ]
+        starts = [0, *itertools.accumulate(counts)]  # expert e's pairs: rows starts[e] .. starts[e + 1]
+        slices = [(e, starts[e], starts[e + 1]) for e, n in enumerate(counts) if n]
         self.experts_read += len(slices)
         gate_up = torch.cat([self.gate_up[e](rows[a:b]) for e, a, b in slices])  # [P, 2 * width]
         segments = _lora_segments(tokens, slices, runs) if runs else []
@@ -124,15 +124,6 @@ class SparseMoE(nn.Module):
             if terms is not None:
                 runs.append((start, end, terms))
         return runs
-
-
-def _starts(counts: list[int]) -> list[int]:
-    """Where each expert's run of sorted pairs starts."""
-    starts, at = [], 0
-    for n in counts:
-        starts.append(at)
-        at += n
-    return starts
 
 
 def _lora_segments(
